@@ -1,0 +1,78 @@
+"""ZebraLSTM on the embedded offline corpus: the quickstart job, sized for a laptop CPU.
+
+  python -m zebra_jax.main --config=configs/demo.py --workdir=runs/demo
+  python -m zebra_jax.main --config=configs/demo.py --workdir=runs/demo --mode=eval
+  python -m zebra_jax.main --config=configs/demo.py --workdir=runs/demo --mode=sample \
+      --prompt="The module"
+  python -m zebra_jax.main --config=configs/demo.py:tiny --workdir=/tmp/tiny  # seconds
+
+The corpus is English documentation text shipped with every Python install
+(pydoc topics and standard-library docstrings), so it needs no network.
+"""
+
+import ml_collections
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.data = dict(
+      source="embedded",        # embedded | wikitext (a folder) | text (files)
+      path="",                  # folder or file(s) for wikitext/text sources
+      tokenizer="char",         # char | word
+      min_freq=1,               # word vocab: drop rarer words to <unk>
+      max_vocab_size=0,         # word vocab: keep the most frequent; 0 = all
+      valid_fraction=0.05,      # text/embedded sources: share held out per split
+      test_fraction=0.05,
+      batching="streams",       # streams (truncated BPTT, carry kept) | random
+      batch_size=32,            # global; split evenly over devices
+      seq_len=64,               # tokens per truncated-BPTT window
+  )
+  c.model = dict(
+      vocab_size=0,             # 0 = taken from the tokenizer
+      embed_size=256,
+      hidden_size=256,
+      num_layers=2,
+      num_stripes=4,            # hidden_size % num_stripes == 0; 1 = classic LSTM
+      dropout_embed=0.0,
+      dropout_hidden=0.1,       # between layers
+      dropout_output=0.1,       # before the softmax head
+      tie_embeddings=True,      # when embed_size == hidden_size
+      dtype="float32",          # compute dtype; parameters stay float32
+      unroll=4,                 # lax.scan unroll factor
+      remat=False,              # jax.checkpoint the time step (long windows)
+  )
+  c.optim = dict(
+      name="adam",              # adam | adamw | sgd | lamb
+      learning_rate=3e-3,
+      weight_decay=0.0,
+      momentum=0.9,             # sgd only
+      b1=0.9, b2=0.999, eps=1e-8,
+      warmup_steps=100,
+      min_lr_ratio=0.1,         # cosine decays to learning_rate * this
+      clip_norm=1.0,            # global-norm clipping; 0 = off
+  )
+  c.train = dict(
+      num_steps=1500,           # about 4 minutes on 2 CPU cores (~14k tok/s)
+      time_budget_minutes=6.0,  # > 0: stop (and save) after this long
+      log_every=100,
+      eval_every=500,
+      eval_max_batches=0,       # 0 = the whole valid split each eval
+      report_at_end=True,       # --mode=train ends with valid/test eval + a sample
+  )
+  c.eval = dict(batch_size=16, seq_len=128)
+  c.checkpoint = dict(every_steps=500, keep_latest=2, keep_best=1)
+  c.sample = dict(prompt="The ", max_new_tokens=300, temperature=0.8, top_k=0,
+                  top_p=0.95, num_samples=1, seed=0)
+  if variant == "tiny":  # same code path, shrunk for tests and smoke runs
+    c.model.update(embed_size=32, hidden_size=32, num_layers=2, num_stripes=4,
+                   unroll=1)
+    c.data.update(batch_size=8, seq_len=16)
+    c.train.update(num_steps=20, log_every=5, eval_every=10, eval_max_batches=4,
+                   time_budget_minutes=0.0)
+    c.eval.update(batch_size=8, seq_len=32)
+    c.checkpoint.every_steps = 10
+    c.sample.max_new_tokens = 20
+  elif variant:
+    raise ValueError(f"unknown variant {variant!r}: use configs/demo.py or configs/demo.py:tiny")
+  return c

@@ -1,0 +1,212 @@
+"""End to end: the CLI in every mode on corpora the tests write, resume, errors."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import demo, wt103
+from zebra_jax import evaluate, sample, setup, train
+from zebra_jax.errors import UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_WORDS = ("the cat sat on a mat while the dog ran to the park and the bird sang "
+          "in a tree near the old house by the river").split()
+
+
+def _write_wikitext(folder, seed=0):
+  """A WikiText-format folder of simple, learnable sentences."""
+  rng = np.random.default_rng(seed)
+  os.makedirs(folder, exist_ok=True)
+  for split, lines in (("train", 400), ("valid", 60), ("test", 60)):
+    with open(os.path.join(folder, f"wiki.{split}.tokens"), "w") as f:
+      for _ in range(lines):
+        start = rng.integers(0, len(_WORDS) - 8)
+        f.write(" " + " ".join(_WORDS[start:start + 8]) + " . \n")
+  return folder
+
+
+def _tiny_word_config(data_dir):
+  cfg = wt103.get_config("tiny")
+  cfg.data.path = str(data_dir)
+  return cfg
+
+
+def _cli(*args, timeout=300):
+  """Runs python -m zebra_jax.main with the test's 8-device environment."""
+  return subprocess.run([sys.executable, "-m", "zebra_jax.main", *args],
+                        capture_output=True, text=True, timeout=timeout,
+                        cwd=REPO)
+
+
+def test_train_eval_sample_in_process(tmp_path):
+  cfg = _tiny_word_config(_write_wikitext(tmp_path / "wt"))
+  cfg.train.num_steps, cfg.train.eval_every = 80, 40
+  workdir = str(tmp_path / "run")
+  summary = train.run(cfg, workdir)
+  assert summary["steps"] == 80
+  records = [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")]
+  train_losses = [r["loss"] for r in records if r["kind"] == "train"]
+  assert train_losses[-1] < train_losses[0] - 0.5  # visibly learning
+  assert os.path.exists(f"{workdir}/config.json")
+  assert os.path.exists(f"{workdir}/tokenizer/tokenizer.json")
+
+  results = evaluate.run(cfg, workdir)
+  vocab = json.load(open(f"{workdir}/config.json"))["model"]["vocab_size"]
+  for split in ("valid", "test"):
+    assert np.isclose(results[split]["ppl"], np.exp(results[split]["loss"]))
+    assert results[split]["ppl"] < vocab / 2  # far better than uniform
+    assert 0.0 < results[split]["acc"] <= 1.0
+
+  cfg.sample.update(prompt="the cat", max_new_tokens=8, temperature=0.0,
+                    num_samples=2)
+  texts = sample.run(cfg, workdir)
+  assert len(texts) == 2 and texts[0] == texts[1]  # greedy: identical
+  assert texts[0].startswith("the cat ")
+  assert len(re.findall(r"[^ \n]+|\n", texts[0])) == 2 + 8  # <eos> is "\n"
+
+
+def test_eval_uses_best_checkpoint_and_matches_training_eval(tmp_path):
+  cfg = _tiny_word_config(_write_wikitext(tmp_path / "wt"))
+  cfg.train.eval_max_batches = 0  # score the whole split, as eval mode does
+  cfg.eval.batch_size = 8
+  workdir = str(tmp_path / "run")
+  train.run(cfg, workdir)
+  records = [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")]
+  valid = {r["step"]: r["loss"] for r in records if r["kind"] == "valid"}
+  best_step = min(valid, key=valid.get)
+  loaded = setup.load_for_inference(cfg, workdir)
+  assert loaded.step == best_step
+  again = evaluate.run(cfg, workdir, splits_to_eval=("valid",))["valid"]
+  assert again["loss"] == pytest.approx(valid[best_step], rel=1e-5)
+
+
+def test_cli_train_eval_sample_char_level(tmp_path):
+  text = tmp_path / "story.txt"
+  text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy "
+                          f"dog.\n" for i in range(300)))
+  workdir = str(tmp_path / "run")
+  common = ["--config=configs/demo.py:tiny", f"--workdir={workdir}",
+            "--config.data.source=text", f"--config.data.path={text}"]
+  out = _cli(*common, "--config.train.report_at_end=false")
+  assert out.returncode == 0, out.stderr
+  assert "| epoch 1 step 20 |" in out.stdout and "valid ppl" in out.stdout
+  out = _cli(*common, "--mode=eval")
+  assert out.returncode == 0, out.stderr
+  assert "| valid at step 20" in out.stdout and "| test at step 20" in out.stdout
+  out = _cli(*common, "--mode=sample", "--prompt=the quick", "--seed=3",
+             "--max_new_tokens=12")
+  again = _cli(*common, "--mode=sample", "--prompt=the quick", "--seed=3",
+               "--max_new_tokens=12")
+  assert out.returncode == 0, out.stderr
+  assert "the quick" in out.stdout and out.stdout == again.stdout
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+  data = _write_wikitext(tmp_path / "wt")
+  workdir = str(tmp_path / "run")
+  args = ["--config=configs/wt103.py:tiny", f"--workdir={workdir}",
+          f"--config.data.path={data}", "--config.train.num_steps=100000",
+          "--config.checkpoint.every_steps=10", "--config.train.eval_every=1000",
+          "--config.train.log_every=10"]
+  proc = subprocess.Popen([sys.executable, "-m", "zebra_jax.main", *args],
+                          cwd=REPO, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  deadline = time.time() + 120
+  try:
+    while time.time() < deadline:
+      steps = [d for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(
+          ckpt_dir) else []
+      if any(int(s) >= 20 for s in steps):
+        break
+      time.sleep(0.2)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  saved = max(int(s) for s in os.listdir(ckpt_dir) if s.isdigit())
+  assert saved >= 20
+  out = _cli(*args[:-4], f"--config.train.num_steps={saved + 10}",
+             "--config.train.log_every=5", "--config.train.report_at_end=false")
+  assert out.returncode == 0, out.stderr
+  assert f"resuming from checkpoint at step {saved}" in out.stdout
+  assert f"step {saved + 5} |" in out.stdout  # continued, not from 0
+  assert "| epoch 1 step 5 |" not in out.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--config.model.num_stripes=3"], "not divisible by model.num_stripes=3"),
+    (["--config.model.hidden_size=0"], "model.hidden_size=0 must be positive"),
+    (["--config.model.dropout_hidden=1.5"], "outside [0, 1)"),
+    (["--config.data.source=wikitext", "--config.data.path=/no/such/dir"],
+     "/no/such/dir"),
+    (["--config.data.batch_size=12"], "does not divide over 8 devices"),
+])
+def test_bad_config_gives_one_clear_line(tmp_path, override, message):
+  out = _cli("--config=configs/demo.py:tiny", f"--workdir={tmp_path}/run",
+             *override)
+  assert out.returncode != 0
+  assert "Traceback" not in out.stderr
+  errors = [l for l in out.stderr.splitlines() if l.startswith("error: ")]
+  assert len(errors) == 1 and message in errors[0], out.stderr
+
+
+def test_empty_corpus_and_eval_without_checkpoint(tmp_path):
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  with pytest.raises(UserError, match="empty"):
+    cfg = demo.get_config("tiny")
+    cfg.data.source, cfg.data.path = "text", str(empty)
+    train.run(cfg, str(tmp_path / "a"))
+  with pytest.raises(UserError, match="train first"):
+    evaluate.run(demo.get_config("tiny"), str(tmp_path / "nothing"))
+  os.makedirs(tmp_path / "b")
+  with open(tmp_path / "b" / "config.json", "w") as f:
+    json.dump(demo.get_config("tiny").to_dict(), f)
+  with pytest.raises(UserError, match="no checkpoint"):
+    sample.run(demo.get_config("tiny"), str(tmp_path / "b"))
+
+
+def test_workdir_with_other_tokenizer_or_model_is_rejected(tmp_path):
+  cfg = _tiny_word_config(_write_wikitext(tmp_path / "wt"))
+  cfg.train.num_steps = 2
+  workdir = str(tmp_path / "run")
+  train.run(cfg, workdir)
+  other = _tiny_word_config(tmp_path / "wt")
+  other.data.tokenizer = "char"
+  with pytest.raises(UserError, match="tokenizer"):
+    train.run(other, workdir)
+  bigger = _tiny_word_config(tmp_path / "wt")
+  bigger.model.hidden_size = 64
+  with pytest.raises(UserError, match="model.hidden_size=32"):
+    train.run(bigger, workdir)
+
+
+def test_prompt_symbols_outside_the_vocabulary(tmp_path, caplog):
+  cfg = _tiny_word_config(_write_wikitext(tmp_path / "wt"))
+  cfg.train.num_steps = 2
+  workdir = str(tmp_path / "run")
+  train.run(cfg, workdir)
+  cfg.sample.update(prompt="the zebra", max_new_tokens=3)
+  texts = sample.run(cfg, workdir)  # word level: <unk> and a warning
+  assert texts[0].startswith("the zebra")
+  assert "zebra" in caplog.text
+
+  char_cfg = demo.get_config("tiny")
+  char_dir = str(tmp_path / "char")
+  char_cfg.train.num_steps = 2
+  train.run(char_cfg, char_dir)
+  char_cfg.sample.prompt = "zebra \u2603"
+  with pytest.raises(UserError, match="\u2603"):
+    sample.run(char_cfg, char_dir)
+
+
+def test_devices_seen_by_tests():
+  assert jax.device_count() == 8  # conftest's emulated devices

@@ -1,0 +1,185 @@
+"""Sampling against fake models with a known next token.
+
+Modelled on flax temperature_sampler_test. Expected values come from plain
+numpy, never from zebra_jax.sampling itself.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zebra_jax import sampling
+from zebra_jax.errors import UserError
+
+VOCAB = 11
+
+
+def _successor_step(params, carry, tokens):
+  """All mass on (token + 1) % VOCAB; the carry counts steps, keeps input."""
+  next_tokens = (tokens + 1) % VOCAB
+  logits = params["margin"] * jax.nn.one_hot(next_tokens, VOCAB)  # [b, vocab]
+  return logits, {"steps": carry["steps"] + 1, "last": tokens}
+
+
+def _bigram_step(params, carry, tokens):
+  """A random bigram table: next logits depend only on the token drawn."""
+  return params["table"][tokens], carry
+
+
+def _flat_step(params, carry, tokens):
+  del params
+  return jnp.zeros((tokens.shape[0], VOCAB)), carry
+
+
+def _random_logits(seed, shape, scale=2.0):
+  rng = np.random.default_rng(seed)
+  return rng.normal(size=shape).astype(np.float32) * scale
+
+
+def _numpy_nucleus(logits, top_p):
+  """bool [rows, vocab]: smallest most-likely set with mass >= top_p."""
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  keep = np.zeros(logits.shape, bool)
+  for row, p in enumerate(probs):
+    order = np.argsort(-p)
+    num_kept = int(np.argmax(np.cumsum(p[order]) >= top_p)) + 1
+    keep[row, order[:num_kept]] = True
+  return keep
+
+
+def _filter(logits, **options):
+  return np.asarray(sampling.filter_logits(jnp.asarray(logits), **options))
+
+
+def test_greedy_follows_the_successor_rule_for_a_batch_of_prompts():
+  last_prompt_tokens = np.array([3, 7, 0, VOCAB - 1])
+  last_logits = 10.0 * jax.nn.one_hot((last_prompt_tokens + 1) % VOCAB, VOCAB)
+  carry = {"steps": jnp.zeros((), jnp.int32), "last": jnp.zeros(4, jnp.int32)}
+  tokens, final = sampling.generate(
+      _successor_step, {"margin": 10.0}, carry, last_logits,
+      jax.random.key(0), num_new_tokens=6, temperature=0.0)
+  expected = (last_prompt_tokens[:, None] + 1 + np.arange(6)) % VOCAB
+  assert tokens.dtype == jnp.int32 and tokens.shape == (4, 6)
+  np.testing.assert_array_equal(tokens, expected)
+  assert int(final["steps"]) == 6
+  # The carry has consumed the last returned token too.
+  np.testing.assert_array_equal(final["last"], expected[:, -1])
+
+
+def test_fixed_key_reproduces_and_different_keys_differ():
+  def run(seed):
+    return np.asarray(sampling.generate(
+        _flat_step, {}, (), jnp.zeros((4, VOCAB)), jax.random.key(seed),
+        num_new_tokens=16)[0])
+
+  np.testing.assert_array_equal(run(1), run(1))
+  assert not np.array_equal(run(1), run(2))
+  # fold_in per step: the steps are not copies of each other.
+  assert len({tuple(column) for column in run(1).T}) > 1
+
+
+def test_tiny_temperature_equals_greedy_on_random_bigrams():
+  table = _random_logits(0, (VOCAB, VOCAB))
+  start = np.array([0, 4, 9])
+  expected = np.zeros((3, 8), int)
+  row = start
+  for i in range(8):  # the greedy walk through the table, in numpy
+    row = table[row].argmax(-1)
+    expected[:, i] = row
+  tokens, _ = sampling.generate(
+      _bigram_step, {"table": jnp.asarray(table)}, (), table[start],
+      jax.random.key(3), num_new_tokens=8, temperature=1e-4)
+  np.testing.assert_array_equal(tokens, expected)
+  logits = _random_logits(1, (64, 50))
+  tokens = sampling.sample_next(
+      jax.random.key(0), logits, temperature=1e-4, top_k=0, top_p=1.0)
+  np.testing.assert_array_equal(tokens, logits.argmax(-1))
+
+
+def test_top_k_samples_stay_in_each_rows_top_k():
+  logits = _random_logits(2, (2000, 30))
+  tokens = np.asarray(sampling.sample_next(
+      jax.random.key(0), logits, temperature=1.0, top_k=5, top_p=1.0))
+  top5 = np.argsort(-logits, axis=-1)[:, :5]
+  assert (top5 == tokens[:, None]).any(-1).all()
+  # Not too strict either: one row at a high temperature shows all 5.
+  same_row = np.repeat(logits[:1], 2000, axis=0)
+  tokens = sampling.sample_next(
+      jax.random.key(1), same_row, temperature=3.0, top_k=5, top_p=1.0)
+  assert set(np.asarray(tokens).tolist()) == set(top5[0].tolist())
+
+
+def test_top_p_matches_numpy_nucleus():
+  logits = _random_logits(3, (2000, 30))
+  nucleus = _numpy_nucleus(logits, 0.7)
+  filtered = _filter(logits, temperature=1.0, top_k=0, top_p=0.7)
+  np.testing.assert_array_equal(np.isfinite(filtered), nucleus)
+  tokens = np.asarray(sampling.sample_next(
+      jax.random.key(0), logits, temperature=1.0, top_k=0, top_p=0.7))
+  assert nucleus[np.arange(2000), tokens].all()
+  assert (nucleus.sum(-1) > 1).any()  # else the test above were vacuous
+
+
+def test_top_p_after_top_k_uses_the_renormalised_top_k():
+  logits = _random_logits(4, (200, 30))
+  fifth = np.sort(logits, -1)[:, -5:-4]
+  top5 = np.where(logits >= fifth, logits, -np.inf)
+  filtered = _filter(logits, temperature=1.0, top_k=5, top_p=0.8)
+  np.testing.assert_array_equal(
+      np.isfinite(filtered), _numpy_nucleus(top5, 0.8))
+
+
+def test_no_filters_only_scale_by_temperature():
+  logits = _random_logits(5, (8, 30))
+  filtered = _filter(logits, temperature=0.5, top_k=0, top_p=1.0)
+  np.testing.assert_allclose(filtered, logits / 0.5, rtol=1e-6)
+
+
+def test_tiny_top_p_and_zero_temperature_keep_exactly_the_argmax():
+  logits = _random_logits(6, (64, 30))
+  expected = np.full_like(logits, -np.inf)
+  expected[np.arange(64), logits.argmax(-1)] = logits.max(-1)
+  filtered = _filter(logits, temperature=1.0, top_k=0, top_p=1e-6)
+  np.testing.assert_array_equal(filtered, expected)
+  greedy = _filter(logits, temperature=0.0, top_k=0, top_p=1.0)
+  np.testing.assert_array_equal(np.isfinite(greedy), np.isfinite(expected))
+
+
+def test_same_options_compile_once():
+  traces = []
+
+  def counting_step(params, carry, tokens):
+    traces.append(1)  # Python runs only while tracing
+    return _successor_step(params, carry, tokens)
+
+  carry = {"steps": jnp.zeros((), jnp.int32), "last": jnp.zeros(2, jnp.int32)}
+  for seed in range(3):
+    sampling.generate(
+        counting_step, {"margin": 10.0}, carry, jnp.zeros((2, VOCAB)),
+        jax.random.key(seed), num_new_tokens=3, temperature=0.0)
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("options, bad", [
+    (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(temperature=float("nan")), "temperature=nan"),
+    (dict(top_k=-3), "top_k=-3"),
+    (dict(top_k=2.5), "top_k=2.5"),
+    (dict(top_k=float("inf")), "top_k=inf"),
+    (dict(top_p=0.0), "top_p=0.0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(num_new_tokens=0), "num_new_tokens=0"),
+])
+def test_invalid_options_raise_user_error(options, bad):
+  kwargs = dict(num_new_tokens=2, temperature=1.0, top_k=0, top_p=1.0)
+  kwargs.update(options)
+  with pytest.raises(UserError, match=bad.replace(".", r"\.")) as error:
+    sampling.generate(_flat_step, {}, (), jnp.zeros((1, VOCAB)),
+                      jax.random.key(0), **kwargs)
+  assert "\n" not in str(error.value)
+  del kwargs["num_new_tokens"]
+  if "num_new_tokens" not in options:
+    with pytest.raises(UserError, match=bad.replace(".", r"\.")):
+      sampling.filter_logits(jnp.zeros((1, VOCAB)), **kwargs)

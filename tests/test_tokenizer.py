@@ -1,0 +1,129 @@
+"""Char and word tokenizers: vocab rules, round trips, prompts, save/load."""
+
+import json
+
+from absl import logging
+import ml_collections
+import numpy as np
+import pytest
+
+from zebra_jax import tokenizer as tokenizer_lib
+from zebra_jax.errors import UserError
+from zebra_jax.tokenizer import CharTokenizer, WordTokenizer
+
+# Counts: the 4, cat 3, sat 2, <eos> 3 (one per line, the empty one too),
+# on 1, mat 1, a 1.
+TRAIN = "the cat sat on the mat\n\nthe cat the cat sat a\n"
+
+
+def test_word_vocab_order_and_specials():
+  tok = WordTokenizer.build(TRAIN)
+  # <unk>, <eos> first; then by descending count, ties alphabetical.
+  assert tok.vocab == ["<unk>", "<eos>", "the", "cat", "sat", "a", "mat", "on"]
+  assert (tok.unk_id, tok.eos_id, tok.vocab_size) == (0, 1, 8)
+  assert tok.kind == "word"
+
+
+def test_word_min_freq_and_max_vocab_size():
+  assert WordTokenizer.build(TRAIN, min_freq=2).vocab == [
+      "<unk>", "<eos>", "the", "cat", "sat"]
+  assert WordTokenizer.build(TRAIN, max_vocab_size=4).vocab == [
+      "<unk>", "<eos>", "the", "cat"]
+  with pytest.raises(UserError, match="max_vocab_size=2"):
+    WordTokenizer.build(TRAIN, max_vocab_size=2)
+
+
+def test_word_encode_eos_per_line_and_unk():
+  tok = WordTokenizer.build(TRAIN)
+  ids = tok.encode("the dog\n\n  sat  \n")
+  assert ids.dtype == np.int32
+  words = [tok.vocab[i] for i in ids]
+  assert words == ["the", "<unk>", "<eos>", "<eos>", "sat", "<eos>"]
+  # A last line without "\n" still ends with <eos>, like a file iterator.
+  assert tok.encode("the cat").tolist() == [2, 3, 1]
+  assert tok.encode("").tolist() == []
+
+
+def test_word_round_trip_and_decode():
+  tok = WordTokenizer.build(TRAIN)
+  assert tok.decode(tok.encode(TRAIN)) == TRAIN
+  assert tok.decode([2, 3, 1, 4]) == "the cat\nsat"
+
+
+def test_word_prompt_unknown_words_warn(monkeypatch):
+  tok = WordTokenizer.build(TRAIN)
+  warnings = []
+  monkeypatch.setattr(logging, "warning",
+                      lambda msg, *args: warnings.append(msg % args))
+  ids = tok.encode_prompt("the zebra cat")
+  assert ids.tolist() == [2, 0, 3]  # no <eos> at the end of a prompt
+  assert len(warnings) == 1 and "zebra" in warnings[0]
+  assert tok.encode_prompt("the\ncat").tolist() == [2, 1, 3]
+  with pytest.raises(UserError, match="holds no words"):
+    tok.encode_prompt("   ")
+
+
+def test_char_vocab_round_trip_and_unk():
+  text = "hello world\nhi\n"
+  tok = CharTokenizer.build(text)
+  assert tok.vocab == ["<unk>"] + sorted(set(text))
+  assert tok.kind == "char"
+  ids = tok.encode(text)
+  assert ids.dtype == np.int32 and ids.shape == (len(text),)
+  assert ids.tolist() == [tok.vocab.index(c) for c in text]
+  assert tok.decode(ids) == text
+  # Characters absent from train (z, é, a non-BMP emoji) encode as <unk>.
+  h = tok.vocab.index("h")
+  assert tok.encode("hz\U0001F993é").tolist() == [h, 0, 0, 0]
+
+
+def test_char_prompt_unknown_chars_raise():
+  tok = CharTokenizer.build("hello\n")
+  assert tok.encode_prompt("hell").tolist() == tok.encode("hell").tolist()
+  with pytest.raises(UserError,
+                     match=r"'Z', 'é'.*characters seen in training"):
+    tok.encode_prompt("Zhé")
+
+
+@pytest.mark.parametrize("kind", ["char", "word"])
+def test_save_load_equality(tmp_path, kind):
+  config = ml_collections.ConfigDict(
+      dict(tokenizer=kind, min_freq=1, max_vocab_size=0))
+  tok = tokenizer_lib.make_tokenizer(config, TRAIN + "ünïcode\n")
+  tok.save(str(tmp_path))
+  loaded = tokenizer_lib.load_tokenizer(str(tmp_path))
+  assert type(loaded) is type(tok) and loaded == tok
+  assert loaded.fingerprint() == tok.fingerprint()
+  assert loaded.encode(TRAIN).tolist() == tok.encode(TRAIN).tolist()
+  spec = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
+  assert spec["kind"] == kind and spec["vocab"] == tok.vocab
+
+
+def test_fingerprint_depends_on_vocab_and_kind():
+  a, b = WordTokenizer.build(TRAIN), WordTokenizer.build(TRAIN, min_freq=2)
+  assert a.fingerprint() == WordTokenizer.build(TRAIN).fingerprint()
+  assert a.fingerprint() != b.fingerprint()
+  assert a.fingerprint() != CharTokenizer.build(TRAIN).fingerprint()
+
+
+def test_load_missing_or_corrupt(tmp_path):
+  with pytest.raises(UserError, match="no tokenizer: train first"):
+    tokenizer_lib.load_tokenizer(str(tmp_path))
+  (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
+  with pytest.raises(UserError, match="corrupt"):
+    tokenizer_lib.load_tokenizer(str(tmp_path))
+
+
+def test_make_tokenizer_unknown_kind():
+  config = ml_collections.ConfigDict(
+      dict(tokenizer="bpe", min_freq=1, max_vocab_size=0))
+  with pytest.raises(UserError, match="data.tokenizer 'bpe' is unknown"):
+    tokenizer_lib.make_tokenizer(config, TRAIN)
+
+
+def test_char_encode_is_fast_on_a_megabyte():
+  text = ("The quick brown fox jumps over the lazy dog.\n" * 25_000)  # ~1.1 MB
+  tok = CharTokenizer.build(text)
+  ids = tok.encode(text)
+  assert ids.shape == (len(text),)
+  assert tok.decode(ids[:45]) == text[:45]

@@ -1,0 +1,34 @@
+"""Jittable loss math. Steps return sums and counts; the host divides once.
+
+Perplexity is exp(total loss / total tokens) over everything seen, never an
+average of per-batch perplexities (which over-weights short batches).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def token_sums(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+  """Summed cross-entropy, correct top-1 predictions and token count.
+
+  Args:
+    logits: [batch, time, vocab], any float dtype (cast to float32 here).
+    targets: [batch, time] int32.
+  Returns:
+    {"loss_sum", "correct", "count"} float32 scalars.
+  """
+  logits = logits.astype(jnp.float32)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  return {"loss_sum": losses.sum(), "correct": correct.sum(),
+          "count": jnp.asarray(targets.size, jnp.float32)}
+
+
+def summarize(loss_sum: float, correct: float, count: float) -> dict[str, float]:
+  """Host-side: loss per token, perplexity and accuracy from the sums."""
+  loss = loss_sum / max(count, 1.0)
+  return {"loss": loss, "ppl": math.exp(min(loss, 700.0)),
+          "acc": correct / max(count, 1.0), "tokens": count}

@@ -1,0 +1,52 @@
+"""The device mesh and the shardings every step uses.
+
+One 1-D mesh ("data",) over all devices of all processes: parameters and
+optimizer state are replicated, the batch and the LSTM carry are split along
+their batch axis. XLA inserts the gradient all-reduce (NCCL on GPUs).
+"""
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zebra_jax.errors import UserError
+
+DATA_AXIS = "data"
+
+
+def make_mesh() -> jax.sharding.Mesh:
+  # Auto axes: shardings are annotations on jit, as in the rest of this code.
+  return jax.make_mesh((jax.device_count(),), (DATA_AXIS,),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharded(mesh) -> NamedSharding:
+  """Leading (batch) axis split over the data axis."""
+  return NamedSharding(mesh, P(DATA_AXIS))
+
+
+def check_batch(batch_size: int, what: str) -> None:
+  """A global batch must split evenly over devices and processes."""
+  n = jax.device_count()
+  if batch_size % n:
+    raise UserError(
+        f"{what}={batch_size} does not divide over {n} devices: set "
+        f"--config.{what} to a multiple of {n}")
+
+
+def global_batch(mesh, local: np.ndarray) -> jax.Array:
+  """This process's rows of a batch -> one global array sharded on 'data'."""
+  return jax.make_array_from_process_local_data(batch_sharded(mesh), local)
+
+
+def state_shardings(mesh, state):
+  """Carry leaves split on 'data'; everything else replicated."""
+  rep, bat = replicated(mesh), batch_sharded(mesh)
+  return state.replace(
+      step=rep, params=jax.tree.map(lambda _: rep, state.params),
+      opt_state=jax.tree.map(lambda _: rep, state.opt_state),
+      carry=jax.tree.map(lambda _: bat, state.carry), rng=rep)

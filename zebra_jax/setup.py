@@ -1,0 +1,97 @@
+"""What every mode does first: check the config, load data, match the workdir.
+
+`prepare` is the training entry (it writes config.json and the tokenizer);
+`load_for_inference` is how eval and sample get a trained model: everything
+they need is in the workdir.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from zebra_jax import checkpoint, config_checks, data, parallel, train_state
+from zebra_jax.errors import UserError
+
+# Fields that change the parameters' shapes or meaning: a workdir is tied to them.
+_ARCHITECTURE = ("embed_size", "hidden_size", "num_layers", "num_stripes",
+                 "tie_embeddings", "vocab_size")
+
+
+def config_path(workdir: str) -> str:
+  return os.path.join(workdir, "config.json")
+
+
+def _check_same_architecture(saved: dict, cfg: ml_collections.ConfigDict,
+                             workdir: str) -> None:
+  for field in _ARCHITECTURE:
+    old, new = saved["model"].get(field), cfg.model[field]
+    if old != new:
+      raise UserError(
+          f"workdir {workdir} holds a model with model.{field}={old}, but the "
+          f"config asks for {new}: use a new --workdir, or the same model "
+          f"settings to resume")
+
+
+def prepare(cfg: ml_collections.ConfigDict, workdir: str):
+  """Validates, tokenizes (cached), fixes vocab_size; returns (cfg, tok, splits)."""
+  config_checks.validate(cfg)
+  os.makedirs(workdir, exist_ok=True)
+  tokenizer, splits = data.prepare_data(cfg, workdir)
+  cfg = ml_collections.ConfigDict(cfg.to_dict())  # an unlocked, resolved copy
+  if cfg.model.vocab_size not in (0, tokenizer.vocab_size):
+    raise UserError(
+        f"--config.model.vocab_size={cfg.model.vocab_size} differs from the "
+        f"tokenizer's {tokenizer.vocab_size}: leave it at 0 (take it from data)")
+  cfg.model.vocab_size = tokenizer.vocab_size
+  if os.path.exists(config_path(workdir)):
+    with open(config_path(workdir)) as f:
+      _check_same_architecture(json.load(f), cfg, workdir)
+  if jax.process_index() == 0:
+    with open(config_path(workdir), "w") as f:
+      json.dump(cfg.to_dict(), f, indent=2, sort_keys=True)
+  return cfg, tokenizer, splits
+
+
+@dataclasses.dataclass
+class Loaded:
+  """A trained model and its data, as read back from a workdir."""
+  cfg: ml_collections.ConfigDict
+  tokenizer: Any
+  splits: dict[str, np.ndarray]
+  graphdef: Any
+  params: Any
+  step: int
+
+
+def load_for_inference(cfg: ml_collections.ConfigDict, workdir: str,
+                       step: int | None = None) -> Loaded:
+  """Reads config.json, the tokenizer, data and the best (or given) checkpoint.
+
+  The model architecture comes from the workdir; eval and sample settings come
+  from `cfg` so they can be overridden on the command line.
+  """
+  if not os.path.exists(config_path(workdir)):
+    raise UserError(f"workdir {workdir} has no config.json: train first with "
+                    f"--mode=train --workdir={workdir}")
+  with open(config_path(workdir)) as f:
+    saved = ml_collections.ConfigDict(json.load(f))
+  ckpt = checkpoint.Checkpointer(workdir, create=False)
+  if step is None:
+    step = ckpt.best_step()
+  if step is None:
+    raise UserError(f"workdir {workdir} has no checkpoint in "
+                    f"{ckpt.directory}: train first with --mode=train")
+  merged = ml_collections.ConfigDict(saved.to_dict())
+  merged.eval, merged.sample = cfg.eval, cfg.sample
+  merged.model.dtype = cfg.model.dtype  # compute dtype may differ from training
+  tokenizer, splits = data.load_eval_data(merged, workdir)
+  mesh = parallel.make_mesh()
+  graphdef, target = train_state.abstract_state(merged, mesh)
+  state, _ = ckpt.restore(step, target)
+  ckpt.close()
+  return Loaded(merged, tokenizer, splits, graphdef, state.params, step)

@@ -1,0 +1,48 @@
+"""The train state pytree, built fresh or as an abstract restore target."""
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from zebra_jax import model, optim, parallel
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array        # int32 scalar: updates applied so far
+  params: Any            # nnx.State, float32 master weights
+  opt_state: Any         # optax state
+  carry: model.Carry     # (h, c) per layer, [batch, hidden]: sharded on 'data'
+  rng: jax.Array         # uint32[2] base key; dropout uses fold_in(rng, step)
+
+
+def _build(cfg: ml_collections.ConfigDict, tx):
+  graphdef, params = model.create(cfg.model, cfg.seed)
+  state = TrainState(
+      step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+      carry=model.init_carry(cfg.model, cfg.data.batch_size),
+      rng=jax.random.PRNGKey(cfg.seed))
+  return graphdef, state
+
+
+def init_state(cfg: ml_collections.ConfigDict, mesh):
+  """(graphdef, optimizer, fresh state placed with the mesh's shardings)."""
+  tx = optim.make_optimizer(cfg.optim, cfg.train.num_steps)
+  graphdef, state = _build(cfg, tx)
+  return graphdef, tx, jax.device_put(
+      state, parallel.state_shardings(mesh, state))
+
+
+def abstract_state(cfg: ml_collections.ConfigDict, mesh):
+  """(graphdef, ShapeDtypeStructs with shardings): a restore target, no memory."""
+  tx = optim.make_optimizer(cfg.optim, cfg.train.num_steps)
+  graphdef, _ = model.abstract(cfg.model)
+  state = jax.eval_shape(lambda: _build(cfg, tx)[1])
+  shardings = parallel.state_shardings(mesh, state)
+  target = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      state, shardings)
+  return graphdef, target

@@ -1,0 +1,84 @@
+"""Run output: log lines on stdout, metrics.jsonl and TensorBoard scalars.
+
+Only process 0 writes; the others stay quiet, so a multi-host run prints and
+records each step once.
+"""
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+
+
+class MetricWriter:
+  """Transformer-XL style log lines plus one JSON record per line."""
+
+  def __init__(self, workdir: str, tensorboard: bool = True):
+    self.active = jax.process_index() == 0
+    self._jsonl = self._tb = None
+    if self.active:
+      os.makedirs(workdir, exist_ok=True)
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      if tensorboard:
+        from tensorboardX import SummaryWriter  # imported lazily: optional cost
+        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def info(self, message: str) -> None:
+    if self.active:
+      print(message, flush=True)
+
+  def _record(self, kind: str, step: int, values: dict[str, Any]) -> None:
+    if not self.active:
+      return
+    self._jsonl.write(json.dumps({"kind": kind, "step": step,
+                                  "time": time.time(), **values}) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      for key, value in values.items():
+        if isinstance(value, (int, float)):
+          self._tb.add_scalar(f"{kind}/{key}", value, step)
+
+  def train_line(self, *, epoch, step, batch, batches, lr, ms_per_batch,
+                 tok_per_s, loss, ppl, acc, grad_norm) -> None:
+    self.info(f"| epoch {epoch} step {step} | batches {batch}/{batches} "
+              f"| lr {lr:.2e} | ms/batch {ms_per_batch:.1f} "
+              f"| tok/s {tok_per_s:.0f} | loss {loss:.2f} | ppl {ppl:.2f} "
+              f"| acc {acc:.3f}")
+    self._record("train", step, dict(
+        epoch=epoch, lr=lr, ms_per_batch=ms_per_batch, tok_per_s=tok_per_s,
+        loss=loss, ppl=ppl, acc=acc, grad_norm=grad_norm))
+
+  def eval_line(self, index: int, step: int, split: str, res: dict) -> None:
+    self.info(f"| eval {index} at step {step} | {split} loss {res['loss']:.2f} "
+              f"| {split} ppl {res['ppl']:.2f} | {split} acc {res['acc']:.3f}")
+    self._record(split, step, {k: res[k] for k in ("loss", "ppl", "acc")})
+
+  def eval_summary(self, split: str, step: int, res: dict) -> None:
+    rule = "=" * 89
+    self.info(f"{rule}\n| {split} at step {step} | {res['tokens']:.0f} tokens "
+              f"| time {res['seconds']:.1f}s | {split} loss {res['loss']:.2f} "
+              f"| {split} ppl {res['ppl']:.2f} | {split} acc {res['acc']:.3f}"
+              f"\n{rule}")
+    self._record(f"final_{split}", step, {k: res[k] for k in ("loss", "ppl", "acc")})
+
+  def summary(self, summary: dict, workdir: str) -> None:
+    self.info(f"| end of training | steps {summary['steps']} "
+              f"| best valid ppl {summary['best_valid_ppl']:.2f} "
+              f"| wall {summary['wall_s']:.0f}s | checkpoints in "
+              f"{summary['checkpoints']}")
+    self._record("summary", summary["steps"],
+                 {k: v for k, v in summary.items() if k != "checkpoints"})
+
+  def close(self) -> None:
+    if self._jsonl:
+      self._jsonl.close()
+    if self._tb:
+      self._tb.close()
+
+
+def error(message: str) -> None:
+  """The one-line error every entry point prints for a UserError."""
+  print(f"error: {message}", file=sys.stderr, flush=True)
