@@ -58,7 +58,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       log_every=100,
       eval_every=500,
       eval_max_batches=0,       # 0 = the whole valid split each eval
-      report_at_end=True,       # --mode=train ends with valid/test eval + a sample
+      report_at_end=True,
+      grad_accum_steps=1,       # k micro-batches per update (same update, less memory)
+      max_consecutive_skips=100,  # stop after this many non-finite steps in a row
+      loss_scale=dict(          # dynamic loss scaling, used when model.dtype=float16
+          initial_scale=2.0 ** 15, growth_interval=2000, growth_factor=2.0,
+          backoff_factor=0.5, min_scale=1.0),       # --mode=train ends with valid/test eval + a sample
   )
   c.eval = dict(batch_size=16, seq_len=128)
   c.checkpoint = dict(every_steps=500, keep_latest=2, keep_best=1)

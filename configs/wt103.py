@@ -59,6 +59,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       eval_every=4000,
       eval_max_batches=0,
       report_at_end=True,
+      grad_accum_steps=1,       # k micro-batches per update (same update, less memory)
+      max_consecutive_skips=100,  # stop after this many non-finite steps in a row
+      loss_scale=dict(          # dynamic loss scaling, used when model.dtype=float16
+          initial_scale=2.0 ** 15, growth_interval=2000, growth_factor=2.0,
+          backoff_factor=0.5, min_scale=1.0),
   )
   c.eval = dict(batch_size=16, seq_len=256)
   c.checkpoint = dict(every_steps=4000, keep_latest=2, keep_best=1)

@@ -9,6 +9,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from zebra_jax import distributed  # defines the multi-process flags
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/demo.py or "
     "configs/wt103.py:tiny.", lock_config=True)
@@ -50,6 +52,7 @@ def main(argv):
   # Imported here so --help and flag errors answer before JAX starts.
   from zebra_jax import evaluate, sample, train, writer
   from zebra_jax.errors import UserError
+  distributed.initialize()  # before any JAX backend starts
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
   cfg, workdir = _sample_overrides(_CONFIG.value), _WORKDIR.value

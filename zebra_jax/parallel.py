@@ -14,10 +14,13 @@ from zebra_jax.errors import UserError
 DATA_AXIS = "data"
 
 
-def make_mesh() -> jax.sharding.Mesh:
+def make_mesh(devices=None) -> jax.sharding.Mesh:
+  """All devices of all processes (or the given ones) on one 'data' axis."""
   # Auto axes: shardings are annotations on jit, as in the rest of this code.
-  return jax.make_mesh((jax.device_count(),), (DATA_AXIS,),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  auto = (jax.sharding.AxisType.Auto,)
+  if devices is None:
+    return jax.make_mesh((jax.device_count(),), (DATA_AXIS,), axis_types=auto)
+  return jax.sharding.Mesh(np.asarray(devices), (DATA_AXIS,), axis_types=auto)
 
 
 def replicated(mesh) -> NamedSharding:
@@ -29,13 +32,16 @@ def batch_sharded(mesh) -> NamedSharding:
   return NamedSharding(mesh, P(DATA_AXIS))
 
 
-def check_batch(batch_size: int, what: str) -> None:
-  """A global batch must split evenly over devices and processes."""
-  n = jax.device_count()
+def check_batch(batch_size: int, what: str, mesh=None, micro_batches: int = 1):
+  """A global batch must split evenly over devices (and micro-batches)."""
+  devices = mesh.size if mesh is not None else jax.device_count()
+  n = devices * micro_batches
   if batch_size % n:
-    raise UserError(
-        f"{what}={batch_size} does not divide over {n} devices: set "
-        f"--config.{what} to a multiple of {n}")
+    split = f"{devices} devices" + (
+        f" x {micro_batches} micro-batches (train.grad_accum_steps)"
+        if micro_batches > 1 else "")
+    raise UserError(f"{what}={batch_size} does not divide over {split}: set "
+                    f"--config.{what} to a multiple of {n}")
 
 
 def global_batch(mesh, local: np.ndarray) -> jax.Array:
@@ -46,7 +52,5 @@ def global_batch(mesh, local: np.ndarray) -> jax.Array:
 def state_shardings(mesh, state):
   """Carry leaves split on 'data'; everything else replicated."""
   rep, bat = replicated(mesh), batch_sharded(mesh)
-  return state.replace(
-      step=rep, params=jax.tree.map(lambda _: rep, state.params),
-      opt_state=jax.tree.map(lambda _: rep, state.opt_state),
-      carry=jax.tree.map(lambda _: bat, state.carry), rng=rep)
+  return jax.tree.map(lambda _: rep, state).replace(
+      carry=jax.tree.map(lambda _: bat, state.carry))

@@ -16,69 +16,117 @@ import numpy as np
 import optax
 from absl import logging
 
-from zebra_jax import checkpoint, data, evaluate, metrics, model, optim
+from zebra_jax import checkpoint, data, evaluate, loss_scale, metrics, model
+from zebra_jax import optim
 from zebra_jax import parallel, setup, writer
 from zebra_jax.train_state import TrainState, init_state
 from zebra_jax.errors import UserError
 
 
+def _to_micro(x, k):
+  """[B, ...] -> [k, B/k, ...]: micro-batch j holds rows j, j+k, j+2k, ...
+
+  Rows stay on their device (each device's contiguous block splits evenly),
+  so accumulation needs no communication until the gradient all-reduce.
+  """
+  return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+
+
+def _from_micro(x):
+  """Inverse of _to_micro: [k, B/k, ...] -> [B, ...]."""
+  x = jnp.swapaxes(x, 0, 1)
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef,
-               tx: optax.GradientTransformation):
+               tx: optax.GradientTransformation, accum_steps: int = 1):
   """One window: (state, batch) -> (state, metric sums).
 
   batch: inputs/targets [batch, time] int32 and reset, a bool scalar that
   zeroes the carry (start of an epoch, or every step with random windows).
+  With accum_steps = k the batch runs as k micro-batches whose gradients are
+  summed before one update: the same update as k = 1, in 1/k the activations.
+  A step whose gradients are not finite changes neither params nor optimizer
+  state; the loss scale backs off (float16) and counts it.
   """
   carry = jax.tree.map(lambda a: jnp.where(batch["reset"], 0.0, a), state.carry)
   dropout_rng = jax.random.fold_in(state.rng, state.step)
+  total_tokens = batch["targets"].size  # static: the loss is a mean over it
+  scale = state.loss_scale
 
-  def loss_fn(params):
-    logits, new_carry = model.apply(graphdef, params, batch["inputs"], carry,
-                                    dropout_rng)
-    with jax.named_scope("loss"):
-      sums = metrics.token_sums(logits, batch["targets"])
-    return sums["loss_sum"] / sums["count"], (new_carry, sums)
+  def grads_of(params, inputs, targets, carry, rng):
+    def loss_fn(params):
+      logits, new_carry = model.apply(graphdef, params, inputs, carry, rng)
+      with jax.named_scope("loss"):
+        sums = metrics.token_sums(logits, targets)
+      return scale.scale_loss(sums["loss_sum"] / total_tokens), (new_carry, sums)
+    return jax.grad(loss_fn, has_aux=True)(params)
 
-  grads, (new_carry, sums) = jax.grad(loss_fn, has_aux=True)(state.params)
+  if accum_steps == 1:
+    grads, (new_carry, sums) = grads_of(state.params, batch["inputs"],
+                                        batch["targets"], carry, dropout_rng)
+  else:
+    def micro_step(acc, micro):
+      inputs, targets, carry, j = micro
+      g, (c, s) = grads_of(state.params, inputs, targets, carry,
+                           jax.random.fold_in(dropout_rng, j))
+      return jax.tree.map(jnp.add, acc, g), (c, s)
+
+    micro = (_to_micro(batch["inputs"], accum_steps),
+             _to_micro(batch["targets"], accum_steps),
+             jax.tree.map(lambda a: _to_micro(a, accum_steps), carry),
+             jnp.arange(accum_steps))
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, (new_carry, sums) = jax.lax.scan(micro_step, zeros, micro)
+    new_carry = jax.tree.map(_from_micro, new_carry)
+    sums = jax.tree.map(jnp.sum, sums)
+
+  grads = scale.unscale(grads)
+  finite = loss_scale.all_finite(grads)
   with jax.named_scope("optimizer"):
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-  sums["grad_norm"] = optax.tree.norm(grads)
-  new_state = state.replace(step=state.step + 1, params=params,
-                            opt_state=opt_state,
-                            carry=jax.lax.stop_gradient(new_carry))
+  sums["grad_norm"] = jnp.where(finite, optax.tree.norm(grads), 0.0)
+  sums["skipped"] = (~finite).astype(jnp.float32)
+  new_carry = jax.tree.map(lambda a: jnp.where(jnp.isfinite(a), a, 0.0),
+                           jax.lax.stop_gradient(new_carry))
+  new_state = state.replace(
+      step=state.step + 1,
+      params=loss_scale.select(finite, params, state.params),
+      opt_state=loss_scale.select(finite, opt_state, state.opt_state),
+      carry=new_carry, loss_scale=scale.update(finite))
   return new_state, sums
 
 
-def compile_train_step(graphdef, tx, mesh, state):
+def compile_train_step(graphdef, tx, mesh, state, accum_steps: int = 1):
   shardings = parallel.state_shardings(mesh, state)
   rep, bat = parallel.replicated(mesh), parallel.batch_sharded(mesh)
   batch_shardings = {"inputs": bat, "targets": bat, "reset": rep}
-  return jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx),
-                 in_shardings=(shardings, batch_shardings),
+  step = functools.partial(train_step, graphdef=graphdef, tx=tx,
+                           accum_steps=accum_steps)
+  return jax.jit(step, in_shardings=(shardings, batch_shardings),
                  out_shardings=(shardings, rep), donate_argnums=0)
 
 
 class _Window:
-  """Sums of per-step metrics since the last log line (kept on device)."""
+  """Per-step metric sums since the last log line (kept on device until then)."""
 
   def __init__(self):
-    self.sums, self.start, self.steps = [], time.perf_counter(), 0
+    self.sums, self.start = [], time.perf_counter()
 
-  def flush(self) -> tuple[dict[str, float], float, int]:
-    host = jax.device_get(self.sums)
-    total = {k: float(np.sum([h[k] for h in host], dtype=np.float64))
-             for k in host[0]}
-    elapsed, steps = time.perf_counter() - self.start, self.steps
+  def flush(self) -> tuple[list[dict[str, float]], float]:
+    """(per-step host metrics, seconds since the window opened); then resets."""
+    host, elapsed = jax.device_get(self.sums), time.perf_counter() - self.start
     self.__init__()
-    return total, elapsed, steps
+    return host, elapsed
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains until num_steps (or the time budget); returns the run summary."""
   cfg, tokenizer, splits = setup.prepare(cfg, workdir)
   mesh = parallel.make_mesh()
-  parallel.check_batch(cfg.data.batch_size, "data.batch_size")
+  accum = cfg.train.grad_accum_steps
+  parallel.check_batch(cfg.data.batch_size, "data.batch_size", mesh, accum)
   graphdef, tx, state = init_state(cfg, mesh)
   log = writer.MetricWriter(workdir)
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint.keep_latest,
@@ -93,7 +141,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
              f"(epoch {position.epoch}, batch {position.index})")
   batcher = data.make_batcher(cfg.data, splits["train"], cfg.seed,
                               jax.process_index(), jax.process_count())
-  step_fn = compile_train_step(graphdef, tx, mesh, state)
+  step_fn = compile_train_step(graphdef, tx, mesh, state, accum)
   evaluator = evaluate.Evaluator(graphdef, mesh, cfg.model,
                                  cfg.eval.batch_size, cfg.eval.seq_len)
   lr_at = optim.learning_rate_schedule(cfg.optim, cfg.train.num_steps)
@@ -107,7 +155,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   budget_s = cfg.train.time_budget_minutes * 60.0
   started = time.perf_counter()
   window, valid, last_saved, first = _Window(), None, step, True
-  evals = 0
+  evals, bad_run = 0, 0
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   random_windows = cfg.data.batching == "random"
   while step < cfg.train.num_steps:
@@ -123,28 +171,36 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     step += 1
     position = position.advance(batcher.batches_per_epoch)
     window.sums.append(sums)
-    window.steps += 1
     if first:  # The first step includes compiling: keep it out of ms/batch.
       jax.block_until_ready(sums)
       log.info(f"first step (compiling included) took "
                f"{time.perf_counter() - window.start:.1f} s")
       window, first = _Window(), False
-    if step % cfg.train.log_every == 0 and window.steps:
-      total, elapsed, steps = window.flush()
-      s = metrics.summarize(total["loss_sum"], total["correct"], total["count"])
-      if not np.isfinite(s["loss"]):
+    if step % cfg.train.log_every == 0 and window.sums:
+      per_step, elapsed = window.flush()
+      bad_run = _consecutive_skips(per_step, bad_run)
+      if bad_run >= cfg.train.max_consecutive_skips:
         raise UserError(
-            f"training loss became non-finite by step {step}; the last good "
-            f"checkpoint is kept: lower --config.optim.learning_rate or set "
-            f"--config.optim.clip_norm")
+            f"{bad_run} steps in a row up to step {step} had non-finite "
+            f"gradients; stopped without saving them (the last good "
+            f"checkpoint is kept): lower --config.optim.learning_rate, set "
+            f"--config.optim.clip_norm, or use --config.model.dtype=float32")
+      good = [m for m in per_step if not m["skipped"]] or per_step
+      total = {k: float(np.sum([m[k] for m in good], dtype=np.float64))
+               for k in good[0]}
+      summary = metrics.summarize(total["loss_sum"], total["correct"],
+                                  total["count"])
       log.train_line(
           epoch=position.epoch + 1, step=step,
           batch=position.index or batcher.batches_per_epoch,
           batches=batcher.batches_per_epoch, lr=float(lr_at(step - 1)),
-          ms_per_batch=1000 * elapsed / steps,
-          tok_per_s=steps * tokens_per_step / elapsed, loss=s["loss"],
-          ppl=s["ppl"], acc=s["acc"],
-          grad_norm=total["grad_norm"] / steps)
+          ms_per_batch=1000 * elapsed / len(per_step),
+          tok_per_s=len(per_step) * tokens_per_step / elapsed,
+          loss=summary["loss"], ppl=summary["ppl"], acc=summary["acc"],
+          grad_norm=total["grad_norm"] / len(good),
+          loss_scale=float(state.loss_scale.scale)
+          if state.loss_scale.dynamic else None,
+          skipped=int(state.loss_scale.skipped))
     valid = None
     if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
       valid = evaluator.run(state.params, splits["valid"],
@@ -167,6 +223,13 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   log.summary(summary, workdir)
   log.close()
   return summary
+
+
+def _consecutive_skips(per_step: list[dict[str, float]], run: int) -> int:
+  """Length of the run of skipped steps ending at the last step."""
+  for m in per_step:
+    run = run + 1 if m["skipped"] else 0
+  return run
 
 
 def _save(ckpt, step, state, position, best_valid, valid):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from zebra_jax import model, optim, parallel
+from zebra_jax import loss_scale, model, optim, parallel
 
 
 @flax.struct.dataclass
@@ -17,6 +17,7 @@ class TrainState:
   opt_state: Any         # optax state
   carry: model.Carry     # (h, c) per layer, [batch, hidden]: sharded on 'data'
   rng: jax.Array         # uint32[2] base key; dropout uses fold_in(rng, step)
+  loss_scale: loss_scale.LossScale  # dynamic for float16; counts skipped steps
 
 
 def _build(cfg: ml_collections.ConfigDict, tx):
@@ -24,8 +25,18 @@ def _build(cfg: ml_collections.ConfigDict, tx):
   state = TrainState(
       step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
       carry=model.init_carry(cfg.model, cfg.data.batch_size),
-      rng=jax.random.PRNGKey(cfg.seed))
+      rng=jax.random.PRNGKey(cfg.seed),
+      loss_scale=make_loss_scale(cfg))
   return graphdef, state
+
+
+def make_loss_scale(cfg: ml_collections.ConfigDict) -> loss_scale.LossScale:
+  """Dynamic scaling for float16 compute; a fixed scale of 1 otherwise."""
+  ls = cfg.train.loss_scale
+  return loss_scale.LossScale.create(
+      dynamic=cfg.model.dtype == "float16", initial_scale=ls.initial_scale,
+      growth_interval=ls.growth_interval, growth_factor=ls.growth_factor,
+      backoff_factor=ls.backoff_factor, min_scale=ls.min_scale)
 
 
 def init_state(cfg: ml_collections.ConfigDict, mesh):

@@ -42,14 +42,20 @@ class MetricWriter:
           self._tb.add_scalar(f"{kind}/{key}", value, step)
 
   def train_line(self, *, epoch, step, batch, batches, lr, ms_per_batch,
-                 tok_per_s, loss, ppl, acc, grad_norm) -> None:
+                 tok_per_s, loss, ppl, acc, grad_norm, loss_scale=None,
+                 skipped=0) -> None:
+    extra = f" | loss scale {loss_scale:.0f}" if loss_scale is not None else ""
+    extra += f" | skipped {skipped}" if skipped or loss_scale is not None else ""
     self.info(f"| epoch {epoch} step {step} | batches {batch}/{batches} "
               f"| lr {lr:.2e} | ms/batch {ms_per_batch:.1f} "
               f"| tok/s {tok_per_s:.0f} | loss {loss:.2f} | ppl {ppl:.2f} "
-              f"| acc {acc:.3f}")
-    self._record("train", step, dict(
-        epoch=epoch, lr=lr, ms_per_batch=ms_per_batch, tok_per_s=tok_per_s,
-        loss=loss, ppl=ppl, acc=acc, grad_norm=grad_norm))
+              f"| acc {acc:.3f}{extra}")
+    record = dict(epoch=epoch, lr=lr, ms_per_batch=ms_per_batch,
+                  tok_per_s=tok_per_s, loss=loss, ppl=ppl, acc=acc,
+                  grad_norm=grad_norm, skipped=skipped)
+    if loss_scale is not None:
+      record["loss_scale"] = loss_scale
+    self._record("train", step, record)
 
   def eval_line(self, index: int, step: int, split: str, res: dict) -> None:
     self.info(f"| eval {index} at step {step} | {split} loss {res['loss']:.2f} "
