@@ -158,10 +158,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   evals, bad_run = 0, 0
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   random_windows = cfg.data.batching == "random"
-  while step < cfg.train.num_steps:
-    if budget_s and time.perf_counter() - started > budget_s:
-      log.info(f"time budget of {cfg.train.time_budget_minutes} min reached")
-      break
+  stop = step >= cfg.train.num_steps
+  while not stop:
     inputs, targets = batcher.get(position.index, position.epoch)
     batch = {"inputs": parallel.global_batch(mesh, inputs),
              "targets": parallel.global_batch(mesh, targets),
@@ -201,8 +199,12 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           loss_scale=float(state.loss_scale.scale)
           if state.loss_scale.dynamic else None,
           skipped=int(state.loss_scale.skipped))
+    stop = step >= cfg.train.num_steps
+    if budget_s and time.perf_counter() - started > budget_s:
+      log.info(f"time budget of {cfg.train.time_budget_minutes} min reached")
+      stop = True
     valid = None
-    if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
+    if step % cfg.train.eval_every == 0 or stop:
       valid = evaluator.run(state.params, splits["valid"],
                             cfg.train.eval_max_batches)
       best_valid = min(best_valid, valid["loss"])
