@@ -1,17 +1,31 @@
-"""Orbax checkpoints in workdir/checkpoints: save, find the latest or best, restore.
+"""Orbax checkpoints in workdir/checkpoints: save, verify, find and restore.
 
-Each step directory holds two items: `state` (params, optimizer state, step, RNG
-and the LSTM carry, as arrays) and `meta` (JSON: data position, validation loss,
-wall time). Preservation keeps the latest `keep_latest` steps plus the best
-`keep_best` by validation loss (orbax's legacy `max_to_keep` with `best_fn`
-would delete the latest step and break resuming).
+Each step directory holds two items: `state` (params, optimizer state, loss
+scale, step, RNG and the LSTM carry, as arrays) and `meta` (JSON: data
+position, best validation loss, and a CRC32 digest of every array).
+Preservation keeps the latest `keep_latest` steps plus the best `keep_best` by
+validation loss (orbax's legacy `max_to_keep` with `best_fn` would delete the
+latest step and break resuming).
+
+Orbax writes to a temporary directory and renames it when complete, so a
+killed save leaves no half-written step; but it cannot tell a flipped byte in
+an array file from data. The digests can: `restore_latest` verifies them and
+falls back to the newest step that restores intact, moving corrupt steps aside
+(`<step>.corrupt`) instead of deleting anything.
 """
 
+import contextlib
 import logging
 import os
-from typing import Any
+import time
+import zlib
+from typing import Any, Callable
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from zebra_jax.errors import UserError
 
 _policies = ocp.checkpoint_managers
 
@@ -26,8 +40,31 @@ class _QuietMissingMetrics(logging.Filter):
 logging.getLogger("absl").addFilter(_QuietMissingMetrics())
 
 
+class CorruptCheckpoint(Exception):
+  """A restored array does not match the digest written with it."""
+
+
 def _valid_loss(metrics: dict[str, Any]) -> float:
   return metrics["valid_loss"]
+
+
+def digests(state: Any) -> dict[str, str]:
+  """CRC32 of every array this process holds in full, keyed by its tree path."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      continue  # another host holds part of it; orbax checks its shape
+    array = np.ascontiguousarray(jax.device_get(leaf))
+    out[jax.tree_util.keystr(path)] = (
+        f"{array.dtype}{list(array.shape)}:{zlib.crc32(array.data):08x}")
+  return out
+
+
+def verify(state: Any, expected: dict[str, str]) -> None:
+  """Raises CorruptCheckpoint naming the first array whose digest differs."""
+  for key, digest in digests(state).items():
+    if key in expected and expected[key] != digest:
+      raise CorruptCheckpoint(f"array {key} does not match its digest")
 
 
 class Checkpointer:
@@ -44,9 +81,11 @@ class Checkpointer:
                             keep_checkpoints_without_metrics=False),
         ]),
         best_fn=_valid_loss, best_mode="min",  # only so best_step() works
+        cleanup_tmp_directories=True,  # leftovers of killed saves
         create=create)
     self._manager = ocp.CheckpointManager(
         self.directory, options=options, item_names=("state", "meta"))
+    self._pending_step = None
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -60,27 +99,91 @@ class Checkpointer:
     return best if best is not None else self.latest_step()
 
   def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
+    return sorted(self._manager.all_steps())
 
   def save(self, step: int, state: Any, meta: dict[str, Any],
            valid_loss: float | None = None) -> None:
-    """Starts an async save; arrays are copied off the devices before it returns."""
+    """Starts an async save; arrays are copied off the devices before it returns.
+
+    A failed write (a full disk, say) raises UserError; the previous
+    checkpoint is untouched because orbax only renames complete steps.
+    """
     metrics = {"valid_loss": float(valid_loss)} if valid_loss is not None else None
-    self._manager.save(
-        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                      meta=ocp.args.JsonSave(meta)),
-        metrics=metrics, force=True)
+    meta = dict(meta, digests=digests(state))
+    with self._reporting_write_errors(step):
+      self._manager.save(
+          step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                        meta=ocp.args.JsonSave(meta)),
+          metrics=metrics, force=True)
+    self._pending_step = step
 
   def restore(self, step: int, target_state: Any) -> tuple[Any, dict[str, Any]]:
-    """Restores into the shapes, dtypes and shardings of `target_state`."""
+    """Restores into target_state's shapes/dtypes/shardings and verifies it."""
     restored = self._manager.restore(
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target_state),
                                       meta=ocp.args.JsonRestore()))
-    return restored.state, dict(restored.meta)
+    meta = dict(restored.meta)
+    verify(restored.state, meta.get("digests", {}))
+    return restored.state, meta
+
+  def restore_latest(self, target_state: Any,
+                     log: Callable[[str], None] = print):
+    """(step, state, meta) from the newest intact step, or None if none exist.
+
+    A step that fails to read or verify is reported in one line and skipped;
+    once an older step restores, the broken newer ones are moved aside so that
+    new saves can reuse their step numbers. If no step restores, the first
+    error is raised as a UserError (the checkpoints stay where they are).
+    """
+    broken, first_error = [], None
+    for step in reversed(self.all_steps()):
+      try:
+        state, meta = self.restore(step, target_state)
+      except Exception as e:  # truncated files, bad digests, wrong structure
+        reason = str(e).strip().splitlines()[0][:200] if str(e) else type(e).__name__
+        log(f"checkpoint at step {step} is unusable ({reason}); trying an "
+            f"older one")
+        broken.append(step)
+        first_error = first_error or reason
+        continue
+      for bad in broken:
+        self._quarantine(bad, log)
+      return step, state, meta
+    if broken:
+      raise UserError(
+          f"no checkpoint in {self.directory} could be restored ({first_error}):"
+          f" resume with the config that wrote them, or use a new --workdir")
+    return None
+
+  def _quarantine(self, step: int, log: Callable[[str], None]) -> None:
+    if jax.process_index() != 0:
+      return
+    src = os.path.join(self.directory, str(step))
+    dst = f"{src}.corrupt-{int(time.time())}"
+    os.rename(src, dst)
+    self._manager.reload()
+    log(f"moved the unusable checkpoint to {dst}")
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    with self._reporting_write_errors(self._pending_step):
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()
+
+  @contextlib.contextmanager
+  def _reporting_write_errors(self, step):
+    """Turns a failed write into one line that says what survived."""
+    try:
+      yield
+    except (OSError, ValueError, RuntimeError) as e:
+      reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+      previous = [s for s in self.all_steps() if s != step]
+      kept = (f"the previous checkpoint (step {previous[-1]}) is intact"
+              if previous else "no earlier checkpoint exists")
+      raise UserError(
+          f"could not write checkpoint step {step} to {self.directory} "
+          f"({reason}): "
+          f"free disk space or point --workdir elsewhere, then rerun to "
+          f"resume; {kept}") from e

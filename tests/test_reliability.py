@@ -1,0 +1,208 @@
+"""Preemption, exact resume, corrupt checkpoints and a full disk."""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from zebra_jax import checkpoint, parallel, preemption, train, train_state
+from zebra_jax.errors import UserError
+from tests.test_main import REPO, _tiny_word_config, _write_wikitext
+
+
+def _config(data, num_steps=12):
+  cfg = _tiny_word_config(data)
+  cfg.train.update(num_steps=num_steps, log_every=1, eval_every=1000,
+                   report_at_end=False)
+  cfg.checkpoint.update(every_steps=1000, keep_latest=3)
+  return cfg
+
+
+def _train_losses(workdir):
+  records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def _final_state(cfg, workdir, step):
+  cfg.model.vocab_size = json.load(open(f"{workdir}/config.json"))["model"][
+      "vocab_size"]
+  _, target = train_state.abstract_state(cfg, parallel.make_mesh())
+  state, meta = checkpoint.Checkpointer(workdir).restore(step, target)
+  return jax.device_get(state), meta
+
+
+def test_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
+  data = _write_wikitext(tmp_path / "wt")
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  train.run(_config(data), straight)
+
+  real = preemption.StopRequest.should_stop
+  monkeypatch.setattr(preemption.StopRequest, "should_stop",
+                      lambda self, step: step == 6 or real(self, step))
+  first = train.run(_config(data), resumed)
+  assert first["preempted"] and first["steps"] == 6
+  monkeypatch.setattr(preemption.StopRequest, "should_stop", real)
+  second = train.run(_config(data), resumed)
+  assert second["steps"] == 12 and not second["preempted"]
+
+  a, b = _train_losses(straight), _train_losses(resumed)
+  shared = sorted(set(a) & set(b))
+  assert len(shared) >= 8 and max(shared) == 12
+  assert [a[s] for s in shared] == [b[s] for s in shared]  # bitwise
+  state_a, meta_a = _final_state(_config(data), straight, 12)
+  state_b, meta_b = _final_state(_config(data), resumed, 12)
+  for x, y in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
+    np.testing.assert_array_equal(x, y)
+  assert meta_a["position"] == meta_b["position"]
+
+
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
+  data = _write_wikitext(tmp_path / "wt")
+  workdir = str(tmp_path / "run")
+  args = [sys.executable, "-m", "zebra_jax.main", "--config=configs/wt103.py:tiny",
+          f"--workdir={workdir}", f"--config.data.path={data}",
+          "--config.train.log_every=2", "--config.train.eval_every=100000",
+          "--config.checkpoint.every_steps=100000",
+          "--config.train.report_at_end=false"]
+  proc = subprocess.Popen(args + ["--config.train.num_steps=1000000"], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + 120
+  while time.time() < deadline and not (
+      os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+    time.sleep(0.1)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err
+  assert "received SIGTERM" in out
+  saved = checkpoint.Checkpointer(workdir).all_steps()
+  assert len(saved) == 1 and saved[0] >= 2
+  resumed = subprocess.run(args + [f"--config.train.num_steps={saved[0] + 4}"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert resumed.returncode == 0, resumed.stderr
+  assert f"resuming from checkpoint at step {saved[0]}" in resumed.stdout
+  assert f"step {saved[0] + 4} |" in resumed.stdout
+
+
+def _two_checkpoints(tmp_path):
+  """A workdir whose checkpoints hold steps 6 and 12 of one run."""
+  data = _write_wikitext(tmp_path / "wt")
+  cfg = _config(data)
+  cfg.checkpoint.every_steps = 6
+  workdir = str(tmp_path / "run")
+  train.run(cfg, workdir)
+  assert checkpoint.Checkpointer(workdir).all_steps() == [6, 12]
+  cfg.model.vocab_size = json.load(open(f"{workdir}/config.json"))["model"][
+      "vocab_size"]
+  return cfg, workdir
+
+
+def _largest_array_file(workdir, step):
+  files = glob.glob(f"{workdir}/checkpoints/{step}/state/**/d/*", recursive=True)
+  return max(files, key=os.path.getsize)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, damage):
+  cfg, workdir = _two_checkpoints(tmp_path)
+  path = _largest_array_file(workdir, 12)
+  size = os.path.getsize(path)
+  if damage == "flip":  # same size, different bytes: orbax alone reads garbage
+    with open(path, "r+b") as f:
+      f.seek(size // 2)
+      chunk = bytearray(f.read(64))
+      f.seek(size // 2)
+      f.write(bytes(b ^ 0xFF for b in chunk))
+  else:
+    with open(path, "r+b") as f:
+      f.truncate(size // 2)
+  _, target = train_state.abstract_state(cfg, parallel.make_mesh())
+  ckpt = checkpoint.Checkpointer(workdir)
+  messages = []
+  step, state, meta = ckpt.restore_latest(target, messages.append)
+  assert step == 6 and meta["position"]["index"] == 6
+  assert "checkpoint at step 12 is unusable" in messages[0]
+  assert ckpt.all_steps() == [6]  # step 12 moved aside, nothing deleted
+  assert glob.glob(f"{workdir}/checkpoints/12.corrupt-*")
+  # The training command resumes from step 6 and saves step 12 again.
+  cfg.train.num_steps = 12
+  summary = train.run(cfg, workdir)
+  assert summary["steps"] == 12
+  assert checkpoint.Checkpointer(workdir).all_steps() == [6, 12]
+
+
+def test_digest_catches_what_orbax_misses(tmp_path):
+  cfg, workdir = _two_checkpoints(tmp_path)
+  _, target = train_state.abstract_state(cfg, parallel.make_mesh())
+  state, meta = checkpoint.Checkpointer(workdir).restore(12, target)
+  checkpoint.verify(state, meta["digests"])  # intact: passes
+  tampered = dict(meta["digests"])
+  key = next(iter(tampered))
+  tampered[key] = tampered[key][:-1] + ("0" if tampered[key][-1] != "0" else "1")
+  with pytest.raises(checkpoint.CorruptCheckpoint, match="does not match"):
+    checkpoint.verify(state, tampered)
+
+
+def test_killed_save_leaves_a_temp_dir_that_is_ignored(tmp_path):
+  cfg, workdir = _two_checkpoints(tmp_path)
+  # What SIGKILL during an async save leaves: an unfinished temporary step.
+  shutil.copytree(f"{workdir}/checkpoints/12",
+                  f"{workdir}/checkpoints/18.orbax-checkpoint-tmp-1234")
+  os.remove(_largest_array_file(workdir, "18.orbax-checkpoint-tmp-1234"))
+  ckpt = checkpoint.Checkpointer(workdir)
+  assert ckpt.all_steps() == [6, 12]
+  _, target = train_state.abstract_state(cfg, parallel.make_mesh())
+  step, _, _ = ckpt.restore_latest(target, print)
+  assert step == 12
+
+
+def test_all_checkpoints_unusable_is_one_clear_error(tmp_path):
+  cfg, workdir = _two_checkpoints(tmp_path)
+  for step in (6, 12):
+    with open(_largest_array_file(workdir, step), "r+b") as f:
+      f.truncate(10)
+  _, target = train_state.abstract_state(cfg, parallel.make_mesh())
+  with pytest.raises(UserError, match="no checkpoint in .* could be restored"):
+    checkpoint.Checkpointer(workdir).restore_latest(target, print)
+  assert checkpoint.Checkpointer(workdir).all_steps() == [6, 12]  # kept
+
+
+def _mount_tmpfs(path, size):
+  os.makedirs(path, exist_ok=True)
+  result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}",
+                           "tmpfs", str(path)], capture_output=True)
+  return result.returncode == 0
+
+
+def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
+  mount = tmp_path / "small"
+  if not _mount_tmpfs(mount, "4m"):
+    pytest.skip("needs permission to mount a size-limited tmpfs (root)")
+  try:
+    data = _write_wikitext(tmp_path / "wt")
+    cfg = _config(data, num_steps=6)
+    cfg.checkpoint.every_steps = 6
+    workdir = str(mount / "run")
+    train.run(cfg, workdir)
+    free = shutil.disk_usage(mount).free
+    with open(mount / "filler", "wb") as f:  # leave ~20 KB: too little to save
+      f.write(b"\0" * (free - 20_000))
+    cfg.train.num_steps = 12
+    with pytest.raises(UserError, match="could not write checkpoint step 12.*"
+                       "previous checkpoint \\(step 6\\) is intact"):
+      train.run(cfg, workdir)
+    os.remove(mount / "filler")
+    assert checkpoint.Checkpointer(workdir).all_steps() == [6]
+    summary = train.run(cfg, workdir)  # space again: resumes from step 6
+    assert summary["steps"] == 12
+  finally:
+    subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -1,0 +1,183 @@
+"""Fault injection: break a small training run in every way we promise to survive.
+
+  python -m zebra_jax.chaos [--workdir=/tmp/chaos] [--steps=40]
+
+Trains a tiny model once without interruption, then again while, in turn,
+sending SIGTERM mid-run, SIGKILLing mid-save, corrupting the newest checkpoint
+and filling the disk (a size-limited tmpfs when this user may mount one),
+resuming after each. It then checks that the final parameters equal the
+uninterrupted run's bit for bit and prints a table: fault, recovered, steps lost.
+Exits non-zero if any fault was not recovered.
+"""
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write_corpus(path: str) -> None:
+  words = ("the cat sat on a mat while the dog ran to the park and the bird "
+           "sang in a tree near the old house by the river").split()
+  with open(path, "w") as f:
+    for i in range(3000):
+      f.write(" ".join(words[i % 17:i % 17 + 7]) + " .\n")
+
+
+def _command(workdir: str, corpus: str, steps: int) -> list[str]:
+  return [sys.executable, "-m", "zebra_jax.main", "--config=configs/demo.py:tiny",
+          f"--workdir={workdir}", "--config.data.source=text",
+          f"--config.data.path={corpus}", f"--config.train.num_steps={steps}",
+          "--config.train.log_every=1", "--config.train.eval_every=100000",
+          "--config.checkpoint.every_steps=5", "--config.checkpoint.keep_latest=3",
+          "--config.train.report_at_end=false"]
+
+
+def _steps(workdir: str) -> list[int]:
+  folder = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(folder):
+    return []
+  return sorted(int(d) for d in os.listdir(folder) if d.isdigit())
+
+
+def _last_logged_step(workdir: str) -> int:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return 0
+  steps = [json.loads(l)["step"] for l in open(path) if '"train"' in l]
+  return max(steps, default=0)
+
+
+def _wait_for(predicate, timeout: float = 180.0) -> bool:
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if predicate():
+      return True
+    time.sleep(0.02)
+  return False
+
+
+def _run(cmd, **kw):
+  return subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True,
+                        timeout=600, **kw)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workdir", default=None)
+  parser.add_argument("--steps", type=int, default=40)
+  args = parser.parse_args()
+  root = args.workdir or tempfile.mkdtemp(prefix="zebra_chaos_")
+  os.makedirs(root, exist_ok=True)
+  corpus = os.path.join(root, "corpus.txt")
+  _write_corpus(corpus)
+  reference, chaos = os.path.join(root, "reference"), os.path.join(root, "chaos")
+  mounted = False
+  if os.geteuid() == 0:
+    os.makedirs(chaos, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs",
+                              chaos], capture_output=True).returncode == 0
+  rows = []
+  try:
+    out = _run(_command(reference, corpus, args.steps))
+    if out.returncode:
+      print(out.stderr, file=sys.stderr)
+      return 1
+    cmd = _command(chaos, corpus, args.steps)
+
+    # 1. SIGTERM mid-run: a checkpoint at the current step, exit 0.
+    proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: _last_logged_step(chaos) >= 7)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=300)
+    saved = max(_steps(chaos), default=0)
+    rows.append(("SIGTERM mid-run", proc.returncode == 0 and saved > 0,
+                 _last_logged_step(chaos) - saved))
+
+    # 2. SIGKILL while an async save is being written.
+    proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    tmp_glob = os.path.join(chaos, "checkpoints", "*.orbax-checkpoint-tmp*")
+    in_save = _wait_for(lambda: glob.glob(tmp_glob) and _last_logged_step(chaos)
+                        > saved)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    lost = _last_logged_step(chaos) - max(_steps(chaos), default=0)
+    rows.append(("SIGKILL mid-save" if in_save else "SIGKILL mid-run",
+                 None, lost))
+
+    # 3. Flip bytes in the newest checkpoint's largest array file.
+    newest = max(_steps(chaos))
+    files = glob.glob(os.path.join(chaos, "checkpoints", str(newest), "state",
+                                   "**", "d", "*"), recursive=True)
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:
+      f.seek(os.path.getsize(target) // 2)
+      chunk = f.read(64)
+      f.seek(os.path.getsize(target) // 2)
+      f.write(bytes(b ^ 0xFF for b in chunk))
+    older = [s for s in _steps(chaos) if s < newest]
+    rows.append(("corrupt newest checkpoint", None,
+                 newest - (older[-1] if older else 0)))
+
+    # 4. A full disk during a save (only on a size-limited tmpfs).
+    if mounted:
+      free = shutil.disk_usage(chaos).free
+      with open(os.path.join(chaos, "filler"), "wb") as f:
+        f.write(b"\0" * max(free - 50_000, 0))
+      full = _run(cmd)
+      os.remove(os.path.join(chaos, "filler"))
+      clear = full.returncode != 0 and "error: " in full.stderr and (
+          "Traceback" not in full.stderr)
+      rows.append(("disk full during save", clear, 0))
+
+    # Resume to the end after all of it (this also recovers from 2 and 3).
+    final = _run(cmd)
+    recovered = final.returncode == 0
+    rows[1] = (rows[1][0], recovered, rows[1][2])
+    rows[2] = (rows[2][0], recovered and "unusable" in final.stdout,
+               rows[2][2])
+    same = recovered and _same_final_params(reference, chaos)
+    rows.append(("final params == uninterrupted run", same, 0))
+  finally:
+    if mounted:
+      subprocess.run(["umount", "-l", chaos], check=False)
+  print(f"{'fault':36} {'recovered':>10} {'steps lost':>11}")
+  for fault, ok, lost in rows:
+    print(f"{fault:36} {('yes' if ok else 'NO'):>10} {lost:>11}")
+  return 0 if all(ok for _, ok, _ in rows) else 1
+
+
+def _same_final_params(reference: str, chaos: str) -> bool:
+  """Bitwise comparison of the two runs' final train states."""
+  code = (
+      "import json,sys,jax,numpy as np\n"
+      "from configs import demo\n"
+      "from zebra_jax import checkpoint,parallel,train_state\n"
+      "def load(w):\n"
+      "  cfg=demo.get_config('tiny'); saved=json.load(open(w+'/config.json'))\n"
+      "  cfg.model.vocab_size=saved['model']['vocab_size']\n"
+      "  cfg.train.num_steps=saved['train']['num_steps']\n"
+      "  ck=checkpoint.Checkpointer(w,create=False)\n"
+      "  _,t=train_state.abstract_state(cfg,parallel.make_mesh())\n"
+      "  return jax.device_get(ck.restore(ck.latest_step(),t)[0])\n"
+      "a,b=load(sys.argv[1]),load(sys.argv[2])\n"
+      "ok=all(np.array_equal(x,y) for x,y in zip(jax.tree.leaves(a),"
+      "jax.tree.leaves(b)))\n"
+      "sys.exit(0 if ok else 1)\n")
+  out = subprocess.run([sys.executable, "-c", code, reference, chaos],
+                       cwd=_REPO, capture_output=True, text=True, timeout=300)
+  return out.returncode == 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
