@@ -17,9 +17,13 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.data = dict(
-      source="embedded",        # embedded | wikitext (a folder) | text (files)
+      source="embedded",        # embedded | wikitext (a folder) | text (files) | hf
       path="",                  # folder or file(s) for wikitext/text sources
-      tokenizer="char",         # char | word
+      hf_name="Salesforce/wikitext",  # source=hf only: the hub dataset
+      hf_config="wikitext-2-raw-v1",  # source=hf only: its config
+      hf_cache_dir="",          # source=hf only: datasets cache ("" = HF default)
+      tokenizer="char",         # char | word | bpe
+      bpe_vocab_size=4096,      # tokenizer=bpe: byte-level BPE size
       min_freq=1,               # word vocab: drop rarer words to <unk>
       max_vocab_size=0,         # word vocab: keep the most frequent; 0 = all
       valid_fraction=0.05,      # text/embedded sources: share held out per split
@@ -39,7 +43,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       dropout_output=0.1,       # before the softmax head
       tie_embeddings=True,      # when embed_size == hidden_size
       dtype="float32",          # compute dtype; parameters stay float32
-      unroll=4,                 # lax.scan unroll factor
+      unroll=1,                 # lax.scan unroll factor (>1 was slower on CPU)
       remat=False,              # jax.checkpoint the time step (long windows)
   )
   c.optim = dict(
@@ -66,9 +70,17 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
           backoff_factor=0.5, min_scale=1.0),       # --mode=train ends with valid/test eval + a sample
   )
   c.eval = dict(batch_size=16, seq_len=128)
+  c.serve = dict(                # --mode=serve request limits
+      max_body_bytes=1 << 20, max_new_tokens=1024, max_prompt_tokens=4096,
+      max_rows=64, max_score_tokens=100_000)
+  c.profile = dict(
+      start_step=0,             # first traced step (>= 2 skips compilation)
+      num_steps=0,              # steps traced into workdir/profile; 0 = off
+  )
   c.checkpoint = dict(every_steps=500, keep_latest=2, keep_best=1)
   c.sample = dict(prompt="The ", max_new_tokens=300, temperature=0.8, top_k=0,
-                  top_p=0.95, num_samples=1, seed=0)
+                  top_p=0.95, num_samples=1, seed=0,
+                  repetition_penalty=1.0, stop="", stream=False, chunk=32)
   if variant == "tiny":  # same code path, shrunk for tests and smoke runs
     c.model.update(embed_size=32, hidden_size=32, num_layers=2, num_stripes=4,
                    unroll=1)

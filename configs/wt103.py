@@ -23,11 +23,15 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.data = dict(
-      source="wikitext",        # a WikiText-format folder
-      path="",                  # REQUIRED: --config.data.path=/path/to/wikitext-103
+      source="wikitext",        # wikitext (folder) | hf (Salesforce/wikitext or a local parquet/arrow dir) | text | embedded
+      path="",                  # wikitext/text: REQUIRED, e.g. /data/wikitext-103
+      hf_name="Salesforce/wikitext",  # source=hf: the hub dataset
+      hf_config="wikitext-103-v1",    # source=hf: wikitext-103-v1 | wikitext-103-raw-v1 | wikitext-2-v1 | wikitext-2-raw-v1
+      hf_cache_dir="",          # source=hf: datasets cache ("" = HF default); HF_HUB_OFFLINE=1 reads only this
       tokenizer="word",         # WikiText convention: whitespace tokens, <eos>
+      bpe_vocab_size=32000,     # tokenizer=bpe: byte-level BPE size
       min_freq=1,
-      max_vocab_size=100_000,   # full softmax over the top words until adaptive
+      max_vocab_size=100_000,   # full softmax over the top words (adaptive softmax: not wired in yet)
       valid_fraction=0.05,      # unused: WikiText has its own splits
       test_fraction=0.05,
       batching="streams",
@@ -66,9 +70,17 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
           backoff_factor=0.5, min_scale=1.0),
   )
   c.eval = dict(batch_size=16, seq_len=256)
+  c.serve = dict(                # --mode=serve request limits
+      max_body_bytes=1 << 20, max_new_tokens=1024, max_prompt_tokens=4096,
+      max_rows=64, max_score_tokens=100_000)
+  c.profile = dict(
+      start_step=0,             # first traced step (>= 2 skips compilation)
+      num_steps=0,              # steps traced into workdir/profile; 0 = off
+  )
   c.checkpoint = dict(every_steps=4000, keep_latest=2, keep_best=1)
   c.sample = dict(prompt="The history of", max_new_tokens=60, temperature=0.8,
-                  top_k=0, top_p=0.95, num_samples=1, seed=0)
+                  top_k=0, top_p=0.95, num_samples=1, seed=0,
+                  repetition_penalty=1.0, stop="", stream=False, chunk=32)
   if variant == "tiny":  # same code path, shrunk for tests and smoke runs
     c.data.update(batch_size=8, seq_len=16, max_vocab_size=0)
     c.model.update(embed_size=32, hidden_size=32, num_stripes=4, unroll=1,

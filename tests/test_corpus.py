@@ -146,8 +146,8 @@ def test_non_utf8_names_file_and_offset(tmp_path):
 
 
 def test_bad_source_and_fractions():
-  with pytest.raises(UserError, match="data.source 'hf' is unknown"):
-    corpus.load_splits(data_config(source="hf"))
+  with pytest.raises(UserError, match="data.source .tfds. is unknown"):
+    corpus.load_splits(data_config(source="tfds"))
   with pytest.raises(UserError, match="sum to less than 1"):
     corpus.load_splits(data_config(valid_fraction=0.6, test_fraction=0.5))
 

@@ -175,3 +175,106 @@ def test_make_batcher_and_position():
   assert seen == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
   assert data.DataPosition.from_dict(position.to_dict()) == position
   assert json.loads(json.dumps(position.to_dict())) == {"epoch": 2, "index": 1}
+
+
+def synthetic_wikitext(folder, num_tokens: int, vocab: int = 50_000,
+                       words_per_line: int = 20):
+  """A WikiText-format folder of `num_tokens` words, made with numpy in
+  about a second: 6-letter words with log-uniform (Zipf-like) ids."""
+  rng = np.random.default_rng(0)
+  ids = (vocab ** rng.random(num_tokens)).astype(np.int64) - 1
+  letters = np.empty((num_tokens, 7), np.uint8)
+  for k in range(5, -1, -1):
+    letters[:, k] = 97 + ids % 26
+    ids //= 26
+  letters[:, 6] = ord(" ")
+  letters[words_per_line - 1::words_per_line, 6] = ord("\n")
+  letters[-1, 6] = ord("\n")
+  text = letters.tobytes().decode("ascii")
+  folder.mkdir()
+  (folder / "wiki.train.tokens").write_text(text, encoding="ascii")
+  for split in ("valid", "test"):
+    (folder / f"wiki.{split}.tokens").write_text(text[:7000], encoding="ascii")
+  return text
+
+
+# The issue's 10M tokens: ~17 s on 2 busy cores (count ~1.3M tokens/s,
+# encode ~1.2M tokens/s per core, both in spawn workers when cores allow).
+BIG_TOKENS = 10_000_000
+
+
+def test_big_corpus_caches_once_and_is_reused(tmp_path, monkeypatch):
+  synthetic_wikitext(tmp_path / "wt", BIG_TOKENS)
+  config = make_config(tmp_path / "wt", source="wikitext")
+  workdir = str(tmp_path / "run")
+  monkeypatch.setattr(corpus, "CHUNK_BYTES", 1 << 22)  # ~10 pieces
+  tok, ids = data.prepare_data(config, workdir)
+  assert isinstance(ids["train"], np.memmap)
+  # 20 words + <eos> per line.
+  assert len(ids["train"]) == BIG_TOKENS // 20 * 21
+  assert ids["train"][20] == tok.eos_id and ids["train"][41] == tok.eos_id
+  assert tok.vocab_size > 10_000 and tok.unk_id not in ids["train"][:1000]
+  first = tok.decode(ids["train"][:21]).split()
+  text_start = (tmp_path / "wt" / "wiki.train.tokens").read_text()[:200]
+  assert first == text_start.split()[:20]
+
+  def no_reading(_):
+    raise AssertionError("the corpus was read although the cache matched")
+
+  monkeypatch.setattr(corpus, "open_splits", no_reading)
+  tok2, ids2 = data.prepare_data(config, workdir)
+  assert tok2 == tok
+  np.testing.assert_array_equal(ids2["train"][-1000:], ids["train"][-1000:])
+
+
+def test_streamed_npy_header_is_patched(tmp_path):
+  path = str(tmp_path / "x.npy")
+
+  class NoProgress:
+    def add_tokens(self, n):
+      del n
+
+  arrays = [np.arange(5, dtype=np.int32), np.arange(0, dtype=np.int32),
+            np.arange(7, dtype=np.int64)]
+  assert data._stream_npy(path, arrays, NoProgress()) == 12
+  loaded = np.load(path, mmap_mode="r")
+  assert loaded.dtype == np.int32
+  assert loaded.tolist() == list(range(5)) + list(range(7))
+
+
+def test_bpe_prepare_data_and_settings_check(tmp_path, text_file):
+  pytest.importorskip("tokenizers")
+  config = make_config(text_file, tokenizer="bpe", bpe_vocab_size=280)
+  workdir = str(tmp_path / "run")
+  tok, ids = data.prepare_data(config, workdir)
+  assert tok.kind == "bpe"
+  assert tok.decode(ids["valid"]) == "the cat 0 sat\nthe cat 1 sat\n"
+  assert data.prepare_data(config, workdir)[0] == tok
+  config.data.bpe_vocab_size = 400
+  with pytest.raises(UserError, match="bpe_vocab_size=280.*bpe_vocab_size=400"):
+    data.prepare_data(config, workdir)
+
+
+def test_file_split_pieces_cut_after_newlines(tmp_path, monkeypatch):
+  monkeypatch.setattr(corpus, "CHUNK_BYTES", 8)
+  path = tmp_path / "f.txt"
+  text = "\ufeffab\r\ncdefghijklmnop\nq\n\nr é s\nno end"
+  path.write_bytes(text.encode("utf-8"))
+  split = corpus.file_split("train", str(path))
+  pieces = list(split.chunks())
+  assert "".join(pieces) == text[1:].replace("\r\n", "\n")
+  assert all(p.endswith("\n") for p in pieces[:-1]) and len(pieces) > 3
+  assert split.size == os.path.getsize(path) and split.unit == "B"
+  path.write_bytes(b"ok\nfine line\n\xff bad\n")
+  with pytest.raises(UserError, match="byte offset 13"):
+    list(corpus.file_split("train", str(path)).chunks())
+
+
+def test_data_bench_quick_smoke(capsys):
+  from zebra_jax import data_bench  # pylint: disable=g-import-not-at-top
+  results = data_bench.run(num_tokens=200_000, batch_size=16, seq_len=32,
+                           num_batches=20, vocab_size=1000,
+                           step_tokens_per_s=1000.0)
+  assert set(results) == {"batcher", "batcher+device_put"}
+  assert all(r["tokens_per_s"] > 0 for r in results.values())
+  assert "x the step" in capsys.readouterr().out

@@ -78,8 +78,8 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
   metrics = os.path.join(workdir, "metrics.jsonl")
   deadline = time.time() + 120
   while time.time() < deadline and not (
-      os.path.exists(metrics) and os.path.getsize(metrics) > 0):
-    time.sleep(0.1)
+      os.path.exists(metrics) and '"train"' in open(metrics).read()):
+    time.sleep(0.1)  # wait for a logged training step
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err

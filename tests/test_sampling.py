@@ -183,3 +183,52 @@ def test_invalid_options_raise_user_error(options, bad):
   if "num_new_tokens" not in options:
     with pytest.raises(UserError, match=bad.replace(".", r"\.")):
       sampling.filter_logits(jnp.zeros((1, VOCAB)), **kwargs)
+
+
+def test_repetition_penalty_matches_numpy_and_skips_unseen():
+  logits = _random_logits(7, (4, VOCAB))
+  seen = np.zeros((4, VOCAB), bool)
+  seen[:, ::3] = True
+  got = np.asarray(sampling.penalize_repeats(jnp.asarray(logits),
+                                             jnp.asarray(seen), 2.0))
+  expected = np.where(seen, np.where(logits > 0, logits / 2, logits * 2),
+                      logits)
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
+  same = sampling.penalize_repeats(jnp.asarray(logits), jnp.asarray(seen), 1.0)
+  np.testing.assert_array_equal(np.asarray(same), logits)
+  assert sampling.seen_tokens([[1, 1, 4], []], VOCAB).sum(-1).tolist() == [2, 0]
+
+
+def test_huge_repetition_penalty_never_repeats_under_greedy():
+  # The successor rule would cycle through the vocab; a bigram table that
+  # always prefers token 0 would repeat it forever without the penalty.
+  table = np.full((VOCAB, VOCAB), 1.0, np.float32)
+  table[:, 0] = 5.0
+  table += np.linspace(0, 1, VOCAB, dtype=np.float32)  # a strict order
+  start = np.array([3])
+  plain, _ = sampling.generate(
+      _bigram_step, {"table": jnp.asarray(table)}, (), table[start],
+      jax.random.key(0), num_new_tokens=6, temperature=0.0)
+  assert np.asarray(plain).tolist() == [[0] * 6]
+  seen = sampling.seen_tokens([start], VOCAB)
+  tokens, _ = sampling.generate(
+      _bigram_step, {"table": jnp.asarray(table)}, (), table[start],
+      jax.random.key(0), num_new_tokens=6, temperature=0.0,
+      repetition_penalty=1e3, seen=seen)
+  row = np.asarray(tokens)[0].tolist()
+  assert len(set(row)) == 6 and 3 not in row  # nor the prompt's token
+
+
+def test_chunks_continue_where_the_last_one_stopped():
+  table = _random_logits(8, (VOCAB, VOCAB))
+  params, start = {"table": jnp.asarray(table)}, np.array([1, 5])
+  whole, _ = sampling.generate(_bigram_step, params, (), table[start],
+                               jax.random.key(4), num_new_tokens=9)
+  state = sampling.start_state((), table[start])
+  pieces = []
+  for offset in (0, 3, 6):
+    tokens, state = sampling.generate_chunk(
+        _bigram_step, params, state, jax.random.key(4), offset,
+        num_new_tokens=3)
+    pieces.append(np.asarray(tokens))
+  np.testing.assert_array_equal(np.concatenate(pieces, 1), whole)

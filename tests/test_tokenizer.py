@@ -116,8 +116,8 @@ def test_load_missing_or_corrupt(tmp_path):
 
 def test_make_tokenizer_unknown_kind():
   config = ml_collections.ConfigDict(
-      dict(tokenizer="bpe", min_freq=1, max_vocab_size=0))
-  with pytest.raises(UserError, match="data.tokenizer 'bpe' is unknown"):
+      dict(tokenizer="sentencepiece", min_freq=1, max_vocab_size=0))
+  with pytest.raises(UserError, match="data.tokenizer .sentencepiece. is unknown"):
     tokenizer_lib.make_tokenizer(config, TRAIN)
 
 
@@ -127,3 +127,57 @@ def test_char_encode_is_fast_on_a_megabyte():
   ids = tok.encode(text)
   assert ids.shape == (len(text),)
   assert tok.decode(ids[:45]) == text[:45]
+
+
+def test_word_pieces_equal_whole_text():
+  """build/encode over pieces cut after "\\n" equal the whole-text results."""
+  text = TRAIN + "no final newline"
+  pieces = ["the cat sat on the mat\n", "\n", "the cat the cat sat a\n",
+            "no final newline"]
+  assert "".join(pieces) == text
+  whole = WordTokenizer.build(text)
+  assert WordTokenizer.build(iter(pieces)) == whole
+  chunked = np.concatenate(list(whole.encode_chunks(pieces)))
+  assert chunked.tolist() == whole.encode(text).tolist()
+  assert CharTokenizer.build(iter(pieces)) == CharTokenizer.build(text)
+
+
+def test_word_encode_in_worker_processes(monkeypatch):
+  """The spawn pool gives the same ids, in order, as encoding in-process."""
+  monkeypatch.setattr(tokenizer_lib, "num_workers", lambda: 2)
+  tok = WordTokenizer.build(TRAIN)
+  pieces = [f"the cat {i} sat\n" * 3 for i in range(6)]
+  pooled = np.concatenate(list(tok.encode_chunks(pieces)))
+  assert pooled.tolist() == tok.encode("".join(pieces)).tolist()
+
+
+BPE_TEXT = ("The zebra's stripes: 12 black, 12 white.\n\n  Ünïcode 🦓 too\n"
+            * 40)
+
+
+def bpe_config(size=300):
+  return ml_collections.ConfigDict(dict(tokenizer="bpe", min_freq=1,
+                                        max_vocab_size=0, bpe_vocab_size=size))
+
+
+def test_bpe_trains_saves_reloads_and_round_trips(tmp_path):
+  pytest.importorskip("tokenizers")
+  tok = tokenizer_lib.make_tokenizer(bpe_config(), [BPE_TEXT[:500],
+                                                    BPE_TEXT[500:]])
+  assert tok.kind == "bpe" and 256 < tok.vocab_size <= 300
+  ids = tok.encode(BPE_TEXT)
+  assert ids.dtype == np.int32 and len(ids) < len(BPE_TEXT.encode()) / 2
+  assert tok.decode(ids) == BPE_TEXT
+  unseen = "never seen: Ω ≈ ∑ 😀\n"  # bytes: nothing is unknown
+  assert tok.decode(tok.encode(unseen)) == unseen
+  assert tok.decode(tok.encode_prompt("The zebra")) == "The zebra"
+  tok.save(str(tmp_path))
+  spec = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
+  assert spec["model"]["type"] == "BPE"  # the HF tokenizers format
+  loaded = tokenizer_lib.load_tokenizer(str(tmp_path))
+  assert loaded == tok and loaded.fingerprint() == tok.fingerprint()
+  assert loaded.settings() == {"tokenizer": "bpe", "bpe_vocab_size": 300}
+  assert loaded.settings() == tokenizer_lib.config_settings(bpe_config())
+  assert loaded.encode(BPE_TEXT).tolist() == ids.tolist()
+  with pytest.raises(UserError, match="bpe_vocab_size=100"):
+    tokenizer_lib.make_tokenizer(bpe_config(100), BPE_TEXT)

@@ -65,6 +65,18 @@ def _wait_for(predicate, timeout: float = 180.0) -> bool:
   return False
 
 
+def _partial_run(cmd, workdir: str, until_step: int):
+  """Starts a run, lets it log until_step, then SIGTERMs it: (code, out, err)."""
+  proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  _wait_for(lambda: _last_logged_step(workdir) >= until_step
+            or proc.poll() is not None)
+  if proc.poll() is None:
+    proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
+  return proc.returncode, out, err
+
+
 def _run(cmd, **kw):
   return subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True,
                         timeout=600, **kw)
@@ -94,16 +106,13 @@ def main() -> int:
     cmd = _command(chaos, corpus, args.steps)
 
     # 1. SIGTERM mid-run: a checkpoint at the current step, exit 0.
-    proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    _wait_for(lambda: _last_logged_step(chaos) >= 7)
-    proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=300)
+    code, out, err = _partial_run(cmd, chaos, until_step=7)
     saved = max(_steps(chaos), default=0)
-    rows.append(("SIGTERM mid-run", proc.returncode == 0 and saved > 0,
-                 _last_logged_step(chaos) - saved))
+    rows.append(("SIGTERM mid-run", code == 0 and "received SIGTERM" in out,
+                 _last_logged_step(chaos) - saved, out + err))
 
-    # 2. SIGKILL while an async save is being written.
+    # 2. SIGKILL while an async save is being written; the next run resumes
+    #    from the newest complete step.
     proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     tmp_glob = os.path.join(chaos, "checkpoints", "*.orbax-checkpoint-tmp*")
@@ -111,11 +120,15 @@ def main() -> int:
                         > saved)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    lost = _last_logged_step(chaos) - max(_steps(chaos), default=0)
+    complete = max(_steps(chaos), default=0)
+    lost = _last_logged_step(chaos) - complete
+    code, out, err = _partial_run(cmd, chaos, until_step=complete + 3)
     rows.append(("SIGKILL mid-save" if in_save else "SIGKILL mid-run",
-                 None, lost))
+                 code == 0 and f"resuming from checkpoint at step {complete}"
+                 in out, lost, out + err))
 
-    # 3. Flip bytes in the newest checkpoint's largest array file.
+    # 3. Flip bytes in the newest checkpoint's largest array file; the next
+    #    run reports it, moves it aside and resumes from the one before.
     newest = max(_steps(chaos))
     files = glob.glob(os.path.join(chaos, "checkpoints", str(newest), "state",
                                    "**", "d", "*"), recursive=True)
@@ -125,36 +138,43 @@ def main() -> int:
       chunk = f.read(64)
       f.seek(os.path.getsize(target) // 2)
       f.write(bytes(b ^ 0xFF for b in chunk))
-    older = [s for s in _steps(chaos) if s < newest]
-    rows.append(("corrupt newest checkpoint", None,
-                 newest - (older[-1] if older else 0)))
+    older = max(s for s in _steps(chaos) if s < newest)
+    code, out, err = _partial_run(cmd, chaos, until_step=newest + 1)
+    rows.append(("corrupt newest checkpoint",
+                 code == 0 and "unusable" in out
+                 and f"resuming from checkpoint at step {older}" in out,
+                 newest - older, out + err))
 
-    # 4. A full disk during a save (only on a size-limited tmpfs).
+    # 4. A full disk during a save (only on a size-limited tmpfs): one clear
+    #    line, exit code 2, and the previous checkpoint survives.
     if mounted:
+      before = _steps(chaos)
       free = shutil.disk_usage(chaos).free
       with open(os.path.join(chaos, "filler"), "wb") as f:
         f.write(b"\0" * max(free - 50_000, 0))
       full = _run(cmd)
       os.remove(os.path.join(chaos, "filler"))
-      clear = full.returncode != 0 and "error: " in full.stderr and (
-          "Traceback" not in full.stderr)
-      rows.append(("disk full during save", clear, 0))
+      clear = (full.returncode == 2 and "Traceback" not in full.stderr
+               and "error: " in full.stderr
+               and set(before) <= set(_steps(chaos)))
+      rows.append(("disk full during save", clear, 0, full.stdout + full.stderr))
 
-    # Resume to the end after all of it (this also recovers from 2 and 3).
+    # Resume to the end after all of it.
     final = _run(cmd)
-    recovered = final.returncode == 0
-    rows[1] = (rows[1][0], recovered, rows[1][2])
-    rows[2] = (rows[2][0], recovered and "unusable" in final.stdout,
-               rows[2][2])
-    same = recovered and _same_final_params(reference, chaos)
-    rows.append(("final params == uninterrupted run", same, 0))
+    same = final.returncode == 0 and _same_final_params(reference, chaos)
+    rows.append(("final params == uninterrupted run", same, 0,
+                 final.stdout + final.stderr))
   finally:
     if mounted:
       subprocess.run(["umount", "-l", chaos], check=False)
   print(f"{'fault':36} {'recovered':>10} {'steps lost':>11}")
-  for fault, ok, lost in rows:
+  for fault, ok, lost, _ in rows:
     print(f"{fault:36} {('yes' if ok else 'NO'):>10} {lost:>11}")
-  return 0 if all(ok for _, ok, _ in rows) else 1
+  for fault, ok, _, err in rows:
+    if not ok:
+      print(f"\n{fault}: its output ends with:\n" + "\n".join(
+          err.strip().splitlines()[-15:]), file=sys.stderr)
+  return 0 if all(ok for _, ok, _, _ in rows) else 1
 
 
 def _same_final_params(reference: str, chaos: str) -> bool:

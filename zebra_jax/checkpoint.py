@@ -172,6 +172,14 @@ class Checkpointer:
     self.wait()
     self._manager.close()
 
+  def abandon(self) -> None:
+    """On the way out after an error: finish in-flight saves, ignore their errors."""
+    try:
+      self._manager.wait_until_finished()
+      self._manager.close()
+    except Exception:  # the error being raised already says what went wrong
+      pass
+
   @contextlib.contextmanager
   def _reporting_write_errors(self, step):
     """Turns a failed write into one line that says what survived."""

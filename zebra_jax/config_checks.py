@@ -5,13 +5,13 @@ import ml_collections
 from zebra_jax.errors import UserError
 
 _CHOICES = {
-    "data.source": ("embedded", "wikitext", "text"),
-    "data.tokenizer": ("char", "word"),
+    "data.source": ("embedded", "wikitext", "text", "hf"),
+    "data.tokenizer": ("char", "word", "bpe"),
     "data.batching": ("streams", "random"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "optim.name": ("adam", "adamw", "sgd", "lamb"),
 }
-_POSITIVE = ("data.batch_size", "data.seq_len", "model.embed_size",
+_POSITIVE = ("data.batch_size", "data.seq_len", "data.bpe_vocab_size", "model.embed_size",
              "model.hidden_size", "model.num_layers", "model.num_stripes",
              "model.unroll", "train.num_steps", "train.log_every",
              "train.eval_every", "eval.batch_size", "eval.seq_len",
@@ -63,7 +63,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         f"model.hidden_size={m.hidden_size} is not divisible by "
         f"model.num_stripes={m.num_stripes}: pick num_stripes that divides "
         f"hidden_size (e.g. {_divisor_hint(m.hidden_size, m.num_stripes)})")
-  if cfg.data.source != "embedded" and not cfg.data.path:
+  if cfg.data.source not in ("embedded", "hf") and not cfg.data.path:
     raise UserError(f"data.source={cfg.data.source!r} needs a path: set "
                     f"--config.data.path to the folder or file(s) to read")
 

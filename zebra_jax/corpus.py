@@ -1,17 +1,23 @@
-"""Where the text comes from: three sources, each cut into train/valid/test.
+"""Where the text comes from: four sources, each cut into train/valid/test.
 
-`load_splits(config.data)` gives {"train", "valid", "test"} -> the split's text,
-lines separated by "\\n". Tokenizing and caching ids happen later (data.py);
-this module only reads files and decides which text lands in which split.
+`open_splits(config.data)` gives {"train", "valid", "test"} -> a `Split` that
+streams the split's text in pieces of a few MB (WikiText-103's 540 MB train
+split is never one Python string); `load_splits` joins them for small corpora.
+Tokenizing and caching ids happen later (data.py); this module only reads
+text and decides which text lands in which split.
 
   embedded  English documentation that ships with every Python install: the
             pydoc topics plus standard-library docstrings (~2 MB). It needs no
             network, so the quickstart and the tests always have a corpus.
   wikitext  a folder in the WikiText layout (wiki.{train,valid,test}.tokens).
   text      your own files; the last lines become valid and test.
+  hf        a Hugging Face `datasets` dataset, one row per line: the hub
+            (default Salesforce/wikitext) or a local parquet/arrow folder
+            (hf_source.py holds that part).
 """
 
 import ast
+import dataclasses
 import hashlib
 import json
 import os
@@ -19,6 +25,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+from typing import Callable, Iterator
 import zlib
 
 from absl import logging
@@ -37,26 +44,71 @@ _SKIP_DIRS = frozenset({
     "pydoc_data", "__phello__", "venv",
 })
 _WIKITEXT_SUFFIXES = (".tokens", ".raw")
+# Bytes read per piece: big enough that str.split and numpy amortise their
+# call overhead, small enough that a worker's copy stays far below 1 GB.
+CHUNK_BYTES = 1 << 23
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """One split's text, read in pieces on demand (every read starts afresh).
+
+  Pieces are consecutive: joined they give the split's text, and every piece
+  but the last ends with "\\n", so no line is ever cut in two.
+  `size` counts `unit`s ("B", "rows" or "chars"); it only drives progress.
+  """
+
+  name: str
+  size: int
+  unit: str
+  read: Callable[[], Iterator[tuple[str, int]]]  # yields (piece, units)
+
+  def chunks(self) -> Iterator[str]:
+    for piece, _ in self.read():
+      yield piece
+
+  def text(self) -> str:
+    return "".join(self.chunks())
+
+  def is_blank(self) -> bool:
+    """True when the split holds only whitespace; stops at the first word."""
+    return not any(piece.strip() for piece in self.chunks())
+
+
+def in_memory_split(name: str, text: str) -> Split:
+  """A Split over a str already in memory (embedded, text, tests)."""
+  def read():
+    start = 0
+    while start < len(text):
+      stop = text.find("\n", start + CHUNK_BYTES) + 1 or len(text)
+      yield text[start:stop], stop - start
+      start = stop
+  return Split(name, len(text), "chars", read)
 
 
 def load_splits(data_config) -> dict[str, str]:
   """Reads the corpus named by `data_config.source` and splits it.
 
   Args:
-    data_config: `config.data` (source, path, valid_fraction, test_fraction).
+    data_config: `config.data` (source, path, valid_fraction, test_fraction;
+      hf_name, hf_config, hf_cache_dir for source=hf).
 
   Returns:
     {"train": str, "valid": str, "test": str}. Train is never empty.
   """
+  return {name: split.text()
+          for name, split in open_splits(data_config).items()}
+
+
+def open_splits(data_config) -> dict[str, Split]:
+  """Like `load_splits`, but streamed: {"train"|"valid"|"test": Split}."""
   _check_fractions(data_config)
-  loaders = {"embedded": _load_embedded, "wikitext": _load_wikitext,
-             "text": _load_text}
-  if data_config.source not in loaders:
+  if data_config.source not in _LOADERS:
     raise UserError(
         f"data.source {data_config.source!r} is unknown: set "
-        f"--config.data.source to one of {', '.join(loaders)}")
-  splits = loaders[data_config.source](data_config)
-  if not splits["train"].strip():
+        f"--config.data.source to one of {', '.join(_LOADERS)}")
+  splits = _LOADERS[data_config.source](data_config)
+  if splits["train"].is_blank():
     raise UserError(
         f"the train split of data.source={data_config.source!r} "
         f"(path {data_config.path!r}) is empty: point --config.data.path at "
@@ -76,15 +128,24 @@ def source_fingerprint(data_config) -> str:
   if data_config.source == "embedded":
     desc.update(python=sys.version, stdlib=_stdlib_dir(),
                 format=_EMBEDDED_FORMAT)
+  elif data_config.source == "hf":
+    from zebra_jax import hf_source  # pylint: disable=g-import-not-at-top
+    desc.update(hf_source.describe(data_config))
   else:
     desc["path"] = data_config.path
     files = (_wikitext_files(data_config.path)
              if data_config.source == "wikitext"
              else _text_files(data_config.path))
-    desc["files"] = [[os.path.abspath(f), os.stat(f).st_size,
-                      os.stat(f).st_mtime_ns] for f in files]
+    desc["files"] = file_stats(files)
   blob = json.dumps(desc, sort_keys=True).encode()
   return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def file_stats(files) -> list:
+  """[abspath, size, mtime_ns] per file: what a fingerprint needs to notice
+  an edit without reading the file."""
+  return [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns]
+          for f in files]
 
 
 # ----------------------------------------------------------------- embedded
@@ -118,7 +179,7 @@ def embedded_documents() -> list[tuple[str, str]]:
   return documents
 
 
-def _load_embedded(data_config) -> dict[str, str]:
+def _load_embedded(data_config) -> dict[str, Split]:
   """Assigns whole documents to splits by a hash of their name.
 
   The hash (crc32) is stable across runs and machines, so a document never
@@ -134,7 +195,7 @@ def _load_embedded(data_config) -> dict[str, str]:
     else:
       parts["train"].append(text)
   # A blank line between documents, and every split ends with a newline.
-  return {name: "".join(doc + "\n\n" for doc in docs)
+  return {name: in_memory_split(name, "".join(doc + "\n\n" for doc in docs))
           for name, docs in parts.items()}
 
 
@@ -187,9 +248,29 @@ def _embedded_cache_path() -> str:
 # ----------------------------------------------------------------- wikitext
 
 
-def _load_wikitext(data_config) -> dict[str, str]:
+def _load_wikitext(data_config) -> dict[str, Split]:
   files = _wikitext_files(data_config.path)
-  return {name: _read_utf8(path) for name, path in zip(SPLITS, files)}
+  return {name: file_split(name, path) for name, path in zip(SPLITS, files)}
+
+
+def file_split(name: str, path: str) -> Split:
+  """Streams a UTF-8 file in pieces cut after a "\\n" ("\\r\\n" -> "\\n")."""
+  def read():
+    offset, carry = 0, b""  # carry: the bytes after the last "\n" so far
+    with open(path, "rb") as f:
+      while True:
+        block = f.read(CHUNK_BYTES)
+        data = carry + block
+        if not block:  # end of file: the rest, maybe without a final "\n"
+          if data:
+            yield _decode(data, path, offset), len(data)
+          return
+        cut = data.rfind(b"\n") + 1  # 0: a line longer than a block so far
+        piece, carry = data[:cut], data[cut:]
+        if piece:
+          yield _decode(piece, path, offset), len(piece)
+          offset += len(piece)
+  return Split(name, os.path.getsize(path), "B", read)
 
 
 def _wikitext_files(folder: str) -> list[str]:
@@ -215,7 +296,7 @@ def _wikitext_files(folder: str) -> list[str]:
 # ----------------------------------------------------------------- text
 
 
-def _load_text(data_config) -> dict[str, str]:
+def _load_text(data_config) -> dict[str, Split]:
   """Concatenates the files and cuts at line boundaries: train | valid | test.
 
   Valid and test are the last lines (contiguous), so no sentence of the
@@ -231,7 +312,7 @@ def _load_text(data_config) -> dict[str, str]:
   chunks = {"train": lines[:n_train],
             "valid": lines[n_train:n_train + n_valid],
             "test": lines[n_train + n_valid:]}
-  return {name: "".join(line + "\n" for line in chunk)
+  return {name: in_memory_split(name, "".join(line + "\n" for line in chunk))
           for name, chunk in chunks.items()}
 
 
@@ -276,15 +357,21 @@ def _text_files(path: str) -> list[str]:
 def _read_utf8(path: str) -> str:
   """Reads a whole file as UTF-8, with "\\r\\n" turned into "\\n"."""
   with open(path, "rb") as f:
-    raw = f.read()
+    return _decode(f.read(), path, 0)
+
+
+def _decode(raw: bytes, path: str, offset: int) -> str:
+  """UTF-8 bytes at `offset` of `path` -> str, BOM dropped, "\\r\\n" -> "\\n"."""
   try:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as e:
     raise UserError(
         f"{path} is not UTF-8 (bad byte 0x{raw[e.start]:02x} at byte offset "
-        f"{e.start}): convert it, e.g. iconv -f latin1 -t utf-8 {path} > "
-        "out.txt") from None
-  return text.removeprefix("\ufeff").replace("\r\n", "\n")
+        f"{offset + e.start}): convert it, e.g. iconv -f latin1 -t utf-8 "
+        f"{path} > out.txt") from None
+  if offset == 0:
+    text = text.removeprefix("\ufeff")
+  return text.replace("\r\n", "\n")
 
 
 def _check_fractions(data_config) -> None:
@@ -293,3 +380,12 @@ def _check_fractions(data_config) -> None:
     raise UserError(
         f"data.valid_fraction={valid} and data.test_fraction={test} must each "
         "be in [0, 1) and sum to less than 1: fix them in the config")
+
+
+def _load_hf(data_config) -> dict[str, Split]:
+  from zebra_jax import hf_source  # pylint: disable=g-import-not-at-top
+  return hf_source.load(data_config)
+
+
+_LOADERS = {"embedded": _load_embedded, "wikitext": _load_wikitext,
+            "text": _load_text, "hf": _load_hf}

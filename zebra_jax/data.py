@@ -8,15 +8,22 @@
 
 A later call whose source and tokenizer fingerprints match the manifest maps
 the .npy files and never reads the corpus: restarting a WikiText-103 run costs
-milliseconds, not a minute of tokenizing.
+milliseconds, not minutes of tokenizing. The first call streams: the corpus
+is read in pieces, each piece's ids are appended to the .npy file, and only
+the header is patched at the end, so memory stays at a few pieces whatever
+the corpus size. A progress bar (tqdm on a terminal, log lines otherwise)
+shows how far it got.
 
 Batchers are index -> batch functions with no hidden state, so a checkpoint
 only needs a `DataPosition` to resume at exactly the next batch.
 """
 
 import dataclasses
+import io
 import json
 import os
+import sys
+import time
 
 from absl import logging
 import numpy as np
@@ -27,6 +34,7 @@ from zebra_jax.errors import UserError
 
 SPLITS = corpus.SPLITS
 _MANIFEST_VERSION = 1
+_LOG_EVERY_S = 30.0  # plain progress lines when stderr is not a terminal
 
 
 def prepare_data(config, workdir: str):
@@ -37,8 +45,8 @@ def prepare_data(config, workdir: str):
     workdir: the run's folder.
 
   Returns:
-    (tokenizer, {"train"|"valid"|"test": int32 [num_tokens]}). Arrays are
-    read-only memory maps on reuse.
+    (tokenizer, {"train"|"valid"|"test": int32 [num_tokens]}): read-only
+    memory maps of the cached .npy files.
   """
   data_config = config.data
   tokenizer_dir = os.path.join(workdir, "tokenizer")
@@ -55,18 +63,21 @@ def prepare_data(config, workdir: str):
       return tokenizer, ids
     logging.info("no matching token cache in %s: reading the corpus", data_dir)
 
-  splits = corpus.load_splits(data_config)
+  splits = corpus.open_splits(data_config)
   if tokenizer is None:
-    tokenizer = tokenizer_lib.make_tokenizer(data_config, splits["train"])
+    start = time.perf_counter()
+    tokenizer = tokenizer_lib.make_tokenizer(data_config,
+                                             splits["train"].chunks())
     tokenizer.save(tokenizer_dir)
-  ids = {name: tokenizer.encode(text) for name, text in splits.items()}
-  del splits  # the text can be large; the ids are what we keep
-  _save_ids(data_dir, ids, source, tokenizer)
-  logging.info("tokenized the corpus (%s tokenizer, vocab %d): %s",
-               tokenizer.kind, tokenizer.vocab_size,
-               ", ".join(f"{k} {len(v):,}" for k, v in ids.items()))
-  cached = _load_cached_ids(data_dir, source, tokenizer.fingerprint())
-  return tokenizer, ids if cached is None else cached  # memmaps, like reuse
+    logging.info("built the %s tokenizer (vocab %d) in %.1f s",
+                 tokenizer.kind, tokenizer.vocab_size,
+                 time.perf_counter() - start)
+  _write_ids(data_dir, splits, source, tokenizer)
+  ids = _load_cached_ids(data_dir, source, tokenizer.fingerprint())
+  if ids is None:
+    raise UserError(f"the token cache just written to {data_dir} does not "
+                    "read back: check the disk (space, permissions) and rerun")
+  return tokenizer, ids
 
 
 def load_eval_data(config, workdir: str):
@@ -81,15 +92,13 @@ def load_eval_data(config, workdir: str):
 
 
 def _check_tokenizer_settings(tokenizer, data_config, workdir: str) -> None:
-  saved = (tokenizer.kind, tokenizer.min_freq, tokenizer.max_vocab_size)
-  wanted = (data_config.tokenizer, int(data_config.min_freq),
-            int(data_config.max_vocab_size))
+  saved = tokenizer.settings()
+  wanted = tokenizer_lib.config_settings(data_config)
   if saved != wanted:
+    show = lambda d: " ".join(f"{k}={v}" for k, v in d.items())
     raise UserError(
-        f"workdir {workdir!r} was made with tokenizer={saved[0]} "
-        f"min_freq={saved[1]} max_vocab_size={saved[2]}, but the config asks "
-        f"for tokenizer={wanted[0]} min_freq={wanted[1]} "
-        f"max_vocab_size={wanted[2]}: use a new --workdir or the same data "
+        f"workdir {workdir!r} was made with {show(saved)}, but the config "
+        f"asks for {show(wanted)}: use a new --workdir or the same data "
         "settings")
 
 
@@ -117,26 +126,104 @@ def _load_cached_ids(data_dir: str, source: str, tokenizer_fingerprint: str):
   return ids
 
 
-def _save_ids(data_dir: str, ids, source: str, tokenizer) -> None:
-  """Writes the .npy files, then the manifest last: a crash in between leaves
-  no manifest that vouches for half-written ids."""
+def _write_ids(data_dir: str, splits, source: str, tokenizer) -> None:
+  """Streams every split's ids into its .npy, then writes the manifest last:
+  a crash in between leaves no manifest that vouches for half-written ids."""
   os.makedirs(data_dir, exist_ok=True)
   manifest_path = os.path.join(data_dir, "manifest.json")
   if os.path.exists(manifest_path):
     os.remove(manifest_path)
-  for name, array in ids.items():
+  counts, start = {}, time.perf_counter()
+  for name in SPLITS:
     path = os.path.join(data_dir, f"{name}.npy")
-    tmp = f"{path}.{os.getpid()}.tmp.npy"
-    np.save(tmp, np.asarray(array, np.int32))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with _Progress(f"tokenizing {name}", splits[name]) as progress:
+      counts[name] = _stream_npy(
+          tmp, tokenizer.encode_chunks(progress.pieces()), progress)
     os.replace(tmp, path)
+  seconds = time.perf_counter() - start
+  total = sum(counts.values())
+  logging.info("tokenized the corpus (%s tokenizer, vocab %d) in %.1f s, "
+               "%.2fM tokens/s: %s", tokenizer.kind, tokenizer.vocab_size,
+               seconds, total / max(seconds, 1e-9) / 1e6,
+               ", ".join(f"{k} {v:,}" for k, v in counts.items()))
   manifest = {"version": _MANIFEST_VERSION, "source_fingerprint": source,
               "tokenizer_fingerprint": tokenizer.fingerprint(),
               "tokenizer": tokenizer.kind, "vocab_size": tokenizer.vocab_size,
-              "num_tokens": {name: int(len(a)) for name, a in ids.items()}}
+              "num_tokens": counts}
   tmp = f"{manifest_path}.{os.getpid()}.tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(manifest, f, indent=2)
   os.replace(tmp, manifest_path)
+
+
+def _npy_header(num_tokens: int) -> bytes:
+  """The .npy header of an int32 [num_tokens] array. NumPy pads it to a
+  fixed length whatever the count, so it can be rewritten in place."""
+  buf = io.BytesIO()
+  np.lib.format.write_array_header_1_0(
+      buf, {"descr": "<i4", "fortran_order": False, "shape": (num_tokens,)})
+  return buf.getvalue()
+
+
+def _stream_npy(path: str, arrays, progress) -> int:
+  """Appends int32 arrays to a .npy file at `path`; returns the count."""
+  header = _npy_header(0)
+  count = 0
+  with open(path, "wb") as f:
+    f.write(header)
+    for array in arrays:
+      f.write(np.ascontiguousarray(array, "<i4").tobytes())
+      count += len(array)
+      progress.add_tokens(len(array))
+    final = _npy_header(count)
+    if len(final) != len(header):  # cannot happen with NumPy's padding
+      raise RuntimeError(f"npy header grew from {len(header)} to {len(final)}")
+    f.seek(0)
+    f.write(final)
+  return count
+
+
+class _Progress:
+  """Progress over a Split's pieces: a tqdm bar on a terminal, else a log
+  line every `_LOG_EVERY_S` seconds and one at the end."""
+
+  def __init__(self, label: str, split):
+    self.label, self.split = label, split
+    self.tokens, self.done, self._last = 0, 0, time.perf_counter()
+    self._start = self._last
+    self._bar = None
+    if sys.stderr.isatty():
+      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+      self._bar = tqdm(total=split.size, unit=split.unit, unit_scale=True,
+                       desc=label, leave=False, file=sys.stderr)
+
+  def __enter__(self):
+    return self
+
+  def pieces(self):
+    for piece, units in self.split.read():
+      yield piece
+      self.done += units  # counted when the next piece is asked for
+      if self._bar is not None:
+        self._bar.update(units)
+
+  def add_tokens(self, n: int) -> None:
+    self.tokens += n
+    if self._bar is not None:
+      self._bar.set_postfix(tokens=f"{self.tokens:,}", refresh=False)
+    elif time.perf_counter() - self._last > _LOG_EVERY_S:
+      self._last = time.perf_counter()
+      logging.info("%s: %.0f%% of %s %s, %s tokens", self.label,
+                   100 * self.done / max(self.split.size, 1),
+                   f"{self.split.size:,}", self.split.unit, f"{self.tokens:,}")
+
+  def __exit__(self, *exc):
+    if self._bar is not None:
+      self._bar.close()
+    seconds = time.perf_counter() - self._start
+    logging.info("%s: %s tokens in %.1f s", self.label, f"{self.tokens:,}",
+                 seconds)
 
 
 # ------------------------------------------------------------------ batchers

@@ -4,16 +4,21 @@ The split is cut into `batch_size` contiguous rows and read in `seq_len`
 windows with the carry passed along, so every token (but the < batch_size left
 over when the split does not divide into rows) is scored with its full left
 context. The last, shorter window is scored too. Perplexity is
-exp(summed loss / token count) over the split.
+exp(summed loss / token count) over the split, never a mean of per-window
+values; char-level runs also report bits per character (loss / ln 2).
+
+Windows are summed on the devices and added up once on the host in float64,
+so the numbers do not depend on how many devices share the batch.
 """
 
 import functools
+import math
 import time
 
 import jax
 import numpy as np
 
-from zebra_jax import checkpoint, metrics, model, parallel, setup, writer
+from zebra_jax import metrics, model, parallel, setup, writer
 from zebra_jax.errors import UserError
 
 
@@ -27,7 +32,13 @@ class Evaluator:
   """Scores token-id splits with a fixed batch and window on the mesh."""
 
   def __init__(self, graphdef, mesh, model_cfg, batch_size: int, seq_len: int):
-    parallel.check_batch(batch_size, "eval.batch_size")
+    if batch_size <= 0 or batch_size % mesh.size:
+      raise UserError(
+          f"eval.batch_size={batch_size} does not divide over {mesh.size} "
+          f"devices: set --config.eval.batch_size to a multiple of {mesh.size}")
+    if seq_len <= 0:
+      raise UserError(f"eval.seq_len={seq_len} must be positive: set "
+                      "--config.eval.seq_len to e.g. 128")
     self.mesh, self.batch_size, self.seq_len = mesh, batch_size, seq_len
     self.model_cfg = model_cfg
     self.graphdef = graphdef
@@ -51,6 +62,8 @@ class Evaluator:
   def run(self, params, ids: np.ndarray, max_batches: int = 0) -> dict:
     """Sums over the split (or its first max_batches windows) -> summary."""
     rows = self.rows(ids)
+    # A no-op when params already live on this mesh (tests use a smaller one).
+    params = jax.device_put(params, parallel.replicated(self.mesh))
     carry = jax.device_put(model.init_carry(self.model_cfg, self.batch_size),
                            parallel.batch_sharded(self.mesh))
     starts = list(range(0, rows.shape[1] - 1, self.seq_len))
@@ -67,21 +80,56 @@ class Evaluator:
     total = {k: float(np.sum([h[k] for h in host], dtype=np.float64))
              for k in ("loss_sum", "correct", "count")}
     out = metrics.summarize(total["loss_sum"], total["correct"], total["count"])
+    out["bpc"] = out["loss"] / math.log(2)  # bits per token; per char if char
     out["seconds"] = time.perf_counter() - start_time
+    out["tok_per_s"] = out["tokens"] / max(out["seconds"], 1e-9)
     return out
 
 
-def run(cfg, workdir: str, splits_to_eval=("valid", "test")) -> dict:
-  """--mode=eval: scores the workdir's best checkpoint on valid and test."""
+SPLIT_CHOICES = {"valid": ("valid",), "test": ("test",),
+                 "all": ("valid", "test")}
+
+
+def summary_block(split: str, step: int, res: dict, char_level: bool) -> str:
+  """The Transformer-XL end-of-run block, e.g. `| test loss 3.15 | ...`."""
+  rule = "=" * 89
+  line = (f"| {split} at step {step} | {res['tokens']:.0f} tokens "
+          f"| time {res['seconds']:.1f}s | {res['tok_per_s']:.0f} tok/s "
+          f"| {split} loss {res['loss']:.2f} | {split} ppl {res['ppl']:.2f} "
+          f"| {split} acc {res['acc']:.3f}")
+  if char_level:
+    line += f" | {split} bpc {res['bpc']:.3f}"
+  return f"{rule}\n{line}\n{rule}"
+
+
+def run(cfg, workdir: str, splits_to_eval=("valid", "test"),
+        mesh=None) -> dict:
+  """--mode=eval: scores the workdir's best checkpoint on the given splits.
+
+  Args:
+    splits_to_eval: split names, or "valid" | "test" | "all" (--split).
+    mesh: defaults to every device; tests pass a 1-device mesh.
+  """
+  if isinstance(splits_to_eval, str):
+    if splits_to_eval not in SPLIT_CHOICES:
+      raise UserError(f"--split={splits_to_eval} is unknown: use one of "
+                      f"{', '.join(SPLIT_CHOICES)}")
+    splits_to_eval = SPLIT_CHOICES[splits_to_eval]
   loaded = setup.load_for_inference(cfg, workdir)
-  mesh = parallel.make_mesh()
+  mesh = mesh or parallel.make_mesh()
   evaluator = Evaluator(loaded.graphdef, mesh, loaded.cfg.model,
                         cfg.eval.batch_size, cfg.eval.seq_len)
+  char_level = loaded.tokenizer.kind == "char"
   log = writer.MetricWriter(workdir, tensorboard=False)
   results = {}
   for split in splits_to_eval:
     res = evaluator.run(loaded.params, loaded.splits[split])
+    if not char_level:
+      del res["bpc"]  # bits per word-token is not a number anyone compares
     results[split] = res
-    log.eval_summary(split, loaded.step, res)
+    log.info(summary_block(split, loaded.step, res, char_level))
+    log.record(f"final_{split}", loaded.step,
+                {k: res[k] for k in ("loss", "ppl", "acc", "bpc", "tokens",
+                                     "seconds") if k in res})
   log.close()
   return results

@@ -4,6 +4,8 @@ Flags name things (what to run, where, which prompt); the config holds numbers.
 Any config field can be overridden, e.g. --config.model.num_stripes=8.
 """
 
+import errno
+import os
 import sys
 
 from absl import app, flags, logging
@@ -18,8 +20,52 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory: config.json, tokenizer/, checkpoints/, "
     "metrics.jsonl.")
 _MODE = flags.DEFINE_enum(
-    "mode", "train", ["train", "eval", "sample"],
-    "train (then evaluate valid/test and print a sample), eval, or sample.")
+    "mode", "train",
+    ["train", "eval", "sample", "score", "export", "serve", "infer_bench",
+     "plot", "bench"],
+    "train (then evaluate valid/test and print a sample), eval, sample, score "
+    "(texts), export (jax.export + Triton repository), serve (HTTP on "
+    "localhost), infer_bench (generation throughput and latency), plot "
+    "(loss/ppl curves PNG) or bench (training speed vs PyTorch).")
+_PLOT_OUT = flags.DEFINE_string("plot_out", None,
+                                "plot: PNG path (default WORKDIR/curves.png).")
+_COMPARE = flags.DEFINE_list("compare", [], "plot: more workdirs to overlay.")
+_SPLIT = flags.DEFINE_enum("split", "all", ["valid", "test", "all"],
+                           "eval: which split(s); all = valid and test.")
+_TEXT = flags.DEFINE_multi_string("text", [], "score: a text to score "
+                                  "(repeatable).")
+_TEXT_FILE = flags.DEFINE_multi_string(
+    "text_file", [], "score: a UTF-8 file scored as one text (repeatable).")
+_VERBOSE = flags.DEFINE_boolean(
+    "verbose", False, "score: also print every token's log-probability.")
+_PROMPT_FILE = flags.DEFINE_string(
+    "prompt_file", None, "sample: one prompt per line, generated as a batch.")
+_REPETITION_PENALTY = flags.DEFINE_float(
+    "repetition_penalty", None, "sample: > 1 discourages tokens already in "
+    "the text (1 = off).")
+_STOP = flags.DEFINE_string("stop", None, "sample: end each text before this "
+                            "string; \\n and \\t stand for newline and tab.")
+_STREAM = flags.DEFINE_boolean("stream", None, "sample: print tokens as they "
+                               "are generated.")
+_STREAM_CHUNK = flags.DEFINE_integer(
+    "stream_chunk", None, "sample: tokens per jitted call (stream and stop "
+    "granularity).")
+_EXPORT_DIR = flags.DEFINE_string(
+    "export_dir", None, "export: output folder (default WORKDIR/export).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind.")
+_PORT = flags.DEFINE_integer("port", 8000, "serve: port; 0 picks a free one.")
+_BENCH_BATCH_SIZES = flags.DEFINE_list(
+    "bench_batch_sizes", ["1", "2", "4", "8", "16", "32", "64"],
+    "infer_bench: batch sizes to measure.")
+_BENCH_NEW_TOKENS = flags.DEFINE_integer(
+    "bench_new_tokens", 64, "infer_bench: tokens generated per request.")
+_BENCH_PROMPT_LEN = flags.DEFINE_integer(
+    "bench_prompt_len", 32, "infer_bench: prompt tokens per request.")
+_BENCH_REQUESTS = flags.DEFINE_integer(
+    "bench_requests", 5, "infer_bench: timed requests per batch size.")
+_BENCH_JSON = flags.DEFINE_string(
+    "bench_json", None, "infer_bench: JSON output (default "
+    "WORKDIR/infer_bench.json).")
 _PROMPT = flags.DEFINE_string("prompt", None, "sample: text to continue.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None,
                                 "sample: tokens to generate.")
@@ -39,36 +85,77 @@ def _sample_overrides(cfg):
   """Sampling flags given on the command line win over config.sample."""
   given = {"prompt": _PROMPT, "max_new_tokens": _MAX_NEW,
            "temperature": _TEMPERATURE, "top_k": _TOP_K, "top_p": _TOP_P,
-           "num_samples": _NUM_SAMPLES, "seed": _SEED}
+           "num_samples": _NUM_SAMPLES, "seed": _SEED,
+           "repetition_penalty": _REPETITION_PENALTY, "stop": _STOP,
+           "stream": _STREAM, "chunk": _STREAM_CHUNK}
   with cfg.unlocked():
     for field, flag in given.items():
       if flag.value is not None:
         cfg.sample[field] = flag.value
+    if _STOP.value:  # a shell passes "\n" as two characters
+      cfg.sample.stop = _STOP.value.replace("\\n", "\n").replace("\\t", "\t")
   return cfg
 
 
 def main(argv):
   del argv  # Everything comes from flags.
   # Imported here so --help and flag errors answer before JAX starts.
-  from zebra_jax import evaluate, sample, train, writer
+  from zebra_jax import writer
   from zebra_jax.errors import UserError
   distributed.initialize()  # before any JAX backend starts
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
   cfg, workdir = _sample_overrides(_CONFIG.value), _WORKDIR.value
   try:
-    if _MODE.value == "train":
-      train.run(cfg, workdir)
-      if cfg.train.report_at_end:
-        evaluate.run(cfg, workdir)
-        sample.run(cfg, workdir)
-    elif _MODE.value == "eval":
-      evaluate.run(cfg, workdir)
-    else:
-      sample.run(cfg, workdir)
+    _dispatch(_MODE.value, cfg, workdir)
   except UserError as e:
     writer.error(str(e))
     sys.exit(2)
+  except OSError as e:
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES,
+                       errno.EROFS):
+      raise
+    writer.error(f"{e.strerror}: {e.filename or workdir}: free disk space or "
+                 f"fix permissions, or point --workdir elsewhere")
+    sys.exit(2)
+
+
+def _dispatch(mode: str, cfg, workdir: str) -> None:
+  from zebra_jax import evaluate, sample, score, train
+  if mode == "train":
+    config_path = next((a.split("=", 1)[1] for a in sys.argv  # for hints
+                        if a.startswith("--config=")), None)
+    summary = train.run(cfg, workdir, config_path)
+    if cfg.train.report_at_end and not summary["preempted"]:
+      evaluate.run(cfg, workdir)
+      sample.run(cfg, workdir)
+  elif mode == "eval":
+    evaluate.run(cfg, workdir, _SPLIT.value)
+  elif mode == "sample":
+    prompts = (sample.read_prompt_file(_PROMPT_FILE.value)
+               if _PROMPT_FILE.value else None)
+    sample.run(cfg, workdir, prompts)
+  elif mode == "score":
+    score.run(cfg, workdir, _TEXT.value, _TEXT_FILE.value, _VERBOSE.value)
+  elif mode == "export":
+    from zebra_jax import export
+    export.run(cfg, workdir, _EXPORT_DIR.value)
+  elif mode == "serve":
+    from zebra_jax import serve
+    serve.run(cfg, workdir, _HOST.value, _PORT.value)
+  elif mode == "infer_bench":
+    from zebra_jax import infer_bench
+    infer_bench.run(cfg, workdir, _BENCH_BATCH_SIZES.value,
+                    new_tokens=_BENCH_NEW_TOKENS.value,
+                    prompt_len=_BENCH_PROMPT_LEN.value,
+                    requests=_BENCH_REQUESTS.value,
+                    json_path=_BENCH_JSON.value)
+  elif mode == "plot":
+    from zebra_jax import plot
+    print(plot.run([workdir, *_COMPARE.value], _PLOT_OUT.value))
+  else:
+    from zebra_jax import bench
+    bench.run(json_path=os.path.join(workdir, "bench.json"))
 
 
 def run():

@@ -1,69 +1,237 @@
-"""--mode=sample: generate text from a prompt with a trained workdir.
+"""--mode=sample: generate text from one or several prompts with a trained workdir.
 
-The prompt is consumed once as a window; then each new token is one step of the
-recurrence with the (h, c) carry, inside one jitted loop (zebra_jax.sampling),
+Each prompt is consumed once as a window; then each new token is one step of
+the recurrence with the (h, c) carry, inside jitted loops (zebra_jax.sampling),
 so the cost per token does not grow with the length of the text.
+
+Several prompts run as one batch. Prompts of different lengths are never
+padded: rows are grouped by prompt length and each group's prompts are
+consumed together, so every row starts generating from exactly the carry it
+would have alone. Generation then runs in chunks of `chunk` tokens, which
+lets the host print tokens as they come (`stream`) and stop every row once it
+has produced the `stop` string.
 """
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax import model, sampling, setup
 from zebra_jax.errors import UserError
 
+# Fields that configs may not define yet; configs/*.py should own them.
+_DEFAULTS = dict(repetition_penalty=1.0, stop="", stream=False, chunk=32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Everything that shapes one generation request."""
+  max_new_tokens: int = 100
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  repetition_penalty: float = 1.0
+  stop: str = ""          # cut each row before this text; "" = off
+  num_samples: int = 1    # rows per prompt
+  seed: int = 0
+  chunk: int = 32         # tokens per jitted call: stream / stop granularity
+
+  @classmethod
+  def from_config(cls, sample_cfg) -> "Options":
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in _DEFAULTS.items() if k in names}
+    values.update({k: sample_cfg[k] for k in names if k in sample_cfg})
+    return cls(**values)
+
+  def check(self) -> None:
+    """UserError for a value no request can honour (host side, cheap)."""
+    sampling.check_options(
+        temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+        num_new_tokens=self.max_new_tokens,
+        repetition_penalty=self.repetition_penalty)
+    for name in ("num_samples", "chunk"):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and value >= 1):
+        raise UserError(f"{name}={value} is not a whole number >= 1: use e.g. 1")
+
 
 def _consume_prompt(params, tokens, carry, *, graphdef):
-  """Runs the prompt [B, T] through the model: (last logits [B, V], carry)."""
+  """Runs prompts [B, T] through the model: (last logits [B, V], carry)."""
   logits, carry = model.apply(graphdef, params, tokens, carry)
   return logits[:, -1], carry
 
 
 def _one_token(params, carry, tokens, *, graphdef):
-  """The recurrent step sampling.generate calls: tokens [B] -> logits [B, V]."""
+  """The recurrent step sampling calls: tokens [B] -> logits [B, V]."""
   logits, carry = model.apply(graphdef, params, tokens[:, None], carry)
   return logits[:, 0], carry
+
+
+class Generator:
+  """A loaded model with its jitted prompt and step functions, built once.
+
+  Reusing one Generator (as the HTTP server does) reuses the compiled code:
+  sampling caches its loop per step_fn object.
+  """
+
+  def __init__(self, loaded: setup.Loaded):
+    self.loaded, self.tokenizer = loaded, loaded.tokenizer
+    # One device: replicated params would repeat every step on every device.
+    self.params = jax.device_put(loaded.params, jax.local_devices()[0])
+    self._consume = jax.jit(functools.partial(_consume_prompt,
+                                              graphdef=loaded.graphdef))
+    self.step_fn = functools.partial(_one_token, graphdef=loaded.graphdef)
+
+  def encode(self, prompt: str) -> np.ndarray:
+    if not prompt:
+      raise UserError("a prompt is empty: pass some text, e.g. --prompt='The '")
+    return np.asarray(self.tokenizer.encode_prompt(prompt), np.int32)
+
+  def prime(self, rows: list[np.ndarray],
+            track_seen: bool = True) -> sampling.DecodeState:
+    """Consumes every row's prompt: the DecodeState to generate from.
+
+    Rows of equal length are consumed as one batch [n, T]; the results are
+    put back in row order. One compile per distinct (n, T).
+    """
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(rows):
+      by_length.setdefault(len(ids), []).append(i)
+    order, parts = [], []
+    for length, members in by_length.items():
+      tokens = np.stack([rows[i] for i in members])            # [n, T]
+      carry = model.init_carry(self.loaded.cfg.model, len(members))
+      parts.append(self._consume(self.params, tokens, carry))
+      order.extend(members)
+    inverse = np.argsort(np.asarray(order))                    # row -> place
+    join = lambda *xs: jnp.concatenate(xs, axis=0)[inverse]
+    last_logits, carry = jax.tree.map(join, *parts)
+    # The [rows, vocab] mask only matters to the repetition penalty.
+    seen = (sampling.seen_tokens(rows, self.tokenizer.vocab_size)
+            if track_seen else None)
+    return sampling.start_state(carry, last_logits, seen)
+
+  def generate(self, prompts: list[str], options: Options,
+               on_text=None) -> list[str]:
+    """Continuations (prompt included) for every prompt x num_samples.
+
+    Args:
+      prompts: texts; rows are prompt-major (p0 s0, p0 s1, ..., p1 s0, ...).
+      options: sampling settings; checked here.
+      on_text: optional callback(row, new_text) called after every chunk with
+        the text row 0 added (for streaming); a single-row request only.
+
+    Returns:
+      one string per row: prompt + generated text, cut before `stop`.
+    """
+    options.check()
+    if not prompts:
+      raise UserError("no prompts given: pass --prompt or --prompt_file")
+    ids = [self.encode(p) for p in prompts]
+    rows = [r for r in ids for _ in range(options.num_samples)]
+    texts = [p for p in prompts for _ in range(options.num_samples)]
+    state = self.prime(rows, track_seen=options.repetition_penalty != 1)
+    key = jax.random.PRNGKey(options.seed)
+    chunk = min(options.chunk, options.max_new_tokens)
+    settings = dict(temperature=options.temperature, top_k=options.top_k,
+                    top_p=options.top_p,
+                    repetition_penalty=options.repetition_penalty)
+    new = np.zeros((len(rows), 0), np.int32)
+    done = np.zeros(len(rows), bool)
+    streamed = 0
+    while new.shape[1] < options.max_new_tokens and not done.all():
+      tokens, state = sampling.generate_chunk(
+          self.step_fn, self.params, state, key, new.shape[1],
+          num_new_tokens=chunk, **settings)
+      new = np.concatenate([new, np.asarray(jax.device_get(tokens))], 1)
+      new = new[:, :options.max_new_tokens]  # the last chunk may overshoot
+      if not (options.stop or on_text):
+        continue  # nothing to look at before the end
+      outs = [self._continuation(t, row) for t, row in zip(texts, new)]
+      if options.stop:
+        done |= np.array([options.stop in o for o in outs])
+      if on_text is not None:
+        safe = _stream_safe(outs[0], options.stop, final=bool(done[0]))
+        if len(safe) > streamed:
+          on_text(0, safe[streamed:])
+          streamed = len(safe)
+    outs = [_cut(self._continuation(t, row), options.stop)
+            for t, row in zip(texts, new)]
+    if on_text is not None and len(outs[0]) > streamed:
+      on_text(0, outs[0][streamed:])
+    return [t + o for t, o in zip(texts, outs)]
+
+  def _continuation(self, prompt: str, ids) -> str:
+    """Decoded new tokens; word tokens need a space after the prompt."""
+    text = self.tokenizer.decode(ids)
+    if self.tokenizer.kind == "char" or not text or prompt[-1:].isspace():
+      return text
+    return " " + text
+
+
+def _cut(text: str, stop: str) -> str:
+  return text.split(stop, 1)[0] if stop else text
+
+
+def _stream_safe(text: str, stop: str, final: bool) -> str:
+  """The part of `text` that can be printed now: before a stop string found,
+  and holding back a tail that might be the start of one still to come."""
+  if not stop:
+    return text
+  if stop in text or final:
+    return _cut(text, stop)
+  return text[:max(0, len(text) - len(stop) + 1)]
+
+
+def read_prompt_file(path: str) -> list[str]:
+  """One prompt per non-empty line; `\\n` inside a line stands for a newline."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = f.read().splitlines()
+  except OSError as e:
+    raise UserError(f"cannot read --prompt_file {path}: {e.strerror}: pass a "
+                    "text file with one prompt per line") from None
+  prompts = [l.replace("\\n", "\n") for l in lines if l.strip()]
+  if not prompts:
+    raise UserError(f"--prompt_file {path} holds no prompts: write one prompt "
+                    "per line")
+  return prompts
 
 
 def generate_text(loaded: setup.Loaded, prompt: str, *, max_new_tokens: int,
                   temperature: float, top_k: int, top_p: float,
                   num_samples: int, seed: int) -> list[str]:
   """Returns num_samples continuations (prompt included) of `prompt`."""
-  if not prompt:
-    raise UserError("the prompt is empty: pass --prompt='some text'")
-  ids = np.asarray(loaded.tokenizer.encode_prompt(prompt), np.int32)
-  if ids.size == 0:
-    raise UserError(f"the prompt {prompt!r} has no tokens: pass some text")
-  tokens = np.tile(ids[None, :], (num_samples, 1))
-  carry = model.init_carry(loaded.cfg.model, num_samples)
-  consume = jax.jit(functools.partial(_consume_prompt, graphdef=loaded.graphdef))
-  last_logits, carry = consume(loaded.params, tokens, carry)
-  step_fn = functools.partial(_one_token, graphdef=loaded.graphdef)
-  new_tokens, _ = sampling.generate(
-      step_fn, loaded.params, carry, last_logits, jax.random.PRNGKey(seed),
-      num_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-      top_p=top_p)
-  new_tokens = np.asarray(jax.device_get(new_tokens))
-  return [_join(loaded.tokenizer, prompt, row) for row in new_tokens]
+  return Generator(loaded).generate([prompt], Options(
+      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+      top_p=top_p, num_samples=num_samples, seed=seed))
 
 
-def _join(tokenizer, prompt: str, ids) -> str:
-  """Prompt + decoded continuation; word tokens need a separating space."""
-  text = tokenizer.decode(ids)
-  if tokenizer.kind == "char" or prompt[-1:].isspace():
-    return prompt + text
-  return prompt + " " + text
-
-
-def run(cfg, workdir: str) -> list[str]:
+def run(cfg, workdir: str, prompts: list[str] | None = None) -> list[str]:
+  """--mode=sample: cfg.sample's prompt, or `prompts` (from --prompt_file)."""
+  options = Options.from_config(cfg.sample)
+  options.check()  # before loading a checkpoint
+  prompts = prompts or [cfg.sample.prompt]
+  stream = bool(cfg.sample.get("stream", _DEFAULTS["stream"]))
+  if stream and len(prompts) * options.num_samples > 1:
+    raise UserError("--stream prints one text as it grows: use one prompt and "
+                    "--num_samples=1, or drop --stream")
   loaded = setup.load_for_inference(cfg, workdir)
-  s = cfg.sample
-  texts = generate_text(loaded, s.prompt, max_new_tokens=s.max_new_tokens,
-                        temperature=s.temperature, top_k=s.top_k,
-                        top_p=s.top_p, num_samples=s.num_samples, seed=s.seed)
-  if jax.process_index() == 0:
+  generator = Generator(loaded)
+  show = jax.process_index() == 0
+  header = lambda i, n: (f"----- sample {i + 1}/{n} (step {loaded.step}, "
+                         f"temperature {options.temperature}) -----")
+  on_text = None
+  if stream and show:
+    print(header(0, 1) + "\n" + prompts[0], end="", flush=True)
+    on_text = lambda row, text: print(text, end="", flush=True)
+  texts = generator.generate(prompts, options, on_text=on_text)
+  if show and stream:
+    print("\n", flush=True)
+  elif show:
     for i, text in enumerate(texts):
-      print(f"----- sample {i + 1}/{len(texts)} (step {loaded.step}, "
-            f"temperature {s.temperature}) -----\n{text}\n", flush=True)
+      print(f"{header(i, len(texts))}\n{text}\n", flush=True)
   return texts

@@ -9,19 +9,35 @@ Nothing here knows the model: `step_fn(params, carry, tokens)` returns
 `(logits, new_carry)`, with tokens int32 [batch], logits float [batch, vocab]
 and carry any pytree (the LSTM (h, c) per layer, in zebra_jax).
 
-Sampling options (temperature, top_k, top_p) are Python values, static under
-jit: each combination compiles once, and unused filters cost nothing.
+Sampling options (temperature, top_k, top_p, repetition_penalty) are Python
+values, static under jit: each combination compiles once, and unused filters
+cost nothing.
+
+Long or streamed generations run in chunks (`generate_chunk`): a `DecodeState`
+(carry, next logits, seen tokens) passes from one jitted chunk to the next, and
+token i is always drawn with `fold_in(key, i)`, so chunked and one-shot
+generation give the same tokens.
 """
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zebra_jax.errors import UserError
 
 
-def check_options(*, temperature, top_k, top_p, num_new_tokens=None):
+class DecodeState(NamedTuple):
+  """What one generation chunk hands the next."""
+  carry: Any              # the model state after every token so far
+  logits: jax.Array       # float32 [batch, vocab]: the next token's logits
+  seen: jax.Array         # bool [batch, vocab]: tokens in prompt + output
+
+
+def check_options(*, temperature, top_k, top_p, num_new_tokens=None,
+                  repetition_penalty=1.0):
   """Raises `UserError` for an option no sampler can honour.
 
   Host-side and cheap, so entry points can call it before loading a checkpoint.
@@ -31,6 +47,7 @@ def check_options(*, temperature, top_k, top_p, num_new_tokens=None):
     top_k: 0 keeps every token, else a positive whole number.
     top_p: in (0, 1]; 1.0 turns nucleus filtering off.
     num_new_tokens: when given, a whole number >= 1.
+    repetition_penalty: > 0; 1.0 turns it off.
   """
   # `not x >= 0` rather than `x < 0`, so that NaN is refused too.
   if not temperature >= 0:
@@ -45,6 +62,10 @@ def check_options(*, temperature, top_k, top_p, num_new_tokens=None):
     raise UserError(
         f"top_p={top_p} is outside (0, 1]: use 1.0 to turn nucleus sampling "
         "off or a value such as 0.95")
+  if not 0 < repetition_penalty < float("inf"):
+    raise UserError(
+        f"repetition_penalty={repetition_penalty} is not a positive number: "
+        "use 1.0 to turn it off or a value such as 1.2")
   if num_new_tokens is not None and not (
       num_new_tokens >= 1 and float(num_new_tokens).is_integer()):
     raise UserError(
@@ -101,6 +122,33 @@ def _nucleus(logits, top_p):
   return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
+def penalize_repeats(logits, seen, penalty):
+  """CTRL's repetition penalty (Keskar et al. 2019, as in HF transformers).
+
+  A token already in the text has its logit divided by `penalty` when
+  positive and multiplied by it when negative: penalty > 1 always makes it
+  less likely, whatever the logit's sign.
+
+  Args:
+    logits: float [batch, vocab].
+    seen: bool [batch, vocab], True for tokens in the prompt or output.
+    penalty: > 0; 1.0 returns the logits unchanged.
+  """
+  if penalty == 1:
+    return logits
+  logits = logits.astype(jnp.float32)
+  scaled = jnp.where(logits > 0, logits / penalty, logits * penalty)
+  return jnp.where(seen, scaled, logits)
+
+
+def seen_tokens(prompts, vocab_size: int):
+  """bool [batch, vocab] from a list of token-id sequences (host side)."""
+  seen = np.zeros((len(prompts), vocab_size), bool)
+  for row, ids in enumerate(prompts):
+    seen[row, np.asarray(ids, np.int64)] = True
+  return seen
+
+
 def sample_next(key, logits, *, temperature, top_k, top_p):
   """Draws one token per row.
 
@@ -122,13 +170,14 @@ def sample_next(key, logits, *, temperature, top_k, top_p):
 
 
 def generate(step_fn, params, carry, last_logits, key, *, num_new_tokens,
-             temperature=1.0, top_k=0, top_p=1.0):
+             temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
+             seen=None):
   """Samples `num_new_tokens` tokens per row, carrying the recurrent state.
 
   Token i is drawn with `fold_in(key, i)`, so a fixed key gives the same
   tokens whatever ran before. The whole loop is one jit, cached per
-  (step_fn, num_new_tokens, temperature, top_k, top_p): pass the same step_fn
-  object each call (not a fresh lambda or partial) to skip recompiling.
+  (step_fn, num_new_tokens, options): pass the same step_fn object each call
+  (not a fresh lambda or partial) to skip recompiling.
 
   Args:
     step_fn: pure `(params, carry, tokens int32 [batch])` ->
@@ -140,43 +189,83 @@ def generate(step_fn, params, carry, last_logits, key, *, num_new_tokens,
     key: PRNG key.
     num_new_tokens: how many tokens to draw, >= 1.
     temperature, top_k, top_p: as in `sample_next`.
+    repetition_penalty: as in `penalize_repeats`; 1.0 = off.
+    seen: bool [batch, vocab], the prompt's tokens (for the penalty); None =
+      none seen.
 
   Returns:
     (tokens int32 [batch, num_new_tokens], final_carry). step_fn runs once
     per token, the last one included, so final_carry has consumed every
     returned token: it is the state to continue from.
   """
+  state = start_state(carry, last_logits, seen)
+  tokens, state = generate_chunk(
+      step_fn, params, state, key, 0, num_new_tokens=num_new_tokens,
+      temperature=temperature, top_k=top_k, top_p=top_p,
+      repetition_penalty=repetition_penalty)
+  return tokens, state.carry
+
+
+def start_state(carry, last_logits, seen=None) -> DecodeState:
+  """The DecodeState right after the prompt."""
+  last_logits = jnp.asarray(last_logits, jnp.float32)
+  if seen is None:
+    seen = jnp.zeros(last_logits.shape, jnp.bool_)
+  return DecodeState(carry, last_logits, jnp.asarray(seen, jnp.bool_))
+
+
+def generate_chunk(step_fn, params, state: DecodeState, key, start, *,
+                   num_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
+                   repetition_penalty=1.0):
+  """Draws tokens start .. start + num_new_tokens - 1 from `state`.
+
+  Args:
+    step_fn, params, key, options: as in `generate`.
+    state: the DecodeState after the prompt or after the previous chunk.
+    start: int, the index of the first token drawn here (for fold_in); a
+      traced argument, so chunks at any offset share one compile.
+
+  Returns:
+    (tokens int32 [batch, num_new_tokens], the DecodeState to continue from).
+  """
   check_options(temperature=temperature, top_k=top_k, top_p=top_p,
-                num_new_tokens=num_new_tokens)
+                num_new_tokens=num_new_tokens,
+                repetition_penalty=repetition_penalty)
   run = _jitted_generate(step_fn, int(num_new_tokens), float(temperature),
-                         int(top_k), float(top_p))
-  return run(params, carry, last_logits, key)
+                         int(top_k), float(top_p), float(repetition_penalty))
+  return run(params, state, key, jnp.asarray(start, jnp.int32))
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted_generate(step_fn, num_new_tokens, temperature, top_k, top_p):
+def _jitted_generate(step_fn, num_new_tokens, temperature, top_k, top_p,
+                     repetition_penalty):
   """One compile per static setting; statics bound with partial (STYLE.md)."""
   return jax.jit(functools.partial(
       _generate_loop, step_fn=step_fn, num_new_tokens=num_new_tokens,
-      temperature=temperature, top_k=top_k, top_p=top_p))
+      temperature=temperature, top_k=top_k, top_p=top_p,
+      repetition_penalty=repetition_penalty))
 
 
-def _generate_loop(params, carry, last_logits, key, *, step_fn,
-                   num_new_tokens, temperature, top_k, top_p):
+def _generate_loop(params, state, key, start, *, step_fn, num_new_tokens,
+                   temperature, top_k, top_p, repetition_penalty):
   options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
   def step(state, i):
-    carry, logits = state                                       # [batch, vocab]
-    key_i = jax.random.fold_in(key, i)
+    carry, logits, seen = state                                 # [batch, vocab]
+    key_i = jax.random.fold_in(key, start + i)
+    logits = penalize_repeats(logits, seen, repetition_penalty)
     tokens = sample_next(key_i, logits, **options)              # [batch]
+    if repetition_penalty != 1:
+      seen = seen | jax.nn.one_hot(tokens, seen.shape[-1], dtype=jnp.bool_)
     new_logits, new_carry = step_fn(params, carry, tokens)
     # scan needs identical carry types; a step may return e.g. weak types.
     new_carry = jax.tree.map(
         lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)),
         new_carry, carry)
-    return (new_carry, new_logits.astype(jnp.float32)), tokens
+    return DecodeState(new_carry, new_logits.astype(jnp.float32), seen), tokens
 
-  init = (carry, jnp.asarray(last_logits, jnp.float32))
-  (final_carry, _), tokens = jax.lax.scan(
-      step, init, jnp.arange(num_new_tokens))                   # [time, batch]
-  return tokens.T, final_carry
+  state = DecodeState(state.carry, state.logits.astype(jnp.float32),
+                      state.seen)
+  state, tokens = jax.lax.scan(
+      step, state, jnp.arange(num_new_tokens))                  # [time, batch]
+  return tokens.T, state

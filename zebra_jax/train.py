@@ -18,7 +18,7 @@ from absl import logging
 
 from zebra_jax import checkpoint, data, evaluate, loss_scale, metrics, model
 from zebra_jax import optim
-from zebra_jax import parallel, preemption, setup, writer
+from zebra_jax import parallel, preemption, profiling, progress, setup, writer
 from zebra_jax.train_state import TrainState, init_state
 from zebra_jax.errors import UserError
 
@@ -121,8 +121,12 @@ class _Window:
     return host, elapsed
 
 
-def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains until num_steps (or the time budget); returns the run summary."""
+def run(cfg: ml_collections.ConfigDict, workdir: str,
+        config_path: str | None = None) -> dict[str, Any]:
+  """Trains until num_steps (or the time budget); returns the run summary.
+
+  config_path only shapes the follow-up commands the summary prints.
+  """
   cfg, tokenizer, splits = setup.prepare(cfg, workdir)
   mesh = parallel.make_mesh()
   accum = cfg.train.grad_accum_steps
@@ -132,11 +136,12 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint.keep_latest,
                                  cfg.checkpoint.keep_best)
   position = data.DataPosition()
-  best_valid = float("inf")
+  best_valid, best_step = float("inf"), None
   if (restored := ckpt.restore_latest(state, log.info)) is not None:
     latest, state, meta = restored
     position = data.DataPosition.from_dict(meta["position"])
     best_valid = meta.get("best_valid_loss", best_valid)
+    best_step = meta.get("best_valid_step", best_step)
     log.info(f"resuming from checkpoint at step {latest} "
              f"(epoch {position.epoch}, batch {position.index})")
   batcher = data.make_batcher(cfg.data, splits["train"], cfg.seed,
@@ -151,83 +156,106 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
            f"| vocab {cfg.model.vocab_size} | {jax.device_count()} "
            f"{jax.devices()[0].platform} device(s)")
 
-  step = int(state.step)
+  step = first_step = int(state.step)
   budget_s = cfg.train.time_budget_minutes * 60.0
   started = time.perf_counter()
   window, valid, last_saved, first = _Window(), None, step, True
   evals, bad_run = 0, 0
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   random_windows = cfg.data.batching == "random"
-  with preemption.StopRequest() as stop_request:
-    stop, preempted = step >= cfg.train.num_steps, False
-    while not stop:
-      inputs, targets = batcher.get(position.index, position.epoch)
-      batch = {"inputs": parallel.global_batch(mesh, inputs),
-               "targets": parallel.global_batch(mesh, targets),
-               "reset": np.asarray(random_windows or position.index == 0)}
-      with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        state, sums = step_fn(state, batch)
-      step += 1
-      position = position.advance(batcher.batches_per_epoch)
-      window.sums.append(sums)
-      if first:  # The first step includes compiling: keep it out of ms/batch.
-        jax.block_until_ready(sums)
-        log.info(f"first step (compiling included) took "
-                 f"{time.perf_counter() - window.start:.1f} s")
-        window, first = _Window(), False
-      if step % cfg.train.log_every == 0 and window.sums:
-        per_step, elapsed = window.flush()
-        bad_run = _consecutive_skips(per_step, bad_run)
-        if bad_run >= cfg.train.max_consecutive_skips:
-          raise UserError(
-              f"{bad_run} steps in a row up to step {step} had non-finite "
-              f"gradients; stopped without saving them (the last good "
-              f"checkpoint is kept): lower --config.optim.learning_rate, set "
-              f"--config.optim.clip_norm, or use --config.model.dtype=float32")
-        good = [m for m in per_step if not m["skipped"]] or per_step
-        total = {k: float(np.sum([m[k] for m in good], dtype=np.float64))
-                 for k in good[0]}
-        summary = metrics.summarize(total["loss_sum"], total["correct"],
-                                    total["count"])
-        log.train_line(
-            epoch=position.epoch + 1, step=step,
-            batch=position.index or batcher.batches_per_epoch,
-            batches=batcher.batches_per_epoch, lr=float(lr_at(step - 1)),
-            ms_per_batch=1000 * elapsed / len(per_step),
-            tok_per_s=len(per_step) * tokens_per_step / elapsed,
-            loss=summary["loss"], ppl=summary["ppl"], acc=summary["acc"],
-            grad_norm=total["grad_norm"] / len(good),
-            loss_scale=float(state.loss_scale.scale)
-            if state.loss_scale.dynamic else None,
-            skipped=int(state.loss_scale.skipped))
-      stop = step >= cfg.train.num_steps
-      if stop_request.should_stop(step):
-        log.info(f"received {stop_request.signal_name}: saving a checkpoint at "
-                 f"step {step} and stopping; rerun the same command to resume")
-        stop = preempted = True
-      elif budget_s and time.perf_counter() - started > budget_s:
-        log.info(f"time budget of {cfg.train.time_budget_minutes} min reached")
-        stop = True
-      valid = None
-      if step % cfg.train.eval_every == 0 or (stop and not preempted):
-        valid = evaluator.run(state.params, splits["valid"],
-                              cfg.train.eval_max_batches)
-        best_valid = min(best_valid, valid["loss"])
-        evals += 1
-        log.eval_line(evals, step, "valid", valid)
-        window = _Window()  # Keep eval time out of the next ms/batch.
-      if step % cfg.checkpoint.every_steps == 0 or valid is not None:
-        _save(ckpt, step, state, position, best_valid, valid)
-        last_saved = step
-    if last_saved != step:
-      _save(ckpt, step, state, position, best_valid, valid)
-    ckpt.close()
+  profiler = profiling.StepProfiler(workdir, cfg.profile.start_step,
+                                   cfg.profile.num_steps)
+  bar = progress.Progress(cfg.train.num_steps, initial_step=step,
+                          enabled=None if jax.process_index() == 0 else False)
+  log.record("start", step, {})  # wall-clock origin for plots
+  try:
+    with preemption.StopRequest() as stop_request:
+      stop, preempted = step >= cfg.train.num_steps, False
+      while not stop:
+        inputs, targets = batcher.get(position.index, position.epoch)
+        batch = {"inputs": parallel.global_batch(mesh, inputs),
+                 "targets": parallel.global_batch(mesh, targets),
+                 "reset": np.asarray(random_windows or position.index == 0)}
+        profiler.before_step(step)
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+          state, sums = step_fn(state, batch)
+        profiler.after_step(step, sums)
+        step += 1
+        position = position.advance(batcher.batches_per_epoch)
+        bar.update(step)
+        window.sums.append(sums)
+        if first:  # The first step includes compiling: keep it out of ms/batch.
+          jax.block_until_ready(sums)
+          log.info(f"first step (compiling included) took "
+                   f"{time.perf_counter() - window.start:.1f} s")
+          window, first = _Window(), False
+        if step % cfg.train.log_every == 0 and window.sums:
+          per_step, elapsed = window.flush()
+          bad_run = _consecutive_skips(per_step, bad_run)
+          if bad_run >= cfg.train.max_consecutive_skips:
+            raise UserError(
+                f"{bad_run} steps in a row up to step {step} had non-finite "
+                f"gradients; stopped without saving them (the last good "
+                f"checkpoint is kept): lower --config.optim.learning_rate, set "
+                f"--config.optim.clip_norm, or use --config.model.dtype=float32")
+          good = [m for m in per_step if not m["skipped"]] or per_step
+          total = {k: float(np.sum([m[k] for m in good], dtype=np.float64))
+                   for k in good[0]}
+          summary = metrics.summarize(total["loss_sum"], total["correct"],
+                                      total["count"])
+          log.train_line(
+              epoch=position.epoch + 1, step=step,
+              batch=position.index or batcher.batches_per_epoch,
+              batches=batcher.batches_per_epoch, lr=float(lr_at(step - 1)),
+              ms_per_batch=1000 * elapsed / len(per_step),
+              tok_per_s=len(per_step) * tokens_per_step / elapsed,
+              loss=summary["loss"], ppl=summary["ppl"], acc=summary["acc"],
+              grad_norm=total["grad_norm"] / len(good),
+              loss_scale=float(state.loss_scale.scale)
+              if state.loss_scale.dynamic else None,
+              skipped=int(state.loss_scale.skipped))
+          bar.update(step, tok_s=len(per_step) * tokens_per_step / elapsed,
+                     loss=summary["loss"])
+        stop = step >= cfg.train.num_steps
+        if stop_request.should_stop(step):
+          log.info(f"received {stop_request.signal_name}: saving a checkpoint at "
+                   f"step {step} and stopping; rerun the same command to resume")
+          stop = preempted = True
+        elif budget_s and time.perf_counter() - started > budget_s:
+          log.info(f"time budget of {cfg.train.time_budget_minutes} min reached")
+          stop = True
+        valid = None
+        if step % cfg.train.eval_every == 0 or (stop and not preempted):
+          valid = evaluator.run(state.params, splits["valid"],
+                                cfg.train.eval_max_batches)
+          if valid["loss"] < best_valid:
+            best_valid, best_step = valid["loss"], step
+          evals += 1
+          log.eval_line(evals, step, "valid", valid)
+          window = _Window()  # Keep eval time out of the next ms/batch.
+        if step % cfg.checkpoint.every_steps == 0 or valid is not None:
+          _save(ckpt, step, state, position, (best_valid, best_step), valid)
+          last_saved = step
+      if last_saved != step:
+        _save(ckpt, step, state, position, (best_valid, best_step), valid)
+      bar.close()
+      profiler.close()
+      ckpt.close()
+  except BaseException:
+    bar.close()
+    ckpt.abandon()  # let an in-flight good save finish; keep what is on disk
+    log.close()
+    raise
   wall = time.perf_counter() - started
+  trained = step - first_step
   summary = {"steps": step, "best_valid_loss": best_valid,
              "best_valid_ppl": float(np.exp(min(best_valid, 700))),
+             "best_valid_step": best_step,
+             "tokens_seen": step * tokens_per_step,
+             "tok_per_s": trained * tokens_per_step / max(wall, 1e-9),
              "wall_s": wall, "params": n_params, "preempted": preempted,
              "checkpoints": ckpt.directory}
-  log.summary(summary, workdir)
+  log.summary(summary, workdir, config_path)
   log.close()
   return summary
 
@@ -239,7 +267,7 @@ def _consecutive_skips(per_step: list[dict[str, float]], run: int) -> int:
   return run
 
 
-def _save(ckpt, step, state, position, best_valid, valid):
+def _save(ckpt, step, state, position, best, valid):
   meta = {"step": step, "position": position.to_dict(),
-          "best_valid_loss": best_valid}
+          "best_valid_loss": best[0], "best_valid_step": best[1]}
   ckpt.save(step, state, meta, valid["loss"] if valid else None)

@@ -12,6 +12,9 @@ from typing import Any
 
 import jax
 
+from zebra_jax import progress
+from zebra_jax.errors import UserError
+
 
 class MetricWriter:
   """Transformer-XL style log lines plus one JSON record per line."""
@@ -28,18 +31,24 @@ class MetricWriter:
 
   def info(self, message: str) -> None:
     if self.active:
-      print(message, flush=True)
+      progress.write(message)  # above an open progress bar, if any
 
-  def _record(self, kind: str, step: int, values: dict[str, Any]) -> None:
+  def record(self, kind: str, step: int, values: dict[str, Any]) -> None:
+    """One metrics.jsonl line (and TensorBoard scalars for numeric values)."""
     if not self.active:
       return
-    self._jsonl.write(json.dumps({"kind": kind, "step": step,
-                                  "time": time.time(), **values}) + "\n")
-    self._jsonl.flush()
-    if self._tb is not None:
-      for key, value in values.items():
-        if isinstance(value, (int, float)):
-          self._tb.add_scalar(f"{kind}/{key}", value, step)
+    try:
+      self._jsonl.write(json.dumps({"kind": kind, "step": step,
+                                    "time": time.time(), **values}) + "\n")
+      self._jsonl.flush()
+      if self._tb is not None:
+        for key, value in values.items():
+          if isinstance(value, (int, float)):
+            self._tb.add_scalar(f"{kind}/{key}", value, step)
+    except OSError as e:
+      raise UserError(f"could not write metrics to {self._jsonl.name} "
+                      f"({e.strerror or e}): free disk space or point --workdir "
+                      f"elsewhere, then rerun to resume") from e
 
   def train_line(self, *, epoch, step, batch, batches, lr, ms_per_batch,
                  tok_per_s, loss, ppl, acc, grad_norm, loss_scale=None,
@@ -55,34 +64,47 @@ class MetricWriter:
                   grad_norm=grad_norm, skipped=skipped)
     if loss_scale is not None:
       record["loss_scale"] = loss_scale
-    self._record("train", step, record)
+    self.record("train", step, record)
 
   def eval_line(self, index: int, step: int, split: str, res: dict) -> None:
     self.info(f"| eval {index} at step {step} | {split} loss {res['loss']:.2f} "
               f"| {split} ppl {res['ppl']:.2f} | {split} acc {res['acc']:.3f}")
-    self._record(split, step, {k: res[k] for k in ("loss", "ppl", "acc")})
+    self.record(split, step, {k: res[k] for k in ("loss", "ppl", "acc")})
 
-  def eval_summary(self, split: str, step: int, res: dict) -> None:
-    rule = "=" * 89
-    self.info(f"{rule}\n| {split} at step {step} | {res['tokens']:.0f} tokens "
-              f"| time {res['seconds']:.1f}s | {split} loss {res['loss']:.2f} "
-              f"| {split} ppl {res['ppl']:.2f} | {split} acc {res['acc']:.3f}"
-              f"\n{rule}")
-    self._record(f"final_{split}", step, {k: res[k] for k in ("loss", "ppl", "acc")})
-
-  def summary(self, summary: dict, workdir: str) -> None:
-    self.info(f"| end of training | steps {summary['steps']} "
-              f"| best valid ppl {summary['best_valid_ppl']:.2f} "
-              f"| wall {summary['wall_s']:.0f}s | checkpoints in "
-              f"{summary['checkpoints']}")
-    self._record("summary", summary["steps"],
+  def summary(self, summary: dict, workdir: str,
+              config_path: str | None = None) -> None:
+    """The end-of-training block: what was reached and what to run next."""
+    best = (f"{summary['best_valid_ppl']:.2f} at step "
+            f"{summary['best_valid_step']}"
+            if summary["best_valid_step"] is not None else "n/a")
+    config = config_path or "CONFIG.py"
+    rule = "-" * 89
+    self.info(
+        f"{rule}\n| end of training | steps {summary['steps']} | best valid ppl "
+        f"{best} | tokens seen {summary['tokens_seen']:,} | wall "
+        f"{summary['wall_s']:.0f}s | tok/s {summary['tok_per_s']:.0f}\n"
+        f"| checkpoints: {summary['checkpoints']}\n"
+        f"| evaluate:    python -m zebra_jax.main --config={config} "
+        f"--workdir={workdir} --mode=eval\n"
+        f"| sample:      python -m zebra_jax.main --config={config} "
+        f"--workdir={workdir} --mode=sample --prompt='...'\n{rule}")
+    self.record("summary", summary["steps"],
                  {k: v for k, v in summary.items() if k != "checkpoints"})
 
+  def text(self, tag: str, text: str, step: int) -> None:
+    """Generated text etc. in TensorBoard's Text tab."""
+    if self._tb is not None:
+      self._tb.add_text(tag, text, step)
+
   def close(self) -> None:
-    if self._jsonl:
-      self._jsonl.close()
-    if self._tb:
-      self._tb.close()
+    """Flushes and closes; a full disk here is already being reported."""
+    for handle in (self._jsonl, self._tb):
+      try:
+        if handle is not None:
+          handle.close()
+      except OSError:
+        pass
+    self._jsonl = self._tb = None
 
 
 def error(message: str) -> None:

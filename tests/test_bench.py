@@ -1,0 +1,58 @@
+"""Smoke test of `python -m zebra_jax.bench --quick`: rows exist, numbers are
+positive. No timing assertions: CI machines are shared and noisy.
+
+It runs in a fresh process (memory rows read process peaks, and the flag below
+must reach XLA before it starts): LLVM optimisation level 0 halves compile time
+for these tiny shapes and changes nothing that is asserted here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def test_quick_bench_writes_every_row(tmp_path):
+  path = tmp_path / "bench.json"
+  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+  out = subprocess.run(
+      [sys.executable, "-m", "zebra_jax.bench", "--quick", f"--json={path}"],
+      capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "tok/s" in out.stdout  # the table was printed
+  result = json.loads(path.read_text())
+
+  rows = {r["name"]: r for r in result["rows"]}
+  want = {"core_S1", "core_S4", "lm_S1", "eval_S1", "gen_S1_b1", "gen_S1_b4"}
+  try:
+    import torch  # noqa: F401  pylint: disable=unused-import
+    want |= {"torch_core", "torch_lm", "torch_eval"}
+  except ImportError:
+    assert any("torch not installed" in n for n in result["notes"])
+  assert want <= set(rows), sorted(rows)
+  assert result["matmul_peak_gflops"] > 0
+  for name, r in rows.items():
+    for key in ("tokens_per_s", "ms_per_step", "gflops", "frac_of_peak"):
+      assert r[key] > 0, (name, key, r[key])
+    if name.startswith(("core", "lm", "eval")) and "torch_core" in rows:
+      assert r["ratio_to_torch"] > 0, name
+    if not name.startswith(("torch", "gen")):
+      assert r["xla_bytes"] > 0, name
+
+  memory = result["memory"]
+  assert {(m["seq_len"], m["remat"]) for m in memory} == {
+      (8, False), (16, False), (8, True), (16, True)}
+  for m in memory:
+    assert m["peak_bytes"] > 0 and m["xla_bytes"] > 0
+  # A longer window plans more memory; remat plans less (or equal).
+  plan = {(m["seq_len"], m["remat"]): m["xla_bytes"] for m in memory}
+  assert plan[16, False] > plan[8, False]
+  assert plan[16, True] <= plan[16, False]
+  assert set(result["max_window"]["max_seq_len"]) == {"remat=False",
+                                                       "remat=True"}
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,111 @@
+"""Evaluation: device-count invariance, exact perplexity, splits, the CLI."""
+
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import demo
+from zebra_jax import evaluate, metrics, model, setup, train
+from zebra_jax.errors import UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_device_mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",),
+                           axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def trained_char_run(tmp_path_factory):
+  """demo.py:tiny on a small text file: trained once per session and shared
+  by the test modules that need a char-level workdir (same config, path)."""
+  base = tmp_path_factory.getbasetemp() / "char_tiny_20_steps"
+  cfg = demo.get_config("tiny")
+  cfg.data.source, cfg.data.path = "text", str(base / "story.txt")
+  cfg.train.eval_every = 1000  # no mid-run eval: the fixture stays fast
+  workdir = str(base / "run")
+  if not (base / "run" / "checkpoints").is_dir():
+    base.mkdir(exist_ok=True)
+    (base / "story.txt").write_text("".join(
+        f"line {i}: the quick brown fox jumps over the lazy dog.\n"
+        for i in range(300)))
+    train.run(cfg, workdir)
+  return cfg, workdir
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  return trained_char_run(tmp_path_factory)
+
+
+def test_eval_on_8_devices_equals_1_device(trained):
+  cfg, workdir = trained
+  many = evaluate.run(cfg, workdir, "all")
+  one = evaluate.run(cfg, workdir, "all", mesh=one_device_mesh())
+  assert set(many) == {"valid", "test"}
+  for split in many:
+    assert many[split]["tokens"] == one[split]["tokens"] > 0
+    assert many[split]["acc"] == one[split]["acc"]
+    assert many[split]["loss"] == pytest.approx(one[split]["loss"], rel=1e-6)
+    assert many[split]["bpc"] == pytest.approx(
+        many[split]["loss"] / math.log(2))  # char level: bits per character
+
+
+def test_perplexity_is_exp_of_summed_loss_over_tokens(trained):
+  """Windows of 7, 7 and 6 tokens: exp(sum / count), not a mean of windows."""
+  cfg, workdir = trained
+  loaded = setup.load_for_inference(cfg, workdir)
+  ids = np.asarray(loaded.splits["valid"][:8 * 21 + 3])  # 3 left over
+  evaluator = evaluate.Evaluator(loaded.graphdef, one_device_mesh(),
+                                 loaded.cfg.model, batch_size=8, seq_len=7)
+  res = evaluator.run(loaded.params, ids)
+  # By hand: one pass over each row, numpy log-softmax, one mean.
+  rows = ids[:8 * 21].reshape(8, 21)
+  logits, _ = model.apply(loaded.graphdef, loaded.params, rows[:, :-1],
+                          model.init_carry(loaded.cfg.model, 8))
+  logits = np.asarray(logits, np.float64)
+  logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + \
+      logits.max(-1)
+  nll = logz - np.take_along_axis(logits, rows[:, 1:, None], -1)[..., 0]
+  assert res["tokens"] == nll.size == 8 * 20
+  assert res["loss"] == pytest.approx(nll.mean(), rel=1e-5)
+  assert res["ppl"] == pytest.approx(math.exp(nll.mean()), rel=1e-5)
+  by_window = [nll[:, s:s + 7].mean() for s in (0, 7, 14)]
+  assert math.exp(np.mean(by_window)) != pytest.approx(res["ppl"], rel=1e-7)
+  # The host-side formula on numbers small enough to check by eye.
+  assert metrics.summarize(6.0, 1.0, 3.0)["ppl"] == pytest.approx(math.e ** 2)
+
+
+def test_eval_options_are_checked(trained):
+  cfg, workdir = trained
+  with pytest.raises(UserError, match="does not divide over 8 devices"):
+    bad = cfg.copy_and_resolve_references()
+    bad.eval.batch_size = 12
+    evaluate.run(bad, workdir, "test")
+  with pytest.raises(UserError, match="--split=train is unknown"):
+    evaluate.run(cfg, workdir, "train")
+  with pytest.raises(UserError, match="too short"):
+    big = cfg.copy_and_resolve_references()
+    big.eval.batch_size = 8 * 10_000
+    evaluate.run(big, workdir, "test")
+
+
+def test_cli_eval_one_split_prints_the_summary_block(trained):
+  cfg, workdir = trained
+  out = subprocess.run(
+      [sys.executable, "-m", "zebra_jax.main", "--config=configs/demo.py:tiny",
+       f"--workdir={workdir}", "--config.data.source=text",
+       f"--config.data.path={cfg.data.path}", "--mode=eval", "--split=test",
+       "--config.eval.seq_len=20"],
+      capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert out.returncode == 0, out.stderr
+  assert "| test at step 20 |" in out.stdout and "valid" not in out.stdout
+  for field in ("test loss", "test ppl", "test acc", "test bpc", "time",
+                "tok/s"):
+    assert field in out.stdout
+  assert out.stdout.count("=" * 89) == 2

@@ -1,0 +1,153 @@
+"""Export: the jax.export artifact in a fresh process, and the Triton model.py."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from configs import demo
+from zebra_jax import export, model, sample, setup, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs in a fresh interpreter: only jax and numpy, never zebra_jax or flax.
+_FRESH = r"""
+import json, sys
+import jax, numpy as np
+folder, out = sys.argv[1], sys.argv[2]
+manifest = json.load(open(f"{folder}/manifest.json"))
+prompt = jax.export.deserialize(bytearray(open(f"{folder}/prompt.jax", "rb").read()))
+step = jax.export.deserialize(bytearray(open(f"{folder}/step.jax", "rb").read()))
+npz = np.load(f"{folder}/params.npz")
+params = [npz[f"leaf_{i:05d}"] for i in range(manifest["num_params"])]
+tokens = np.load(f"{out}.in.npy")
+zeros = np.zeros((tokens.shape[0], manifest["hidden_size"]), np.float32)
+carry = tuple((zeros, zeros) for _ in range(manifest["num_layers"]))
+last, carry = prompt.call(params, carry, tokens)
+logits, carry = step.call(params, carry, tokens[:, -1])
+assert not [m for m in sys.modules if m.startswith(("zebra_jax", "flax"))]
+np.savez(out, last=np.asarray(last), logits=np.asarray(logits),
+         h=np.asarray(carry[-1][0]))
+"""
+
+
+def trained_char_run(tmp_path_factory):
+  """demo.py:tiny on a small text file: trained once per session and shared
+  by the test modules that need a char-level workdir (same config, path)."""
+  base = tmp_path_factory.getbasetemp() / "char_tiny_20_steps"
+  cfg = demo.get_config("tiny")
+  cfg.data.source, cfg.data.path = "text", str(base / "story.txt")
+  cfg.train.eval_every = 1000  # no mid-run eval: the fixture stays fast
+  workdir = str(base / "run")
+  if not (base / "run" / "checkpoints").is_dir():
+    base.mkdir(exist_ok=True)
+    (base / "story.txt").write_text("".join(
+        f"line {i}: the quick brown fox jumps over the lazy dog.\n"
+        for i in range(300)))
+    train.run(cfg, workdir)
+  return cfg, workdir
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  cfg, workdir = trained_char_run(tmp_path_factory)
+  export_dir = export.run(cfg, workdir, str(tmp_path_factory.mktemp("export")))
+  return cfg, workdir, export_dir, setup.load_for_inference(cfg, workdir)
+
+
+def test_artifact_in_a_fresh_process_gives_the_same_logits(exported, tmp_path):
+  _, _, export_dir, loaded = exported
+  folder = os.path.join(export_dir, "artifact")
+  manifest = json.load(open(os.path.join(folder, "manifest.json")))
+  assert manifest["platforms"] == ["cpu", "cuda"]
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, loaded.cfg.model.vocab_size, (3, 11)).astype(np.int32)
+  out = str(tmp_path / "fresh")
+  np.save(f"{out}.in.npy", tokens)
+  run = subprocess.run([sys.executable, "-c", _FRESH, folder, out],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  assert run.returncode == 0, run.stderr
+  got = np.load(f"{out}.npz")
+  carry = model.init_carry(loaded.cfg.model, 3)
+  logits, carry = model.apply(loaded.graphdef, loaded.params, tokens, carry)
+  np.testing.assert_allclose(got["last"], logits[:, -1], atol=1e-5)
+  step_logits, carry = model.apply(loaded.graphdef, loaded.params,
+                                   tokens[:, -1:], carry)
+  np.testing.assert_allclose(got["logits"], step_logits[:, 0], atol=1e-5)
+  np.testing.assert_allclose(got["h"], carry[-1][0], atol=1e-5)
+
+
+class _Tensor:
+  """Stand-in for pb_utils.Tensor: a name and a numpy array."""
+
+  def __init__(self, name, array):
+    self.name, self._array = name, np.asarray(array)
+
+  def as_numpy(self):
+    return self._array
+
+
+class _Response:
+  def __init__(self, output_tensors, error=None):
+    self.output_tensors, self.error = output_tensors, error
+
+
+def _fake_pb_utils():
+  pb = types.ModuleType("triton_python_backend_utils")
+  pb.Tensor, pb.InferenceResponse = _Tensor, _Response
+  pb.TritonError = lambda message: message
+  pb.get_input_tensor_by_name = lambda request, name: request.get(name)
+  return pb
+
+
+def _load_triton_model(model_dir, monkeypatch):
+  monkeypatch.setitem(sys.modules, "triton_python_backend_utils",
+                      _fake_pb_utils())
+  spec = importlib.util.spec_from_file_location(
+      "triton_zebra_model", os.path.join(model_dir, "1", "model.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  triton_model = module.TritonPythonModel()
+  triton_model.initialize({"model_repository": model_dir, "model_version": "1",
+                           "model_instance_kind": "CPU",
+                           "model_instance_device_id": "0"})
+  return triton_model
+
+
+def _request(prompts, **scalars):
+  request = {"PROMPT": _Tensor("PROMPT", np.array(
+      [[p.encode()] for p in prompts], dtype=object))}
+  kinds = {"MAX_NEW_TOKENS": np.int32, "TEMPERATURE": np.float32,
+           "TOP_K": np.int32, "TOP_P": np.float32, "SEED": np.int64}
+  for name, value in scalars.items():
+    request[name] = _Tensor(name, np.full((len(prompts), 1), value, kinds[name]))
+  return request
+
+
+def test_triton_model_execute_with_stand_in_requests(exported, monkeypatch):
+  _, _, export_dir, loaded = exported
+  model_dir = os.path.join(export_dir, "triton", export.MODEL_NAME)
+  config = open(os.path.join(model_dir, "config.pbtxt")).read()
+  assert 'backend: "python"' in config and "kind: KIND_GPU" in config
+  assert "max_batch_size: 64" in config and "{{" not in config
+  triton_model = _load_triton_model(model_dir, monkeypatch)
+  prompts = ["the ", "line 7: the quick"]
+  greedy = _request(prompts, MAX_NEW_TOKENS=10, TEMPERATURE=0.0)
+  sampled = _request(prompts[:1], MAX_NEW_TOKENS=10, TEMPERATURE=1.0, SEED=3)
+  bad = _request([""])
+  responses = triton_model.execute([greedy, bad, sampled, sampled])
+  assert len(responses) == 4
+  texts = [t.decode() for t in responses[0].output_tensors[0].as_numpy()[:, 0]]
+  expected = sample.Generator(loaded).generate(
+      prompts, sample.Options(max_new_tokens=10, temperature=0.0))
+  assert responses[0].error is None and texts == expected
+  assert responses[1].error and "non-empty" in responses[1].error
+  assert responses[1].output_tensors == []
+  first, again = (r.output_tensors[0].as_numpy()[0, 0] for r in responses[2:])
+  assert first == again and first.decode().startswith("the ")  # seeded
+  triton_model.finalize()

@@ -1,0 +1,163 @@
+"""Generation: batched prompts of different lengths, chunks, stop, stream, CLI,
+and the inference benchmark."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs import demo
+from zebra_jax import infer_bench, sample, setup, train
+from zebra_jax.errors import UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["the ", "line 12: the quick", "x"]
+
+
+def trained_char_run(tmp_path_factory):
+  """demo.py:tiny on a small text file: trained once per session and shared
+  by the test modules that need a char-level workdir (same config, path)."""
+  base = tmp_path_factory.getbasetemp() / "char_tiny_20_steps"
+  cfg = demo.get_config("tiny")
+  cfg.data.source, cfg.data.path = "text", str(base / "story.txt")
+  cfg.train.eval_every = 1000  # no mid-run eval: the fixture stays fast
+  workdir = str(base / "run")
+  if not (base / "run" / "checkpoints").is_dir():
+    base.mkdir(exist_ok=True)
+    (base / "story.txt").write_text("".join(
+        f"line {i}: the quick brown fox jumps over the lazy dog.\n"
+        for i in range(300)))
+    train.run(cfg, workdir)
+  return cfg, workdir
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  cfg, workdir = trained_char_run(tmp_path_factory)
+  return cfg, workdir, sample.Generator(setup.load_for_inference(cfg, workdir))
+
+
+def test_batched_prompts_of_different_lengths_match_each_alone(trained):
+  _, _, gen = trained
+  rows = [gen.encode(p) for p in PROMPTS]
+  together = gen.prime(rows)
+  for i, ids in enumerate(rows):
+    alone = gen.prime([ids])
+    np.testing.assert_allclose(together.logits[i], alone.logits[0], atol=1e-5)
+    for (h, c), (h1, c1) in zip(together.carry, alone.carry):
+      np.testing.assert_allclose(h[i], h1[0], atol=1e-5)
+      np.testing.assert_allclose(c[i], c1[0], atol=1e-5)
+    assert together.seen[i].sum() == len(set(ids.tolist()))
+  greedy = sample.Options(max_new_tokens=12, temperature=0.0)
+  texts = gen.generate(PROMPTS, greedy)
+  assert texts == [gen.generate([p], greedy)[0] for p in PROMPTS]
+  assert all(t.startswith(p) and len(t) == len(p) + 12
+             for t, p in zip(texts, PROMPTS))
+
+
+def test_chunks_and_seeds_reproduce(trained):
+  _, _, gen = trained
+  options = sample.Options(max_new_tokens=20, temperature=1.0, top_p=0.95,
+                           num_samples=2, seed=7)
+  one_shot = gen.generate(PROMPTS[:2], options)
+  assert len(one_shot) == 4 and one_shot[0].startswith(PROMPTS[0])
+  assert one_shot[2].startswith(PROMPTS[1])
+  chunked = gen.generate(PROMPTS[:2], sample.Options(**{
+      **options.__dict__, "chunk": 3}))
+  assert chunked == one_shot  # token i always uses fold_in(key, i)
+  other = gen.generate(PROMPTS[:2], sample.Options(**{
+      **options.__dict__, "seed": 8}))
+  assert other != one_shot
+
+
+def test_stop_string_and_streaming(trained):
+  _, _, gen = trained
+  base = sample.Options(max_new_tokens=30, temperature=1.0, seed=1, chunk=4)
+  free = gen.generate(["the "], base)[0][len("the "):]
+  # A stop string that first appears after a few characters (sampled text
+  # varies enough to have one).
+  stop = next(free[i:i + 2] for i in range(5, 28)
+              if free.find(free[i:i + 2]) == i)
+  cut = free.split(stop, 1)[0]
+  pieces = []
+  stopped = gen.generate(["the "], sample.Options(**{**base.__dict__,
+                                                     "stop": stop}),
+                         on_text=lambda row, text: pieces.append(text))
+  assert stopped == ["the " + cut] and stop not in cut
+  assert "".join(pieces) == cut and len(pieces) >= 2  # printed as it grew
+  pieces.clear()
+  streamed = gen.generate(["the "], base, on_text=lambda r, t: pieces.append(t))
+  assert "".join(pieces) == free == streamed[0][len("the "):]
+
+
+def test_repetition_penalty_changes_greedy_text(trained):
+  _, _, gen = trained
+  plain = gen.generate(["the "], sample.Options(max_new_tokens=40,
+                                               temperature=0.0))[0]
+  penalized = gen.generate(["the "], sample.Options(
+      max_new_tokens=40, temperature=0.0, repetition_penalty=50.0))[0]
+  assert penalized != plain
+  # A huge penalty pushes every seen character below every unseen one.
+  new = penalized[len("the "):]
+  assert len(set(new)) > len(set(plain[len("the "):]))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(repetition_penalty=0.0), "repetition_penalty=0.0"),
+    (dict(num_samples=0), "num_samples=0"),
+    (dict(max_new_tokens=0), "num_new_tokens=0"),
+])
+def test_bad_options(trained, options, message):
+  _, _, gen = trained
+  with pytest.raises(UserError, match=message):
+    gen.generate(["the "], sample.Options(**options))
+  with pytest.raises(UserError, match="no prompts"):
+    gen.generate([], sample.Options())
+
+
+def test_cli_prompt_file_and_stream(trained, tmp_path):
+  cfg, workdir, gen = trained
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("the \n\nline 12: the quick\n")
+  common = [sys.executable, "-m", "zebra_jax.main",
+            "--config=configs/demo.py:tiny", f"--workdir={workdir}",
+            "--config.data.source=text", f"--config.data.path={cfg.data.path}",
+            "--mode=sample", "--max_new_tokens=16", "--temperature=0"]
+  run = lambda *a: subprocess.run(common + list(a), capture_output=True,
+                                  text=True, timeout=300, cwd=REPO)
+  out = run(f"--prompt_file={prompts}", "--repetition_penalty=1.2")
+  assert out.returncode == 0, out.stderr
+  expected = gen.generate(["the ", "line 12: the quick"], sample.Options(
+      max_new_tokens=16, temperature=0.0, repetition_penalty=1.2))
+  assert "----- sample 2/2" in out.stdout
+  assert all(t in out.stdout for t in expected)
+  out = run("--prompt=the ", "--stream", "--stream_chunk=4")
+  assert out.returncode == 0, out.stderr
+  greedy = gen.generate(["the "], sample.Options(max_new_tokens=16,
+                                                 temperature=0.0))[0]
+  assert greedy in out.stdout
+  with pytest.raises(UserError, match="--stream prints one text"):
+    stream_cfg = cfg.copy_and_resolve_references()
+    stream_cfg.sample.stream = True
+    sample.run(stream_cfg, workdir, ["the ", "x"])
+
+
+def test_infer_bench_reports_throughput_and_latency_percentiles(trained,
+                                                                tmp_path):
+  cfg, workdir, _ = trained
+  path = str(tmp_path / "bench.json")
+  report = infer_bench.run(cfg, workdir, ["1", "2"], new_tokens=3,
+                           prompt_len=4, requests=2, json_path=path)
+  assert json.load(open(path)) == report
+  assert [r["batch_size"] for r in report["results"]] == [1, 2]
+  for r in report["results"]:
+    assert r["tokens_per_s"] > 0
+    for stats in (r["token_latency_ms"], r["request_latency_ms"]):
+      assert 0 < stats["p50"] <= stats["p90"] <= stats["p95"] <= stats["p99"]
+  stats = infer_bench.latency_stats([0.001, 0.002, 0.003, 0.004])
+  assert stats["avg"] == pytest.approx(2.5) and stats["p50"] == pytest.approx(2.5)
+  with pytest.raises(UserError, match="bench_batch_sizes"):
+    infer_bench.run(cfg, workdir, ["one"])

@@ -1,0 +1,209 @@
+"""Adaptive softmax (Grave et al. 2017) and adaptive input, as Transformer-XL
+uses them on WikiText-103: exact log-probabilities for a 267k-word vocabulary
+at a fraction of a full softmax's cost.
+
+The vocabulary must be sorted by frequency (the word tokenizer's order) and is
+cut by `cutoffs` into clusters: with cutoffs (20000, 40000, 200000),
+
+    cluster 0  ids [0, 20000)         the shortlist: in the head, width d
+    cluster 1  ids [20000, 40000)     a tail: width d / div_val
+    cluster 2  ids [40000, 200000)    a tail: width d / div_val**2
+    cluster 3  ids [200000, V)        a tail: width d / div_val**3
+
+The head is a softmax over [shortlist words | one logit per tail cluster];
+a tail word's log-probability is its cluster's head log-probability plus its
+log-softmax inside the cluster. Tail clusters read the hidden state through a
+down-projection [d, d_i], so rare words cost few parameters and FLOPs.
+`AdaptiveInput` holds the same per-cluster tables and projections for the
+input side; `AdaptiveSoftmax(..., tied_input=embedding)` shares them, as
+Transformer-XL's tie_weight + tie_projs do.
+
+Parameters are float32; matmuls run in `dtype` with float32 accumulation and
+logits, log-softmax and losses are float32. With no cutoffs the head is the
+whole vocabulary: exactly a full softmax.
+"""
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zebra_jax.errors import UserError
+
+
+def cluster_bounds(vocab_size: int, cutoffs: Sequence[int]) -> tuple:
+  """[(start, stop)] per cluster. Cutoffs at or beyond the vocabulary are
+  dropped, so one config serves a 267k vocabulary and a tiny test corpus."""
+  cutoffs = [int(c) for c in cutoffs]
+  if any(b <= a for a, b in zip(cutoffs, cutoffs[1:])) or any(
+      c <= 0 for c in cutoffs):
+    raise UserError(f"model.adaptive_cutoffs={tuple(cutoffs)} must be positive "
+                    "and strictly increasing, e.g. (20000, 40000, 200000)")
+  edges = [0] + [c for c in cutoffs if c < vocab_size] + [vocab_size]
+  return tuple(zip(edges[:-1], edges[1:]))
+
+
+def cluster_widths(d_model: int, num_clusters: int, div_val: int) -> tuple:
+  """d_model // div_val**i per cluster, at least 1."""
+  return tuple(max(1, d_model // int(div_val) ** i)
+               for i in range(num_clusters))
+
+
+def _matmul(x, w, dtype, spec):
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32)
+
+
+class AdaptiveInput(nnx.Module):
+  """Per-cluster embedding tables [n_i, d_i] and projections [d_model, d_i]
+  (none where d_i == d_model): ids -> [..., d_model] float32."""
+
+  def __init__(self, vocab_size: int, d_model: int, cutoffs=(), div_val=1, *,
+               rngs: nnx.Rngs, dtype=jnp.float32):
+    self.bounds = cluster_bounds(vocab_size, cutoffs)
+    self.widths = cluster_widths(d_model, len(self.bounds), div_val)
+    self.d_model, self.dtype = d_model, dtype
+    self.tables = nnx.List([
+        nnx.Param(jax.random.uniform(rngs.params(), (stop - start, w),
+                                     jnp.float32, -0.1, 0.1))
+        for (start, stop), w in zip(self.bounds, self.widths)])
+    # A [d_model, d_model] identity would only cost memory: skip it.
+    self.projs = nnx.List([
+        nnx.Param(jax.random.normal(rngs.params(), (d_model, w), jnp.float32)
+                  / d_model ** 0.5)
+        for w in self.widths if w != d_model])
+
+  def proj(self, i: int):
+    """Cluster i's projection [d_model, d_i], or None (identity)."""
+    if self.widths[i] == self.d_model:
+      return None
+    return self.projs[sum(w != self.d_model for w in self.widths[:i])][...]
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    """ids [...] int32 -> embeddings [..., d_model] float32."""
+    out = jnp.zeros(ids.shape + (self.d_model,), jnp.float32)
+    for i, (start, stop) in enumerate(self.bounds):
+      inside = (ids >= start) & (ids < stop)
+      local = jnp.clip(ids - start, 0, stop - start - 1)
+      e = jnp.take(self.tables[i][...], local, axis=0)  # [..., d_i]
+      p = self.proj(i)
+      if p is not None:
+        e = _matmul(e, p, self.dtype, "...k,dk->...d")
+      out = out + jnp.where(inside[..., None], e, 0.0)
+    return out
+
+
+class AdaptiveSoftmax(nnx.Module):
+  """The LM head: `nll(hidden, targets)` for training, `log_probs` for
+  sampling, `predict` for accuracy. Hidden states are [N, d_model]."""
+
+  def __init__(self, vocab_size: int, d_model: int, cutoffs=(), div_val=1, *,
+               rngs: nnx.Rngs, dtype=jnp.float32,
+               tied_input: AdaptiveInput | None = None,
+               chunk_rows: int = 1024):
+    if tied_input is None:
+      tied_input = AdaptiveInput(vocab_size, d_model, cutoffs, div_val,
+                                 rngs=rngs, dtype=dtype)
+    elif tied_input.bounds != cluster_bounds(vocab_size, cutoffs):
+      raise UserError("a tied adaptive input must use the same vocab_size and "
+                      "cutoffs as the adaptive softmax")
+    self.weights = tied_input  # shared with the model's input when tied
+    self.bounds, self.widths = tied_input.bounds, tied_input.widths
+    self.dtype, self.chunk_rows = dtype, int(chunk_rows)
+    num_tails = len(self.bounds) - 1
+    self.biases = nnx.List([nnx.Param(jnp.zeros((stop - start,), jnp.float32))
+                            for start, stop in self.bounds])
+    self.cluster_w = nnx.Param(jnp.zeros((num_tails, self.widths[0]),
+                                         jnp.float32))  # [tails, d_0]
+    self.cluster_b = nnx.Param(jnp.zeros((num_tails,), jnp.float32))
+
+  @property
+  def shortlist(self) -> int:
+    return self.bounds[0][1]
+
+  def _project(self, hidden, i):
+    p = self.weights.proj(i)
+    return hidden if p is None else _matmul(hidden, p, self.dtype,
+                                            "nd,dk->nk")
+
+  def _logits(self, z, i):
+    """z [n, d_i] -> cluster i's word logits [n, n_i] float32."""
+    return (_matmul(z, self.weights.tables[i][...], self.dtype, "nk,vk->nv")
+            + self.biases[i][...])
+
+  def head_log_probs(self, hidden: jax.Array) -> jax.Array:
+    """[N, d] -> [N, shortlist + tails] float32: words, then clusters."""
+    z = self._project(hidden, 0)
+    words = self._logits(z, 0)
+    clusters = (_matmul(z, self.cluster_w[...], self.dtype, "nk,ck->nc")
+                + self.cluster_b[...])
+    return jax.nn.log_softmax(jnp.concatenate([words, clusters], -1), -1)
+
+  def log_probs(self, hidden: jax.Array) -> jax.Array:
+    """Every word's log-probability: [N, d] -> [N, V] float32 (sampling)."""
+    head = self.head_log_probs(hidden)
+    parts = [head[:, :self.shortlist]]
+    for i in range(1, len(self.bounds)):
+      tail = jax.nn.log_softmax(self._logits(self._project(hidden, i), i), -1)
+      parts.append(head[:, self.shortlist + i - 1, None] + tail)
+    return jnp.concatenate(parts, -1)
+
+  def nll(self, hidden: jax.Array, targets: jax.Array) -> jax.Array:
+    """-log p(target) per row: hidden [N, d], targets [N] int -> [N] float32.
+
+    Tail clusters never build [N, n_i]: each tail sorts its rows to the front
+    and scores them in chunks of `chunk_rows`; chunks past the rows it owns
+    are skipped at run time (lax.cond), and each chunk is rematerialised in
+    the backward pass, so memory is one [chunk_rows, n_i] block per cluster.
+    """
+    head = self.head_log_probs(hidden)
+    tail_id = sum((targets >= start).astype(jnp.int32)
+                  for start, _ in self.bounds[1:])  # 0 = shortlist
+    head_index = jnp.where(tail_id == 0, targets,
+                           self.shortlist + tail_id - 1)
+    nll = -jnp.take_along_axis(head, head_index[:, None], -1)[:, 0]
+    for i in range(1, len(self.bounds)):
+      start, stop = self.bounds[i]
+      local = jnp.clip(targets - start, 0, stop - start - 1)
+      nll = nll + self._tail_nll(hidden, local, tail_id == i, i)
+    return nll
+
+  def _tail_nll(self, hidden, local, inside, i):
+    """-log p(word | cluster i) for rows `inside`, 0 elsewhere: [N]."""
+    n = hidden.shape[0]
+    c = max(1, min(self.chunk_rows, n))
+    num_chunks = -(-n // c)
+    order = jnp.argsort(jnp.logical_not(inside), stable=True)  # owned first
+    owned = inside.sum()
+    pad = num_chunks * c - n
+    rows = jnp.pad(jnp.take(hidden, order, axis=0), ((0, pad), (0, 0)))
+    words = jnp.pad(jnp.take(local, order), (0, pad))
+
+    @jax.checkpoint  # keep only the chunk's inputs for the backward pass
+    def score(chunk, h, t):
+      def compute():
+        logits = self._logits(self._project(h, i), i)  # [c, n_i] float32
+        target = jnp.take_along_axis(logits, t[:, None], -1)[:, 0]
+        return jax.nn.logsumexp(logits, -1) - target
+      return jax.lax.cond(chunk * c < owned, compute,
+                          lambda: jnp.zeros((c,), jnp.float32))
+
+    _, scores = jax.lax.scan(
+        lambda carry, xs: (carry, score(*xs)), None,
+        (jnp.arange(num_chunks), rows.reshape(num_chunks, c, -1),
+         words.reshape(num_chunks, c)))
+    scores = jnp.zeros((n,), jnp.float32).at[order].set(scores.reshape(-1)[:n])
+    return jnp.where(inside, scores, 0.0)
+
+  def predict(self, hidden: jax.Array) -> jax.Array:
+    """argmax word per row, [N, d] -> [N] int32, `chunk_rows` rows at a
+    time so only [chunk_rows, V] log-probabilities exist at once."""
+    n = hidden.shape[0]
+    c = max(1, min(self.chunk_rows, n))
+    num_chunks = -(-n // c)
+    rows = jnp.pad(hidden, ((0, num_chunks * c - n), (0, 0)))
+    best = jax.lax.map(
+        lambda h: jnp.argmax(self.log_probs(h), -1).astype(jnp.int32),
+        rows.reshape(num_chunks, c, -1))
+    return best.reshape(-1)[:n]

@@ -1,0 +1,156 @@
+"""--mode=export: a portable artifact and a Triton model repository.
+
+The artifact holds the model as two `jax.export` functions, serialized
+StableHLO that a later JAX (6 months of backward compatibility) runs without
+zebra_jax, Flax or the config code:
+
+  prompt.jax   (params, carry, tokens int32 [b, t]) -> (last logits [b, V], carry)
+  step.jax     (params, carry, tokens int32 [b])    -> (logits [b, V], carry)
+
+Batch `b` and prompt length `t` are symbolic, so one artifact serves any
+batch. `params` is the flat list of arrays in params.npz (`leaf_00000`, ...),
+passed in rather than baked in: the serialized functions stay small, and
+a big model's weights do not hit protobuf's 2 GB limit. `carry` is one
+(h, c) pair per layer, each float32 [b, hidden].
+
+  export/
+    artifact/    prompt.jax step.jax params.npz tokenizer.json config.json
+                 manifest.json (shapes, platforms, jax version)
+    triton/zebra_lstm/config.pbtxt   Triton Python backend, one instance per GPU
+    triton/zebra_lstm/1/model.py     loads ../artifact (copied to 1/artifact)
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zebra_jax import model, setup
+from zebra_jax.errors import UserError
+
+_TRITON_TEMPLATES = os.path.join(os.path.dirname(__file__), "triton")
+MODEL_NAME = "zebra_lstm"
+
+
+def _functions(graphdef, treedef):
+  """The two exported functions, over a flat parameter list."""
+
+  def prompt(flat_params, carry, tokens):                     # tokens [b, t]
+    params = jax.tree.unflatten(treedef, flat_params)
+    logits, carry = model.apply(graphdef, params, tokens, carry)
+    return logits[:, -1], carry
+
+  def step(flat_params, carry, tokens):                       # tokens [b]
+    params = jax.tree.unflatten(treedef, flat_params)
+    logits, carry = model.apply(graphdef, params, tokens[:, None], carry)
+    return logits[:, 0], carry
+
+  return prompt, step
+
+
+def export_functions(loaded: setup.Loaded, platforms=("cpu",)):
+  """(prompt Exported, step Exported, flat float32 params as numpy)."""
+  leaves, treedef = jax.tree.flatten(loaded.params)
+  flat = [np.asarray(jax.device_get(x)) for x in leaves]
+  prompt, step = _functions(loaded.graphdef, treedef)
+  b, t = jax.export.symbolic_shape("b, t")
+  hidden, layers = loaded.cfg.model.hidden_size, loaded.cfg.model.num_layers
+  param_specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+  state = jax.ShapeDtypeStruct((b, hidden), jnp.float32)
+  carry_spec = tuple((state, state) for _ in range(layers))
+  exp_prompt = jax.export.export(jax.jit(prompt), platforms=platforms)(
+      param_specs, carry_spec, jax.ShapeDtypeStruct((b, t), jnp.int32))
+  exp_step = jax.export.export(jax.jit(step), platforms=platforms)(
+      param_specs, carry_spec, jax.ShapeDtypeStruct((b,), jnp.int32))
+  return exp_prompt, exp_step, flat
+
+
+def write_artifact(loaded: setup.Loaded, folder: str,
+                   platforms=("cpu", "cuda")) -> dict:
+  """Writes the artifact folder; returns its manifest."""
+  try:
+    exp_prompt, exp_step, flat = export_functions(loaded, platforms)
+  except Exception as e:  # pylint: disable=broad-except
+    raise UserError(f"jax.export failed for platforms {','.join(platforms)} "
+                    f"({type(e).__name__}: {e})".splitlines()[0]) from None
+  os.makedirs(folder, exist_ok=True)
+  for name, exp in (("prompt.jax", exp_prompt), ("step.jax", exp_step)):
+    with open(os.path.join(folder, name), "wb") as f:
+      f.write(exp.serialize())
+  np.savez(os.path.join(folder, "params.npz"),
+           **{f"leaf_{i:05d}": x for i, x in enumerate(flat)})
+  loaded.tokenizer.save(folder)  # tokenizer.json
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(loaded.cfg.to_dict(), f, indent=2, sort_keys=True)
+  m = loaded.cfg.model
+  manifest = {
+      "format": 1, "step": int(loaded.step), "jax_version": jax.__version__,
+      "platforms": list(platforms), "num_params": len(flat),
+      "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+      "vocab_size": m.vocab_size, "tokenizer": loaded.tokenizer.kind,
+      "sample": {k: loaded.cfg.sample[k] for k in
+                 ("max_new_tokens", "temperature", "top_k", "top_p")},
+      "functions": {
+          "prompt.jax": "(params, carry, tokens int32 [b, t]) -> "
+                        "(last logits float32 [b, V], carry)",
+          "step.jax": "(params, carry, tokens int32 [b]) -> "
+                      "(logits float32 [b, V], carry)"},
+      "carry": "one (h, c) pair per layer, each float32 [b, hidden_size]",
+  }
+  with open(os.path.join(folder, "manifest.json"), "w") as f:
+    json.dump(manifest, f, indent=2)
+  return manifest
+
+
+def write_triton_repository(artifact: str, repository: str,
+                            max_batch_size: int = 64,
+                            kind: str = "KIND_GPU") -> str:
+  """A Triton model repository around the artifact; returns the model folder.
+
+  Instance groups: `count: 1` of KIND_GPU with no `gpus` list puts one model
+  instance on every GPU Triton sees; KIND_CPU serves from CPU.
+  """
+  model_dir = os.path.join(repository, MODEL_NAME)
+  version_dir = os.path.join(model_dir, "1")
+  os.makedirs(version_dir, exist_ok=True)
+  with open(os.path.join(_TRITON_TEMPLATES, "config.pbtxt")) as f:
+    config = f.read()
+  config = (config.replace("{{name}}", MODEL_NAME)
+            .replace("{{max_batch_size}}", str(int(max_batch_size)))
+            .replace("{{kind}}", kind))
+  with open(os.path.join(model_dir, "config.pbtxt"), "w") as f:
+    f.write(config)
+  shutil.copy(os.path.join(_TRITON_TEMPLATES, "model.py"),
+              os.path.join(version_dir, "model.py"))
+  target = os.path.join(version_dir, "artifact")
+  if os.path.abspath(artifact) != os.path.abspath(target):
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(artifact, target, copy_function=_link_or_copy)
+  return model_dir
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+  """A hard link costs no disk for big weights; copy across filesystems."""
+  try:
+    os.link(src, dst)
+  except OSError:
+    shutil.copy2(src, dst)
+
+
+def run(cfg, workdir: str, export_dir: str | None = None) -> str:
+  """--mode=export: WORKDIR/export/{artifact,triton}; returns the export dir."""
+  export_dir = export_dir or os.path.join(workdir, "export")
+  loaded = setup.load_for_inference(cfg, workdir)
+  artifact = os.path.join(export_dir, "artifact")
+  manifest = write_artifact(loaded, artifact)
+  model_dir = write_triton_repository(artifact,
+                                      os.path.join(export_dir, "triton"))
+  if jax.process_index() == 0:
+    print(f"| export of step {manifest['step']} | artifact {artifact} "
+          f"({', '.join(manifest['platforms'])}) | Triton model {model_dir}\n"
+          f"  tritonserver --model-repository={os.path.dirname(model_dir)}",
+          flush=True)
+  return export_dir

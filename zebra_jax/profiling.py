@@ -1,0 +1,86 @@
+"""Profiling and memory helpers: a step-window tracer and peak-memory readers.
+
+The train loop traces a window of steps with `StepProfiler`; the trace lands in
+`workdir/profile/` and opens in TensorBoard's Profile tab or `xprof`. Steps are
+named by `jax.profiler.StepTraceAnnotation`, and the ops inside them by the
+`jax.named_scope`s of the model ("embedding", "zebra_lstm_{i}", "head") and of
+the train step ("loss", "optimizer").
+
+Peak memory: on GPUs the allocator's `peak_bytes_in_use`; on CPU the process's
+peak resident set size. Both only ever grow within a process, so comparing two
+configurations needs two processes (zebra_jax.bench does that). XLA's own
+buffer plan for one compiled step (`compiled_bytes`) is exact per step and
+needs no run, so it also answers "which window fits this budget".
+"""
+
+import os
+import resource
+import sys
+from typing import Any
+
+import jax
+
+
+class StepProfiler:
+  """Traces steps [start_step, start_step + num_steps) into workdir/profile.
+
+  The first steps compile; start at step >= 2 or so to see steady state. A run
+  resumed past the window traces nothing. num_steps <= 0 disables it.
+
+  Usage in a train loop (step = updates done before this one):
+    profiler = StepProfiler(workdir, start_step, num_steps)
+    profiler.before_step(step)
+    state, sums = step_fn(state, batch)
+    profiler.after_step(step, sums)
+    ...
+    profiler.close()
+  """
+
+  def __init__(self, workdir: str, start_step: int, num_steps: int):
+    self.logdir = os.path.join(workdir, "profile")
+    self.start, self.stop = start_step, start_step + num_steps
+    self.enabled = num_steps > 0
+    self.active = False
+
+  def before_step(self, step: int) -> None:
+    if self.enabled and not self.active and step == self.start:
+      jax.profiler.start_trace(self.logdir)
+      self.active = True
+
+  def after_step(self, step: int, outputs: Any = None) -> None:
+    """Stops after the last traced step; waits for its outputs first, since
+    dispatch is asynchronous and the trace would otherwise miss its kernels."""
+    if self.active and step + 1 >= self.stop:
+      jax.block_until_ready(outputs)
+      self.close()
+
+  def close(self) -> None:
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active, self.enabled = False, False
+
+
+def peak_memory() -> tuple[int, str]:
+  """(bytes, source): device peak on accelerators, process peak RSS on CPU."""
+  device = jax.devices()[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and "peak_bytes_in_use" in stats:
+    return int(stats["peak_bytes_in_use"]), "device_peak_bytes_in_use"
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  # ru_maxrss is KiB on Linux, bytes on macOS.
+  scale = 1 if sys.platform == "darwin" else 1024
+  return int(peak * scale), "process_peak_rss"
+
+
+def compiled_bytes(compiled) -> int | None:
+  """Bytes XLA plans for one call of a compiled function: arguments + outputs +
+  temporaries, minus donated (aliased) buffers; None if the backend won't
+  say."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # Not every backend implements it.
+    return None
+  if m is None:
+    return None
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes
+             + m.temp_size_in_bytes - m.alias_size_in_bytes)

@@ -1,0 +1,196 @@
+"""Triton Python-backend model for a zebra_jax export (copied by --mode=export).
+
+Needs only numpy and jax (with jaxlib for the serving platform) and the
+`artifact/` folder next to this file: two `jax.export` functions, the weights,
+the tokenizer vocabulary. No zebra_jax, Flax or config code runs here, so the
+serving image does not have to match the training code.
+
+Generation: the prompt function consumes each request's prompts (rows of equal
+length as one batch), then the step function runs once per new token with the
+(h, c) carry; sampling (temperature, top-k, top-p) happens on the host in
+numpy, so every request may use different settings without a recompile.
+"""
+
+import json
+import os
+
+# JAX would otherwise grab 75% of GPU memory per instance at start.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+try:
+  import triton_python_backend_utils as pb_utils  # provided by Triton
+except ImportError:  # importable outside Triton (Artifact is useful alone)
+  pb_utils = None
+
+UNK, EOS = "<unk>", "<eos>"
+
+
+class Tokenizer:
+  """The char / word tokenizer from tokenizer.json, prompt side only."""
+
+  def __init__(self, spec: dict):
+    self.kind, self.vocab = spec["kind"], spec["vocab"]
+    self.ids = {t: i for i, t in enumerate(self.vocab)}
+    self.unk = self.ids[UNK]
+
+  def encode_prompt(self, text: str) -> list[int]:
+    if self.kind == "char":
+      return [self.ids.get(c, self.unk) for c in text]
+    ids = []
+    for line in text.split("\n"):  # <eos> closes every line but an open last
+      ids += [self.ids.get(w, self.unk) for w in line.split()]
+      ids.append(self.ids[EOS])
+    return ids[:-1]
+
+  def decode(self, ids) -> str:
+    if self.kind == "char":
+      return "".join("\ufffd" if self.vocab[i] == UNK else self.vocab[i]
+                     for i in ids)
+    out, line_start = [], True
+    for i in ids:
+      if self.vocab[i] == EOS:
+        out.append("\n")
+        line_start = True
+        continue
+      out.append(self.vocab[i] if line_start else " " + self.vocab[i])
+      line_start = False
+    return "".join(out)
+
+  def join(self, prompt: str, continuation: str) -> str:
+    """Word tokens need a space between prompt and continuation."""
+    if self.kind == "char" or not continuation or prompt[-1:].isspace():
+      return prompt + continuation
+    return prompt + " " + continuation
+
+
+class Artifact:
+  """The exported model: prompt/step functions, weights, tokenizer."""
+
+  def __init__(self, folder: str, device=None):
+    def read(name, mode="r"):
+      with open(os.path.join(folder, name), mode) as f:
+        return f.read()
+
+    self.manifest = json.loads(read("manifest.json"))
+    self.tokenizer = Tokenizer(json.loads(read("tokenizer.json")))
+    prompt = jax.export.deserialize(bytearray(read("prompt.jax", "rb")))
+    step = jax.export.deserialize(bytearray(read("step.jax", "rb")))
+    device = device or jax.devices()[0]
+    with np.load(os.path.join(folder, "params.npz")) as npz:
+      self.params = [jax.device_put(npz[f"leaf_{i:05d}"], device)
+                     for i in range(self.manifest["num_params"])]
+    self.device = device
+    self._prompt, self._step = jax.jit(prompt.call), jax.jit(step.call)
+
+  def init_carry(self, batch: int):
+    zeros = lambda: jax.device_put(np.zeros(
+        (batch, self.manifest["hidden_size"]), np.float32), self.device)
+    return tuple((zeros(), zeros()) for _ in range(self.manifest["num_layers"]))
+
+  def prompt_logits(self, rows: list[list[int]]):
+    """(last logits float32 [n, V], carry) with each row consumed exactly."""
+    order, parts = [], []
+    for length in sorted({len(r) for r in rows}):
+      members = [i for i, r in enumerate(rows) if len(r) == length]
+      tokens = np.asarray([rows[i] for i in members], np.int32)   # [n, T]
+      parts.append(self._prompt(self.params, self.init_carry(len(members)),
+                                tokens))
+      order += members
+    inverse = np.argsort(order)
+    return jax.tree.map(lambda *xs: np.concatenate(xs)[inverse], *parts)
+
+  def step(self, carry, tokens):
+    """tokens int32 [b] -> (logits [b, V], carry)."""
+    return self._step(self.params, carry, np.asarray(tokens, np.int32))
+
+  def generate(self, prompts: list[str], max_new_tokens: int,
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int = 0) -> list[str]:
+    """prompt + continuation for every prompt (host-side sampling)."""
+    if not prompts or any(not p for p in prompts):
+      raise ValueError("every PROMPT must be a non-empty string")
+    if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+      raise ValueError("need MAX_NEW_TOKENS >= 1, TEMPERATURE >= 0, "
+                       "TOP_K >= 0 and 0 < TOP_P <= 1")
+    rows = [self.tokenizer.encode_prompt(p) for p in prompts]
+    if any(not r for r in rows):
+      raise ValueError("a PROMPT has no tokens")
+    logits, carry = self.prompt_logits(rows)
+    rng = np.random.default_rng(seed)
+    new = []
+    for _ in range(max_new_tokens):
+      tokens = sample(np.asarray(logits), rng, temperature, top_k, top_p)
+      new.append(tokens)
+      logits, carry = self.step(carry, tokens)
+    new = np.stack(new, 1)                                        # [b, n]
+    return [self.tokenizer.join(p, self.tokenizer.decode(r.tolist()))
+            for p, r in zip(prompts, new)]
+
+
+def sample(logits, rng, temperature, top_k, top_p):
+  """One token per row from float [b, V] logits: greedy when temperature 0."""
+  if temperature == 0:
+    return logits.argmax(-1).astype(np.int32)
+  logits = logits.astype(np.float64) / temperature
+  if 0 < top_k < logits.shape[-1]:
+    kth = np.sort(logits, -1)[:, -top_k][:, None]
+    logits = np.where(logits < kth, -np.inf, logits)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  if top_p < 1:  # the nucleus: keep tokens while the mass before is < top_p
+    order = np.argsort(-probs, -1)                        # most likely first
+    sorted_p = np.take_along_axis(probs, order, -1)
+    keep = np.zeros(probs.shape, bool)
+    np.put_along_axis(keep, order, np.cumsum(sorted_p, -1) - sorted_p < top_p,
+                      -1)
+    probs = np.where(keep, probs, 0.0)
+    probs /= probs.sum(-1, keepdims=True)
+  return np.array([rng.choice(len(p), p=p) for p in probs], np.int32)
+
+
+class TritonPythonModel:
+  """What Triton's Python backend calls: initialize, execute, finalize."""
+
+  def initialize(self, args):
+    folder = os.path.join(args["model_repository"], args["model_version"],
+                          "artifact")
+    device = None
+    if args.get("model_instance_kind") == "GPU":
+      device = jax.devices("gpu")[int(args["model_instance_device_id"])]
+    self.artifact = Artifact(folder, device)
+    self.defaults = self.artifact.manifest["sample"]
+
+  def _scalar(self, request, name, default, cast):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return default if tensor is None else cast(tensor.as_numpy().reshape(-1)[0])
+
+  def execute(self, requests):
+    responses = []
+    for request in requests:
+      try:
+        raw = pb_utils.get_input_tensor_by_name(request, "PROMPT").as_numpy()
+        prompts = [p.decode("utf-8") if isinstance(p, bytes) else str(p)
+                   for p in raw.reshape(-1)]
+        texts = self.artifact.generate(
+            prompts,
+            max_new_tokens=self._scalar(request, "MAX_NEW_TOKENS",
+                                        self.defaults["max_new_tokens"], int),
+            temperature=self._scalar(request, "TEMPERATURE",
+                                     self.defaults["temperature"], float),
+            top_k=self._scalar(request, "TOP_K", self.defaults["top_k"], int),
+            top_p=self._scalar(request, "TOP_P", self.defaults["top_p"], float),
+            seed=self._scalar(request, "SEED", 0, int))
+        out = np.array([t.encode("utf-8") for t in texts],
+                       dtype=object).reshape(-1, 1)
+        responses.append(pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor("TEXT", out)]))
+      except Exception as e:  # one bad request must not fail the batch
+        responses.append(pb_utils.InferenceResponse(
+            output_tensors=[], error=pb_utils.TritonError(str(e))))
+    return responses
+
+  def finalize(self):
+    self.artifact = None
