@@ -63,6 +63,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       eval_every=500,
       eval_max_batches=0,       # 0 = the whole valid split each eval
       report_at_end=True,
+      sample_at_eval=True,      # a short sample from sample.prompt in TensorBoard
       grad_accum_steps=1,       # k micro-batches per update (same update, less memory)
       max_consecutive_skips=100,  # stop after this many non-finite steps in a row
       loss_scale=dict(          # dynamic loss scaling, used when model.dtype=float16

@@ -148,6 +148,8 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     (["--config.data.source=wikitext", "--config.data.path=/no/such/dir"],
      "/no/such/dir"),
     (["--config.data.batch_size=12"], "does not divide over 8 devices"),
+    (["--config.model.hiden_size=64"],
+     "model has no field 'hiden_size'; valid fields: dropout_embed"),
 ])
 def test_bad_config_gives_one_clear_line(tmp_path, override, message):
   out = _cli("--config=configs/demo.py:tiny", f"--workdir={tmp_path}/run",

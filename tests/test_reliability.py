@@ -106,25 +106,37 @@ def _two_checkpoints(tmp_path):
   return cfg, workdir
 
 
+def _flip_bytes(workdir, step):
+  """Inverts every 97th byte of every array data file of a step, keeping sizes.
+
+  A single flipped spot can land in bytes no array reads (file padding), so
+  the damage is spread over every file to be sure it hits the data.
+  """
+  for path in _array_files(workdir, step):
+    data = bytearray(open(path, "rb").read())
+    for i in range(0, len(data), 97):
+      data[i] ^= 0xFF
+    with open(path, "r+b") as f:
+      f.write(data)
+
+
+def _array_files(workdir, step):
+  return glob.glob(f"{workdir}/checkpoints/{step}/state/**/d/*", recursive=True)
+
+
 def _largest_array_file(workdir, step):
-  files = glob.glob(f"{workdir}/checkpoints/{step}/state/**/d/*", recursive=True)
-  return max(files, key=os.path.getsize)
+  return max(_array_files(workdir, step), key=os.path.getsize)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, damage):
   cfg, workdir = _two_checkpoints(tmp_path)
-  path = _largest_array_file(workdir, 12)
-  size = os.path.getsize(path)
   if damage == "flip":  # same size, different bytes: orbax alone reads garbage
-    with open(path, "r+b") as f:
-      f.seek(size // 2)
-      chunk = bytearray(f.read(64))
-      f.seek(size // 2)
-      f.write(bytes(b ^ 0xFF for b in chunk))
-  else:
-    with open(path, "r+b") as f:
-      f.truncate(size // 2)
+    _flip_bytes(workdir, 12)
+  else:  # every data file: orbax may keep a copy of the data in another one
+    for path in _array_files(workdir, 12):
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
   _, target = train_state.abstract_state(cfg, parallel.make_mesh())
   ckpt = checkpoint.Checkpointer(workdir)
   messages = []
@@ -168,8 +180,9 @@ def test_killed_save_leaves_a_temp_dir_that_is_ignored(tmp_path):
 def test_all_checkpoints_unusable_is_one_clear_error(tmp_path):
   cfg, workdir = _two_checkpoints(tmp_path)
   for step in (6, 12):
-    with open(_largest_array_file(workdir, step), "r+b") as f:
-      f.truncate(10)
+    for path in _array_files(workdir, step):
+      with open(path, "r+b") as f:
+        f.truncate(10)
   _, target = train_state.abstract_state(cfg, parallel.make_mesh())
   with pytest.raises(UserError, match="no checkpoint in .* could be restored"):
     checkpoint.Checkpointer(workdir).restore_latest(target, print)

@@ -127,17 +127,16 @@ def main() -> int:
                  code == 0 and f"resuming from checkpoint at step {complete}"
                  in out, lost, out + err))
 
-    # 3. Flip bytes in the newest checkpoint's largest array file; the next
+    # 3. Flip bytes throughout the newest checkpoint's array files; the next
     #    run reports it, moves it aside and resumes from the one before.
     newest = max(_steps(chaos))
-    files = glob.glob(os.path.join(chaos, "checkpoints", str(newest), "state",
-                                   "**", "d", "*"), recursive=True)
-    target = max(files, key=os.path.getsize)
-    with open(target, "r+b") as f:
-      f.seek(os.path.getsize(target) // 2)
-      chunk = f.read(64)
-      f.seek(os.path.getsize(target) // 2)
-      f.write(bytes(b ^ 0xFF for b in chunk))
+    for path in glob.glob(os.path.join(chaos, "checkpoints", str(newest),
+                                       "state", "**", "d", "*"), recursive=True):
+      data = bytearray(open(path, "rb").read())
+      for i in range(0, len(data), 97):  # same size, different bytes
+        data[i] ^= 0xFF
+      with open(path, "r+b") as f:
+        f.write(data)
     older = max(s for s in _steps(chaos) if s < newest)
     code, out, err = _partial_run(cmd, chaos, until_step=newest + 1)
     rows.append(("corrupt newest checkpoint",

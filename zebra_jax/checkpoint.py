@@ -30,14 +30,23 @@ from zebra_jax.errors import UserError
 _policies = ocp.checkpoint_managers
 
 
-class _QuietMissingMetrics(logging.Filter):
-  """Saves between evaluations carry no metrics by design; orbax warns each time."""
+class _QuietOrbax(logging.Filter):
+  """Drops orbax log records that this module reports better itself.
+
+  Saves between evaluations carry no metrics by design (orbax warns each
+  time), and a failed background write is re-raised by `save`/`wait` as one
+  UserError line, so the background thread's traceback is noise.
+  """
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return "did not provide metrics" not in record.getMessage()
+    message = record.getMessage()
+    if "did not provide metrics" in message:
+      return False
+    return not ("/orbax/" in record.pathname and record.levelno >= logging.ERROR
+                and "raised an exception" in message)
 
 
-logging.getLogger("absl").addFilter(_QuietMissingMetrics())
+logging.getLogger("absl").addFilter(_QuietOrbax())
 
 
 class CorruptCheckpoint(Exception):
@@ -110,6 +119,8 @@ class Checkpointer:
     """
     metrics = {"valid_loss": float(valid_loss)} if valid_loss is not None else None
     meta = dict(meta, digests=digests(state))
+    with self._reporting_write_errors(self._pending_step):
+      self._manager.check_for_errors()  # did the previous async save fail?
     with self._reporting_write_errors(step):
       self._manager.save(
           step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

@@ -158,8 +158,48 @@ def _dispatch(mode: str, cfg, workdir: str) -> None:
     bench.run(json_path=os.path.join(workdir, "bench.json"))
 
 
+def _config_field_error(argv: list[str]) -> str | None:
+  """For a bad --config.a.b override: which field is unknown and the valid ones."""
+  import importlib.util
+  path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")),
+              None)
+  if path is None:
+    return None
+  file, _, variant = path.partition(":")
+  try:
+    spec = importlib.util.spec_from_file_location("_zebra_config", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config(variant) if variant else module.get_config()
+  except Exception:  # the config file itself is broken: absl's message stands
+    return None
+  for arg in argv:
+    if not arg.startswith("--config.") and not arg.startswith("--noconfig."):
+      continue
+    dotted = arg.split("=", 1)[0].split("config.", 1)[1]
+    node, walked = cfg, []
+    for part in dotted.split("."):
+      if not hasattr(node, "keys") or part not in node:
+        where = ".".join(walked) or "the config"
+        valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else ""
+        return (f"--config.{dotted}: {where} has no field {part!r}; valid "
+                f"fields: {valid}")
+      node, walked = node[part], walked + [part]
+  return None
+
+
+def _parse_flags(argv: list[str]):
+  """absl's parser, with one clear line for a mistyped --config override."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    message = _config_field_error(argv) or " ".join(str(e).split())
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def run():
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

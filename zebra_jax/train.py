@@ -5,6 +5,7 @@ restores params, optimizer state, step, RNG, carry and data position from the
 latest checkpoint and continues with the batch an uninterrupted run would read.
 """
 
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -18,7 +19,8 @@ from absl import logging
 
 from zebra_jax import checkpoint, data, evaluate, loss_scale, metrics, model
 from zebra_jax import optim
-from zebra_jax import parallel, preemption, profiling, progress, setup, writer
+from zebra_jax import parallel, preemption, profiling, progress, sample, setup
+from zebra_jax import writer
 from zebra_jax.train_state import TrainState, init_state
 from zebra_jax.errors import UserError
 
@@ -165,6 +167,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
   random_windows = cfg.data.batching == "random"
   profiler = profiling.StepProfiler(workdir, cfg.profile.start_step,
                                    cfg.profile.num_steps)
+  eval_sampler = _make_eval_sampler(cfg, tokenizer, splits, graphdef)
   bar = progress.Progress(cfg.train.num_steps, initial_step=step,
                           enabled=None if jax.process_index() == 0 else False)
   log.record("start", step, {})  # wall-clock origin for plots
@@ -232,6 +235,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
             best_valid, best_step = valid["loss"], step
           evals += 1
           log.eval_line(evals, step, "valid", valid)
+          if eval_sampler is not None:
+            log.text("sample", eval_sampler(state.params), step)
           window = _Window()  # Keep eval time out of the next ms/batch.
         if step % cfg.checkpoint.every_steps == 0 or valid is not None:
           _save(ckpt, step, state, position, (best_valid, best_step), valid)
@@ -258,6 +263,30 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
   log.summary(summary, workdir, config_path)
   log.close()
   return summary
+
+
+def _make_eval_sampler(cfg, tokenizer, splits, graphdef):
+  """A function params -> a short text from cfg.sample.prompt, for TensorBoard.
+
+  One Generator is reused so its compiled loop is too. Single-process only:
+  generation runs on one local device.
+  """
+  if not cfg.train.sample_at_eval or jax.process_count() > 1:
+    return None
+  options = dataclasses.replace(
+      sample.Options.from_config(cfg.sample), num_samples=1,
+      max_new_tokens=min(cfg.sample.max_new_tokens, 200))
+  generator = None
+
+  def draw(params) -> str:
+    nonlocal generator
+    if generator is None:
+      generator = sample.Generator(
+          setup.Loaded(cfg, tokenizer, splits, graphdef, params, 0))
+    else:  # same compiled code, new weights
+      generator.params = jax.device_put(params, jax.local_devices()[0])
+    return generator.generate([cfg.sample.prompt], options)[0]
+  return draw
 
 
 def _consecutive_skips(per_step: list[dict[str, float]], run: int) -> int:
