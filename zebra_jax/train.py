@@ -286,6 +286,12 @@ def _make_eval_sampler(cfg, tokenizer, splits, graphdef):
     else:  # same compiled code, new weights
       generator.params = jax.device_put(params, jax.local_devices()[0])
     return generator.generate([cfg.sample.prompt], options)[0]
+
+  try:  # a prompt this vocabulary cannot encode must not stop training
+    tokenizer.encode_prompt(cfg.sample.prompt)
+  except UserError as e:
+    logging.warning("no samples in TensorBoard: %s", e)
+    return None
   return draw
 
 
