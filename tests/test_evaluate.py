@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from configs import demo
-from zebra_jax import evaluate, metrics, model, setup, train
+from zebra_jax import evaluate, metrics, model, setup
 from zebra_jax.errors import UserError
+from tests.helpers import trained_char_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,23 +19,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def one_device_mesh():
   return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",),
                            axis_types=(jax.sharding.AxisType.Auto,))
-
-
-def trained_char_run(tmp_path_factory):
-  """demo.py:tiny on a small text file: trained once per session and shared
-  by the test modules that need a char-level workdir (same config, path)."""
-  base = tmp_path_factory.getbasetemp() / "char_tiny_20_steps"
-  cfg = demo.get_config("tiny")
-  cfg.data.source, cfg.data.path = "text", str(base / "story.txt")
-  cfg.train.eval_every = 1000  # no mid-run eval: the fixture stays fast
-  workdir = str(base / "run")
-  if not (base / "run" / "checkpoints").is_dir():
-    base.mkdir(exist_ok=True)
-    (base / "story.txt").write_text("".join(
-        f"line {i}: the quick brown fox jumps over the lazy dog.\n"
-        for i in range(300)))
-    train.run(cfg, workdir)
-  return cfg, workdir
 
 
 @pytest.fixture(scope="module")

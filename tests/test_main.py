@@ -12,32 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from configs import demo, wt103
+from configs import demo
 from zebra_jax import evaluate, sample, setup, train
 from zebra_jax.errors import UserError
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_WORDS = ("the cat sat on a mat while the dog ran to the park and the bird sang "
-          "in a tree near the old house by the river").split()
-
-
-def _write_wikitext(folder, seed=0):
-  """A WikiText-format folder of simple, learnable sentences."""
-  rng = np.random.default_rng(seed)
-  os.makedirs(folder, exist_ok=True)
-  for split, lines in (("train", 400), ("valid", 60), ("test", 60)):
-    with open(os.path.join(folder, f"wiki.{split}.tokens"), "w") as f:
-      for _ in range(lines):
-        start = rng.integers(0, len(_WORDS) - 8)
-        f.write(" " + " ".join(_WORDS[start:start + 8]) + " . \n")
-  return folder
-
-
-def _tiny_word_config(data_dir):
-  cfg = wt103.get_config("tiny")
-  cfg.data.path = str(data_dir)
-  return cfg
-
+from tests.helpers import REPO, tiny_word_config, write_wikitext
 
 def _cli(*args, timeout=300):
   """Runs python -m zebra_jax.main with the test's 8-device environment."""
@@ -47,7 +25,7 @@ def _cli(*args, timeout=300):
 
 
 def test_train_eval_sample_in_process(tmp_path):
-  cfg = _tiny_word_config(_write_wikitext(tmp_path / "wt"))
+  cfg = tiny_word_config(write_wikitext(tmp_path / "wt"))
   cfg.train.num_steps, cfg.train.eval_every = 80, 40
   workdir = str(tmp_path / "run")
   summary = train.run(cfg, workdir)
@@ -74,7 +52,7 @@ def test_train_eval_sample_in_process(tmp_path):
 
 
 def test_eval_uses_best_checkpoint_and_matches_training_eval(tmp_path):
-  cfg = _tiny_word_config(_write_wikitext(tmp_path / "wt"))
+  cfg = tiny_word_config(write_wikitext(tmp_path / "wt"))
   cfg.train.eval_max_batches = 0  # score the whole split, as eval mode does
   cfg.eval.batch_size = 8
   workdir = str(tmp_path / "run")
@@ -110,7 +88,7 @@ def test_cli_train_eval_sample_char_level(tmp_path):
 
 
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
-  data = _write_wikitext(tmp_path / "wt")
+  data = write_wikitext(tmp_path / "wt")
   workdir = str(tmp_path / "run")
   args = ["--config=configs/wt103.py:tiny", f"--workdir={workdir}",
           f"--config.data.path={data}", "--config.train.num_steps=100000",
@@ -177,22 +155,22 @@ def test_empty_corpus_and_eval_without_checkpoint(tmp_path):
 
 
 def test_workdir_with_other_tokenizer_or_model_is_rejected(tmp_path):
-  cfg = _tiny_word_config(_write_wikitext(tmp_path / "wt"))
+  cfg = tiny_word_config(write_wikitext(tmp_path / "wt"))
   cfg.train.num_steps = 2
   workdir = str(tmp_path / "run")
   train.run(cfg, workdir)
-  other = _tiny_word_config(tmp_path / "wt")
+  other = tiny_word_config(tmp_path / "wt")
   other.data.tokenizer = "char"
   with pytest.raises(UserError, match="tokenizer"):
     train.run(other, workdir)
-  bigger = _tiny_word_config(tmp_path / "wt")
+  bigger = tiny_word_config(tmp_path / "wt")
   bigger.model.hidden_size = 64
   with pytest.raises(UserError, match="model.hidden_size=32"):
     train.run(bigger, workdir)
 
 
 def test_prompt_symbols_outside_the_vocabulary(tmp_path, caplog):
-  cfg = _tiny_word_config(_write_wikitext(tmp_path / "wt"))
+  cfg = tiny_word_config(write_wikitext(tmp_path / "wt"))
   cfg.train.num_steps = 2
   workdir = str(tmp_path / "run")
   train.run(cfg, workdir)

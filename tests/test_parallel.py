@@ -19,6 +19,7 @@ import pytest
 from configs import wt103
 from zebra_jax import checkpoint, parallel, train, train_state
 from zebra_jax.errors import UserError
+from tests.helpers import tiny_word_config, write_wikitext
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,11 +159,10 @@ def test_float32_non_finite_step_is_skipped_too():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_trains_like_float32(tmp_path, dtype):
-  from tests.test_main import _tiny_word_config, _write_wikitext
-  data = _write_wikitext(tmp_path / "wt")
+  data = write_wikitext(tmp_path / "wt")
   losses = {}
   for name in ("float32", dtype):
-    cfg = _tiny_word_config(data)
+    cfg = tiny_word_config(data)
     cfg.model.dtype = name
     cfg.train.update(num_steps=40, eval_every=40, report_at_end=False)
     train.run(cfg, str(tmp_path / name))
@@ -203,8 +203,7 @@ def _losses(stdout: str) -> list[float]:
 
 
 def test_two_processes_match_one_process(tmp_path):
-  from tests.test_main import _write_wikitext
-  data = _write_wikitext(tmp_path / "wt")
+  data = write_wikitext(tmp_path / "wt")
   args = ["-m", "zebra_jax.main", "--config=configs/wt103.py:tiny",
           f"--config.data.path={data}", "--config.train.num_steps=4",
           "--config.train.log_every=1", "--config.train.report_at_end=false",

@@ -15,11 +15,11 @@ import pytest
 
 from zebra_jax import checkpoint, parallel, preemption, train, train_state
 from zebra_jax.errors import UserError
-from tests.test_main import REPO, _tiny_word_config, _write_wikitext
+from tests.helpers import REPO, tiny_word_config, write_wikitext
 
 
 def _config(data, num_steps=12):
-  cfg = _tiny_word_config(data)
+  cfg = tiny_word_config(data)
   cfg.train.update(num_steps=num_steps, log_every=1, eval_every=1000,
                    report_at_end=False)
   cfg.checkpoint.update(every_steps=1000, keep_latest=3)
@@ -40,7 +40,7 @@ def _final_state(cfg, workdir, step):
 
 
 def test_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
-  data = _write_wikitext(tmp_path / "wt")
+  data = write_wikitext(tmp_path / "wt")
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
   train.run(_config(data), straight)
 
@@ -65,7 +65,7 @@ def test_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
 
 
 def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
-  data = _write_wikitext(tmp_path / "wt")
+  data = write_wikitext(tmp_path / "wt")
   workdir = str(tmp_path / "run")
   args = [sys.executable, "-m", "zebra_jax.main", "--config=configs/wt103.py:tiny",
           f"--workdir={workdir}", f"--config.data.path={data}",
@@ -95,7 +95,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
 
 def _two_checkpoints(tmp_path):
   """A workdir whose checkpoints hold steps 6 and 12 of one run."""
-  data = _write_wikitext(tmp_path / "wt")
+  data = write_wikitext(tmp_path / "wt")
   cfg = _config(data)
   cfg.checkpoint.every_steps = 6
   workdir = str(tmp_path / "run")
@@ -201,7 +201,7 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
   if not _mount_tmpfs(mount, "4m"):
     pytest.skip("needs permission to mount a size-limited tmpfs (root)")
   try:
-    data = _write_wikitext(tmp_path / "wt")
+    data = write_wikitext(tmp_path / "wt")
     cfg = _config(data, num_steps=6)
     cfg.checkpoint.every_steps = 6
     workdir = str(mount / "run")

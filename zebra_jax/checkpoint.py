@@ -34,16 +34,16 @@ class _QuietOrbax(logging.Filter):
   """Drops orbax log records that this module reports better itself.
 
   Saves between evaluations carry no metrics by design (orbax warns each
-  time), and a failed background write is re-raised by `save`/`wait` as one
-  UserError line, so the background thread's traceback is noise.
+  time), and every failed save or restore is raised again by `save`, `wait`
+  or `restore` and reported in one line, so orbax's own error logs (with
+  background-thread tracebacks) only repeat it.
   """
 
   def filter(self, record: logging.LogRecord) -> bool:
     message = record.getMessage()
     if "did not provide metrics" in message:
       return False
-    return not ("/orbax/" in record.pathname and record.levelno >= logging.ERROR
-                and "raised an exception" in message)
+    return not ("/orbax/" in record.pathname and record.levelno >= logging.ERROR)
 
 
 logging.getLogger("absl").addFilter(_QuietOrbax())
@@ -185,9 +185,8 @@ class Checkpointer:
 
   def abandon(self) -> None:
     """On the way out after an error: finish in-flight saves, ignore their errors."""
-    try:
+    try:  # not close(): after a failed write its teardown only adds noise
       self._manager.wait_until_finished()
-      self._manager.close()
     except Exception:  # the error being raised already says what went wrong
       pass
 

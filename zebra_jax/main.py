@@ -109,15 +109,25 @@ def main(argv):
   try:
     _dispatch(_MODE.value, cfg, workdir)
   except UserError as e:
-    writer.error(str(e))
-    sys.exit(2)
+    _fail(writer, str(e))
   except OSError as e:
     if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES,
                        errno.EROFS):
       raise
-    writer.error(f"{e.strerror}: {e.filename or workdir}: free disk space or "
-                 f"fix permissions, or point --workdir elsewhere")
-    sys.exit(2)
+    _fail(writer, f"{e.strerror}: {e.filename or workdir}: free disk space or "
+          f"fix permissions, or point --workdir elsewhere")
+
+
+def _fail(writer, message: str) -> None:
+  """One line on stderr, exit code 2.
+
+  Exits without running atexit hooks: by now in-flight checkpoint saves have
+  finished (train.run waits for them), and after a full disk the hooks of
+  tensorboardX and orbax would only print tracebacks of failed flushes.
+  """
+  writer.error(message)
+  sys.stdout.flush()
+  os._exit(2)  # pylint: disable=protected-access
 
 
 def _dispatch(mode: str, cfg, workdir: str) -> None:
