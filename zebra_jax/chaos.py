@@ -48,11 +48,19 @@ def _steps(workdir: str) -> list[int]:
   return sorted(int(d) for d in os.listdir(folder) if d.isdigit())
 
 
-def _last_logged_step(workdir: str) -> int:
+def _metrics_size(workdir: str) -> int:
+  path = os.path.join(workdir, "metrics.jsonl")
+  return os.path.getsize(path) if os.path.exists(path) else 0
+
+
+def _last_logged_step(workdir: str, since: int = 0) -> int:
+  """The last training step logged (in records written after byte `since`)."""
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return 0
-  steps = [json.loads(l)["step"] for l in open(path) if '"train"' in l]
+  with open(path) as f:
+    f.seek(since)
+    steps = [json.loads(l)["step"] for l in f if '"train"' in l]
   return max(steps, default=0)
 
 
@@ -67,9 +75,10 @@ def _wait_for(predicate, timeout: float = 180.0) -> bool:
 
 def _partial_run(cmd, workdir: str, until_step: int):
   """Starts a run, lets it log until_step, then SIGTERMs it: (code, out, err)."""
+  since = _metrics_size(workdir)  # only this run's own progress counts
   proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
-  _wait_for(lambda: _last_logged_step(workdir) >= until_step
+  _wait_for(lambda: _last_logged_step(workdir, since) >= until_step
             or proc.poll() is not None)
   if proc.poll() is None:
     proc.send_signal(signal.SIGTERM)
@@ -113,11 +122,12 @@ def main() -> int:
 
     # 2. SIGKILL while an async save is being written; the next run resumes
     #    from the newest complete step.
+    since = _metrics_size(chaos)
     proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     tmp_glob = os.path.join(chaos, "checkpoints", "*.orbax-checkpoint-tmp*")
-    in_save = _wait_for(lambda: glob.glob(tmp_glob) and _last_logged_step(chaos)
-                        > saved)
+    in_save = _wait_for(lambda: glob.glob(tmp_glob)
+                        and _last_logged_step(chaos, since) > saved)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     complete = max(_steps(chaos), default=0)
