@@ -11,22 +11,7 @@ import pytest
 from configs import wt103
 from zebra_jax import evaluate, score, setup, train
 from zebra_jax.errors import UserError
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_WORDS = ("the cat sat on a mat while the dog ran to the park and the bird sang "
-          "in a tree near the old house by the river").split()
-
-
-def write_wikitext(folder, seed=0):
-  rng = np.random.default_rng(seed)
-  os.makedirs(folder, exist_ok=True)
-  for split, lines in (("train", 300), ("valid", 40), ("test", 40)):
-    with open(os.path.join(folder, f"wiki.{split}.tokens"), "w") as f:
-      for _ in range(lines):
-        start = rng.integers(0, len(_WORDS) - 8)
-        f.write(" " + " ".join(_WORDS[start:start + 8]) + " . \n")
-  return folder
-
+from tests.helpers import REPO, write_wikitext
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
