@@ -46,10 +46,10 @@ def test_quick_bench_writes_every_row(tmp_path):
       (8, False), (16, False), (8, True), (16, True)}
   for m in memory:
     assert m["peak_bytes"] > 0 and m["xla_bytes"] > 0
-  # A longer window plans more memory; remat plans less (or equal).
+  # A longer window plans more memory. (Whether remat plans less depends on
+  # the shape: test_recurrence checks that it keeps less for the backward.)
   plan = {(m["seq_len"], m["remat"]): m["xla_bytes"] for m in memory}
-  assert plan[16, False] > plan[8, False]
-  assert plan[16, True] <= plan[16, False]
+  assert plan[16, False] > plan[8, False] and plan[16, True] > plan[8, True]
   assert set(result["max_window"]["max_seq_len"]) == {"remat=False",
                                                        "remat=True"}
 

@@ -7,6 +7,8 @@
 Rows (tokens/s, ms/step, ratio to torch, GFLOP/s and fraction of the matmul
 peak measured in this run, XLA's planned bytes per step):
   core_S{s}   stacked ZebraLSTMLayers + Adam, sum-of-squares loss on outputs
+  core_S{s}_autodiff  the same with JAX's autodiff of the scan instead of the
+              hand-written backward pass (recurrence.py)
   lm_S{s}     embedding -> layers -> tied head -> cross-entropy, + Adam
   eval_S{s}   the LM forward with carry (evaluate.eval_step)
   gen_S{s}_b{b}  sampling.generate: one token at a time in a jitted scan
@@ -133,13 +135,17 @@ class _Runner:
     jax.block_until_ready(out)
 
 
-def core_runner(shape, stripes, *, seq_len=None, remat=False):
-  """Stacked ZebraLSTMLayers (no embedding/softmax) + Adam on random inputs."""
+def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True):
+  """Stacked ZebraLSTMLayers (no embedding/softmax) + Adam on random inputs.
+
+  custom_vjp=False differentiates the scan with plain autodiff: the row that
+  shows what the hand-written backward pass (recurrence.py) buys."""
   b, t, h = shape["batch"], seq_len or shape["seq_len"], shape["hidden"]
   dt = model.compute_dtype(shape["dtype"])
   graphdef, params = _random_split(lambda: nnx.List([
       model.ZebraLSTMLayer(h, h, stripes, rngs=nnx.Rngs(i), dtype=dt,
-                           remat=remat) for i in range(shape["layers"])]))
+                           remat=remat, custom_vjp=custom_vjp)
+      for i in range(shape["layers"])]))
   x = jax.random.normal(jax.random.key(0), (b, t, h), dt)
   zeros = jnp.zeros((b, h), jnp.float32)
 
@@ -310,9 +316,14 @@ def speed_rows(shape, rounds, trace_dir=None):
   b, t = shape["batch"], shape["seq_len"]
   torch_fns, torch_note = torch_runners(shape)
   groups = {  # group -> {row: (runner, tokens per call, flops per token)}
-      "core": {f"core_S{s}": (core_runner(shape, s), b * t,
-                              3 * flops_per_token(shape, s, head=False))
-               for s in shape["stripes"]},
+      "core": {
+          **{f"core_S{s}": (core_runner(shape, s), b * t,
+                            3 * flops_per_token(shape, s, head=False))
+             for s in shape["stripes"]},
+          **{f"core_S{s}_autodiff": (core_runner(shape, s, custom_vjp=False),
+                                     b * t,
+                                     3 * flops_per_token(shape, s, head=False))
+             for s in (shape["stripes"][0], shape["stripes"][-1])}},
       "lm": {f"lm_S{s}": (lm_runner(shape, s), b * t,
                           3 * flops_per_token(shape, s, head=True))
              for s in shape["lm_stripes"]},
@@ -407,11 +418,11 @@ def _mb(x):
 def print_table(result) -> None:
   print(f"\n{result['device']} | shape {result['shape']} | matmul peak "
         f"{result['matmul_peak_gflops']:,.0f} GFLOP/s | {result['torch']}")
-  print(f"{'row':<14}{'tok/s':>11}{'ms/step':>10}{'x torch':>9}"
+  print(f"{'row':<19}{'tok/s':>11}{'ms/step':>10}{'x torch':>9}"
         f"{'GFLOP/s':>9}{'% peak':>8}{'XLA plan':>11}")
   for r in result["rows"]:
     ratio = "-" if r["ratio_to_torch"] is None else f"{r['ratio_to_torch']:.2f}"
-    print(f"{r['name']:<14}{r['tokens_per_s']:>11,.0f}{r['ms_per_step']:>10.1f}"
+    print(f"{r['name']:<19}{r['tokens_per_s']:>11,.0f}{r['ms_per_step']:>10.1f}"
           f"{ratio:>9}{r['gflops']:>9.1f}{100 * r['frac_of_peak']:>7.0f}%"
           f"{_mb(r['xla_bytes']):>11}")
   if result.get("memory"):

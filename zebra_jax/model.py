@@ -5,6 +5,8 @@ is dense (every stripe reads the whole input) and is computed for the whole
 window as one matmul outside the time loop; only the block-diagonal recurrence
 h_s -> 4G gates of stripe s runs inside `lax.scan`. S = 1 is exactly the classic
 LSTM (PyTorch `nn.LSTM`, gate order i, f, g, o, with its two biases summed).
+The layer's arithmetic and its hand-written backward pass live in
+`recurrence.py`.
 
 Parameters are float32; matmuls run in `dtype` with float32 accumulation, and the
 cell state `c`, the carry and the logits stay float32.
@@ -20,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
+
+from zebra_jax import recurrence
 
 # One (h, c) pair per layer, each [batch, hidden] float32.
 Carry = tuple[tuple[jax.Array, jax.Array], ...]
@@ -52,10 +56,14 @@ class ZebraLSTMLayer(nnx.Module):
 
   def __init__(self, in_features: int, hidden_size: int, num_stripes: int, *,
                rngs: nnx.Rngs, dtype=jnp.float32, unroll: int = 1,
-               remat: bool = False):
+               remat: bool = False, custom_vjp: bool = True):
     s, g = num_stripes, hidden_size // num_stripes
     self.num_stripes, self.width = s, g
     self.dtype, self.unroll, self.remat = dtype, unroll, remat
+    # remat: the backward pass keeps only (h, c) and recomputes the gates.
+    # custom_vjp=False: JAX's autodiff of the scan (a reference for tests and
+    # the benchmark; it ignores remat).
+    self.custom_vjp = custom_vjp
     bound = 1.0 / hidden_size ** 0.5  # PyTorch nn.LSTM's uniform init range
     # w_x: [in, stripe, 4G]; gate-major inside each stripe: [i | f | g | o].
     self.w_x = nnx.Param(jax.random.uniform(
@@ -75,34 +83,13 @@ class ZebraLSTMLayer(nnx.Module):
     """
     s, g, dt = self.num_stripes, self.width, self.dtype
     b, t, _ = inputs.shape
-    # One large matmul for the whole window (hoisted out of the time loop).
-    x_proj = jnp.einsum("bti,isk->tsbk", inputs.astype(dt),
-                        self.w_x[...].astype(dt),
-                        preferred_element_type=jnp.float32)
-    x_proj = x_proj + self.b[...][None, :, None, :]  # [T, S, B, 4G] float32
-    w_h = self.w_h[...].astype(dt)  # [S, G, 4G]
-
-    def cell(x_s, h_s, c_s, w_hs):
-      """One stripe, one step: x_s [B, 4G], h_s and c_s [B, G], w_hs [G, 4G]."""
-      z = x_s + jnp.dot(h_s.astype(dt), w_hs,
-                        preferred_element_type=jnp.float32)
-      i, f, gg, o = jnp.split(z, 4, axis=-1)
-      c_new = jax.nn.sigmoid(f) * c_s + jax.nn.sigmoid(i) * jnp.tanh(gg)
-      h_new = jax.nn.sigmoid(o) * jnp.tanh(c_new)
-      return h_new, c_new
-
-    stripes = jax.vmap(cell)  # batched matmul [S, B, G] x [S, G, 4G]
-
-    def step(hc, x_t):
-      h, c = stripes(x_t, *hc, w_h)
-      return (h, c), h.astype(dt)
-
-    if self.remat:
-      step = jax.checkpoint(step)
-    h0, c0 = carry
     to_stripes = lambda a: a.reshape(b, s, g).transpose(1, 0, 2)  # [S, B, G]
-    (h, c), ys = jax.lax.scan(step, (to_stripes(h0), to_stripes(c0)), x_proj,
-                              unroll=self.unroll)
+    args = (inputs.astype(dt), self.w_x[...].astype(dt), self.b[...],
+            to_stripes(carry[0]), to_stripes(carry[1]), self.w_h[...].astype(dt))
+    if self.custom_vjp:
+      ys, h, c = recurrence.zebra_layer(*args, self.unroll, self.remat)
+    else:
+      ys, h, c = recurrence.zebra_layer_autodiff(*args, self.unroll)
     outputs = ys.transpose(2, 0, 1, 3).reshape(b, t, s * g)  # [B, T, H]
     from_stripes = lambda a: a.transpose(1, 0, 2).reshape(b, s * g)
     return outputs, (from_stripes(h), from_stripes(c))

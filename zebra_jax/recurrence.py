@@ -1,0 +1,156 @@
+"""A ZebraLSTM layer's window with a hand-written backward pass.
+
+Autodiff of a `lax.scan` keeps every intermediate of the cell and, worse,
+accumulates the recurrent weight gradient dW_h += h_{t-1}^T dz_t inside the
+reverse loop: T small matmuls plus T read-modify-writes of W_h's gradient.
+cuDNN does what this module does instead:
+
+  forward   x_proj = inputs W_x + b for the whole window (one matmul), then a
+            scan over t: z_t = x_proj_t + h_{t-1} W_h, gates, c_t, h_t.
+  backward  the gate derivatives that do not depend on the incoming gradient
+            are computed for the whole window at once; a reverse scan carries
+            (dh, dc) and runs only multiply-adds and dh_{t-1} = dz_t W_h^T per
+            step; then dW_h = sum_t h_{t-1}^T dz_t, dW_x, db and d inputs are
+            one large matmul (or sum) each over the whole window.
+
+What the backward pass keeps from the forward pass:
+  remat=False  the activated gates, c_t and h_{t-1}: 6G floats per stripe,
+               row and step (autodiff keeps about twice that).
+  remat=True   only c_t and h_{t-1} (2G); the gates are recomputed before the
+               reverse scan as inputs W_x + b + h_{t-1} W_h for all t at once:
+               two large, efficient matmuls instead of a second sequential
+               forward pass (what `jax.checkpoint` around the scan would do).
+
+Shapes: inputs [B, T, I] and w_x [I, S, 4G] in the compute dtype, bias
+[S, 4G] float32, h and c [S, B, G] float32 (stripe-major), w_h [S, G, 4G] in
+the compute dtype; outputs are time-major [T, S, B, G] in the compute dtype.
+Gates are ordered [i | f | g | o] inside each stripe, as in PyTorch.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _stripe_cell(x_t, h, c, w_h):
+  """One stripe, one step: x_t [B, 4G], h and c [B, G], w_h [G, 4G].
+
+  Returns the activated gates [B, 4G] (what the backward pass needs), c', h'.
+  """
+  z = x_t + jnp.dot(h.astype(w_h.dtype), w_h, preferred_element_type=jnp.float32)
+  i, f, g, o = jnp.split(z, 4, axis=-1)
+  i, f, o, g = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jax.nn.sigmoid(o), jnp.tanh(g)
+  c_new = f * c + i * g
+  h_new = o * jnp.tanh(c_new)
+  return jnp.concatenate([i, f, g, o], axis=-1), c_new, h_new
+
+
+_cell = jax.vmap(_stripe_cell)  # all stripes: one batched matmul [S, B, G] x [S, G, 4G]
+
+
+def _project(inputs, w_x, bias):
+  """inputs W_x + b for the whole window: [B, T, I] -> [T, S, B, 4G] float32."""
+  x_proj = jnp.einsum("bti,isk->tsbk", inputs, w_x,
+                      preferred_element_type=jnp.float32)
+  return x_proj + bias[None, :, None, :]
+
+
+def _forward(x_proj, h0, c0, w_h, unroll, keep):
+  """Runs the window. keep: None, "states" (c_t, h_{t-1}) or "gates" (the
+  activated gates too): what the backward pass will need, stacked over t."""
+  def step(hc, x_t):
+    h, c = hc
+    gates, c_new, h_new = _cell(x_t, h, c, w_h)
+    saved = {None: (), "states": (c_new, h), "gates": (c_new, h, gates)}[keep]
+    return (h_new, c_new), (h_new.astype(w_h.dtype), saved)
+
+  (h, c), (ys, saved) = jax.lax.scan(step, (h0, c0), x_proj, unroll=unroll)
+  return ys, h, c, saved
+
+
+def _activate(z):
+  i, f, g, o = jnp.split(z, 4, axis=-1)
+  return jnp.concatenate([jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g),
+                          jax.nn.sigmoid(o)], axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):
+  """(outputs [T, S, B, G] in w_h's dtype, final h, final c)."""
+  del remat  # only changes what the backward pass keeps
+  x_proj = _project(inputs, w_x, bias)
+  ys, h, c, _ = _forward(x_proj, h0, c0, w_h, unroll, keep=None)
+  return ys, h, c
+
+
+def _zebra_layer_fwd(inputs, w_x, bias, h0, c0, w_h, unroll, remat):
+  x_proj = _project(inputs, w_x, bias)
+  ys, h, c, saved = _forward(x_proj, h0, c0, w_h, unroll,
+                             keep="states" if remat else "gates")
+  return (ys, h, c), (inputs, w_x, bias, saved, c0, w_h)
+
+
+def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
+  inputs, w_x, bias, saved, c0, w_h = residuals
+  d_ys, d_h_last, d_c_last = cotangents
+  dt = w_h.dtype
+  if remat:
+    cs, h_prev = saved
+    # The barrier ties the recomputation to the incoming gradient: without it
+    # XLA would merge it with the forward pass's identical x_proj (CSE) or
+    # schedule it early, and keep the gates alive after all.
+    (inputs, w_x, bias, h_prev), d_ys = jax.lax.optimization_barrier(
+        ((inputs, w_x, bias, h_prev), d_ys))
+    gates = _activate(_project(inputs, w_x, bias) + jnp.einsum(
+        "tsbg,sgk->tsbk", h_prev.astype(dt), w_h,
+        preferred_element_type=jnp.float32))
+  else:
+    cs, h_prev, gates = saved
+  # Everything that does not depend on the carried (dh, dc) is computed here,
+  # for the whole window at once: large, vectorised, multi-threaded passes.
+  # The reverse loop is then only multiply-adds and one matmul per step.
+  i, f, g, o = jnp.split(gates, 4, axis=-1)
+  c_prev = jnp.concatenate([c0[None], cs[:-1]], axis=0)
+  tanh_c = jnp.tanh(cs)
+  dc_dh = o * (1.0 - tanh_c * tanh_c)                # dc_t / dh_t
+  dz_dc = jnp.concatenate([g * i * (1.0 - i),         # d pre-activation i
+                           c_prev * f * (1.0 - f),    # f
+                           i * (1.0 - g * g)],        # g   (all per unit dc)
+                          axis=-1)
+  dz_dh = tanh_c * o * (1.0 - o)                      # o   (per unit dh)
+  w_h_t = jnp.swapaxes(w_h, 1, 2)  # [S, 4G, G]: contiguous for dz W_h^T
+
+  def step(carry, xs):
+    dh, dc = carry
+    d_y, dc_dh_t, dz_dc_t, dz_dh_t, f_t = xs
+    dh = dh + d_y.astype(jnp.float32)
+    dc = dc + dh * dc_dh_t
+    dz = jnp.concatenate([jnp.tile(dc, 3) * dz_dc_t, dh * dz_dh_t], axis=-1)
+    dh_prev = jnp.einsum("sbk,skg->sbg", dz.astype(dt), w_h_t,
+                         preferred_element_type=jnp.float32)
+    return (dh_prev, dc * f_t), dz
+
+  (dh0, dc0), dz = jax.lax.scan(
+      step, (d_h_last.astype(jnp.float32), d_c_last.astype(jnp.float32)),
+      (d_ys, dc_dh, dz_dc, dz_dh, f), reverse=True, unroll=unroll)
+  dz_dt = dz.astype(dt)
+  matmul = lambda spec, a, b: jnp.einsum(spec, a, b,
+                                         preferred_element_type=jnp.float32)
+  d_w_h = matmul("tsbg,tsbk->sgk", h_prev.astype(dt), dz_dt)
+  d_w_x = matmul("bti,tsbk->isk", inputs, dz_dt)
+  d_inputs = matmul("tsbk,isk->bti", dz_dt, w_x)
+  d_bias = dz.sum(axis=(0, 2))
+  return (d_inputs.astype(inputs.dtype), d_w_x.astype(w_x.dtype),
+          d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
+
+
+zebra_layer.defvjp(_zebra_layer_fwd, _zebra_layer_bwd)
+
+
+def zebra_layer_autodiff(inputs, w_x, bias, h0, c0, w_h, unroll=1):
+  """The same function left to JAX's autodiff: the reference that tests and
+  the benchmark compare the hand-written backward pass against."""
+  ys, h, c, _ = _forward(_project(inputs, w_x, bias), h0, c0, w_h, unroll,
+                         keep=None)
+  return ys, h, c
