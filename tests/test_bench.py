@@ -28,7 +28,7 @@ def test_quick_bench_writes_every_row(tmp_path):
   want = {"core_S1", "core_S4", "lm_S1", "eval_S1", "gen_S1_b1", "gen_S1_b4"}
   try:
     import torch  # noqa: F401  pylint: disable=unused-import
-    want |= {"torch_core", "torch_lm", "torch_eval"}
+    want |= {"torch_core_1t", "torch_lm_1t", "torch_eval_1t"}
   except ImportError:
     assert any("torch not installed" in n for n in result["notes"])
   assert want <= set(rows), sorted(rows)
@@ -36,7 +36,7 @@ def test_quick_bench_writes_every_row(tmp_path):
   for name, r in rows.items():
     for key in ("tokens_per_s", "ms_per_step", "gflops", "frac_of_peak"):
       assert r[key] > 0, (name, key, r[key])
-    if name.startswith(("core", "lm", "eval")) and "torch_core" in rows:
+    if name.startswith(("core", "lm", "eval")) and "torch_core_1t" in rows:
       assert r["ratio_to_torch"] > 0, name
     if not name.startswith(("torch", "gen")):
       assert r["xla_bytes"] > 0, name

@@ -12,7 +12,8 @@ peak measured in this run, XLA's planned bytes per step):
   lm_S{s}     embedding -> layers -> tied head -> cross-entropy, + Adam
   eval_S{s}   the LM forward with carry (evaluate.eval_step)
   gen_S{s}_b{b}  sampling.generate: one token at a time in a jitted scan
-  torch_*     nn.LSTM (+ nn.Embedding and a tied head) of the same shape
+  torch_*_{n}t  nn.LSTM (+ nn.Embedding and a tied head) of the same shape on
+              n threads; ratios are against the faster thread count
 Timed functions run interleaved, round after round, and each row reports its
 median: the machine's noise (other jobs) hits every row alike, so on shared
 CPUs compare ratios, not absolute times. Memory: one fresh process per window
@@ -218,7 +219,11 @@ def gen_runner(shape, stripes, batch):
 
 
 def torch_runners(shape) -> tuple[dict, str | None]:
-  """nn.LSTM rows of the same shape; ({}, note) when torch is missing."""
+  """nn.LSTM rows of the same shape; ({}, note) when torch is missing.
+
+  {group: {threads: fn}}: on CPU torch runs with 1 thread and with every
+  core, because on small shared machines one thread is often faster (its
+  OpenMP threads spin and lose more than XLA's pool to other load)."""
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -269,11 +274,20 @@ def torch_runners(shape) -> tuple[dict, str | None]:
                                         reduction="sum")
     sync()
 
-  for f in (core, lm, ev):
-    f()
-  where = "cuDNN" if cuda else f"CPU, {threads} threads"
+  def with_threads(fn, n):
+    def run():
+      torch.set_num_threads(n)
+      fn()
+    return run
+
+  fns = {}
+  for group, fn in {"core": core, "lm": lm, "eval": ev}.items():
+    fn()
+    fns[group] = {threads: with_threads(fn, threads)
+                  for threads in ([threads] if cuda else sorted({1, threads}))}
+  where = "cuDNN" if cuda else f"CPU, 1 and {threads} threads, the faster kept"
   note = f"torch {torch.__version__} ({where})"
-  return {"core": core, "lm": lm, "eval": ev}, note
+  return fns, note
 
 
 # ---------------------------------------------------------------- timing
@@ -343,10 +357,11 @@ def speed_rows(shape, rounds, trace_dir=None):
   for group, entries in groups.items():
     fns = {n: r[0] for n, r in entries.items()}
     torch_name = f"torch_{group}"
-    if group in torch_fns:
-      fns[torch_name] = torch_fns[group]
+    for threads, fn in torch_fns.get(group, {}).items():
+      fns[f"{torch_name}_{threads}t"] = fn
     sec = time_interleaved(fns, rounds)
-    base = sec.get(torch_name)
+    torch_secs = {n: v for n, v in sec.items() if n.startswith(torch_name)}
+    base = min(torch_secs.values()) if torch_secs else None
     for name, (runner, tokens, flops) in entries.items():
       rows.append(_row(name, group, sec[name], tokens, flops, peak, base,
                        getattr(runner, "compiled", None)))
@@ -354,8 +369,9 @@ def speed_rows(shape, rounds, trace_dir=None):
       torch_flops = {"core": 3 * flops_per_token(shape, 1, head=False),
                      "lm": 3 * flops_per_token(shape, 1, head=True),
                      "eval": flops_per_token(shape, 1, head=True)}[group]
-      rows.append(_row(torch_name, group, base, b * t, torch_flops, peak,
-                       base))
+      for name, torch_sec in torch_secs.items():
+        rows.append(_row(name, group, torch_sec, b * t, torch_flops, peak,
+                         base))
   return rows, peak, torch_note
 
 
