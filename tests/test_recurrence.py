@@ -13,7 +13,7 @@ def _inputs(stripes, width, batch=3, time=6, features=5, seed=0,
             dtype=jnp.float32):
   """(inputs, w_x, bias, h0, c0, w_h) for zebra_layer."""
   k = jax.random.split(jax.random.key(seed), 6)
-  inputs = jax.random.normal(k[0], (batch, time, features)).astype(dtype)
+  inputs = jax.random.normal(k[0], (time, batch, features)).astype(dtype)
   w_x = (0.5 * jax.random.normal(k[1], (features, stripes, 4 * width))
          ).astype(dtype)
   bias = 0.3 * jax.random.normal(k[2], (stripes, 4 * width))
@@ -92,8 +92,7 @@ def test_one_stripe_backward_matches_torch_lstm():
     lstm.bias_ih_l0.zero_()
     lstm.bias_hh_l0.zero_()
     lstm.weight_hh_l0.copy_(torch.from_numpy(np.asarray(w_h[0]).T.copy()))
-  tx = torch.from_numpy(np.asarray(x_proj.transpose(1, 0, 2), np.float64)
-                       ).requires_grad_()
+  tx = torch.from_numpy(np.asarray(x_proj, np.float64)).requires_grad_()
   th0 = torch.from_numpy(np.asarray(h0, np.float64)).requires_grad_()
   tc0 = torch.from_numpy(np.asarray(c0, np.float64)).requires_grad_()
   out, (h_n, c_n) = lstm(tx, (th0, tc0))
@@ -106,8 +105,7 @@ def test_one_stripe_backward_matches_torch_lstm():
     return (ys[:, 0] * weights).sum() + (h * c).sum()
   grads = jax.grad(jax_loss, argnums=(0, 1, 2, 3, 4, 5))(
       x_proj, h0, c0, w_h, w_x, bias)
-  np.testing.assert_allclose(grads[0].transpose(1, 0, 2), tx.grad.numpy(),
-                             atol=1e-5)
+  np.testing.assert_allclose(grads[0], tx.grad.numpy(), atol=1e-5)
   np.testing.assert_allclose(grads[1], th0.grad.numpy(), atol=1e-5)
   np.testing.assert_allclose(grads[2], tc0.grad.numpy(), atol=1e-5)
   np.testing.assert_allclose(grads[3][0], lstm.weight_hh_l0.grad.numpy().T,

@@ -84,7 +84,8 @@ class ZebraLSTMLayer(nnx.Module):
     s, g, dt = self.num_stripes, self.width, self.dtype
     b, t, _ = inputs.shape
     to_stripes = lambda a: a.reshape(b, s, g).transpose(1, 0, 2)  # [S, B, G]
-    args = (inputs.astype(dt), self.w_x[...].astype(dt), self.b[...],
+    args = (inputs.astype(dt).transpose(1, 0, 2),  # time-major [T, B, I]
+            self.w_x[...].astype(dt), self.b[...],
             to_stripes(carry[0]), to_stripes(carry[1]), self.w_h[...].astype(dt))
     if self.custom_vjp:
       ys, h, c = recurrence.zebra_layer(*args, self.unroll, self.remat)

@@ -21,7 +21,7 @@ What the backward pass keeps from the forward pass:
                two large, efficient matmuls instead of a second sequential
                forward pass (what `jax.checkpoint` around the scan would do).
 
-Shapes: inputs [B, T, I] and w_x [I, S, 4G] in the compute dtype, bias
+Shapes: inputs [T, B, I] and w_x [I, S, 4G] in the compute dtype, bias
 [S, 4G] float32, h and c [S, B, G] float32 (stripe-major), w_h [S, G, 4G] in
 the compute dtype; outputs are time-major [T, S, B, G] in the compute dtype.
 Gates are ordered [i | f | g | o] inside each stripe, as in PyTorch.
@@ -50,8 +50,12 @@ _cell = jax.vmap(_stripe_cell)  # all stripes: one batched matmul [S, B, G] x [S
 
 
 def _project(inputs, w_x, bias):
-  """inputs W_x + b for the whole window: [B, T, I] -> [T, S, B, 4G] float32."""
-  x_proj = jnp.einsum("bti,isk->tsbk", inputs, w_x,
+  """inputs W_x + b for the whole window: [T, B, I] -> [T, S, B, 4G] float32.
+
+  Time-major inputs make the matmul's output (and, in the backward pass,
+  both operands of dW_x) the layout the scan reads: no transposes at S = 1.
+  """
+  x_proj = jnp.einsum("tbi,isk->tsbk", inputs, w_x,
                       preferred_element_type=jnp.float32)
   return x_proj + bias[None, :, None, :]
 
@@ -138,8 +142,8 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
   matmul = lambda spec, a, b: jnp.einsum(spec, a, b,
                                          preferred_element_type=jnp.float32)
   d_w_h = matmul("tsbg,tsbk->sgk", h_prev.astype(dt), dz_dt)
-  d_w_x = matmul("bti,tsbk->isk", inputs, dz_dt)
-  d_inputs = matmul("tsbk,isk->bti", dz_dt, w_x)
+  d_w_x = matmul("tbi,tsbk->isk", inputs, dz_dt)
+  d_inputs = matmul("tsbk,isk->tbi", dz_dt, w_x)
   d_bias = dz.sum(axis=(0, 2))
   return (d_inputs.astype(inputs.dtype), d_w_x.astype(w_x.dtype),
           d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
