@@ -42,6 +42,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       dropout_hidden=0.1,       # between layers
       dropout_output=0.1,       # before the softmax head
       tie_embeddings=True,      # when embed_size == hidden_size
+      head="full",              # full | adaptive softmax; a char vocabulary is small: full
+      adaptive_cutoffs=(20000, 40000, 200000),  # head=adaptive: cluster edges (ids sorted by frequency); those >= vocab are dropped
+      adaptive_div_val=4,       # head=adaptive: cluster i has width hidden_size // div_val**i
+      adaptive_tie=True,        # head=adaptive: the input is an AdaptiveInput sharing the head's tables (needs embed_size == hidden_size)
+      adaptive_chunk_rows=1024,  # head=adaptive: rows per tail-cluster chunk in the loss (memory: chunk x cluster size)
       dtype="float32",          # compute dtype; parameters stay float32
       unroll=1,                 # lax.scan unroll factor (>1 was slower on CPU)
       remat=False,              # jax.checkpoint the time step (long windows)

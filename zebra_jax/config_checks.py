@@ -2,6 +2,7 @@
 
 import ml_collections
 
+from zebra_jax.adaptive_softmax import cluster_bounds
 from zebra_jax.errors import UserError
 
 _CHOICES = {
@@ -9,11 +10,13 @@ _CHOICES = {
     "data.tokenizer": ("char", "word", "bpe"),
     "data.batching": ("streams", "random"),
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.head": ("full", "adaptive"),
     "optim.name": ("adam", "adamw", "sgd", "lamb"),
 }
 _POSITIVE = ("data.batch_size", "data.seq_len", "data.bpe_vocab_size", "model.embed_size",
              "model.hidden_size", "model.num_layers", "model.num_stripes",
-             "model.unroll", "train.num_steps", "train.log_every",
+             "model.unroll", "model.adaptive_div_val",
+             "model.adaptive_chunk_rows", "train.num_steps", "train.log_every",
              "train.eval_every", "eval.batch_size", "eval.seq_len",
              "checkpoint.every_steps", "checkpoint.keep_latest",
              "optim.learning_rate")
@@ -63,9 +66,20 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         f"model.hidden_size={m.hidden_size} is not divisible by "
         f"model.num_stripes={m.num_stripes}: pick num_stripes that divides "
         f"hidden_size (e.g. {_divisor_hint(m.hidden_size, m.num_stripes)})")
+  if m.head == "adaptive":
+    _check_cutoffs(m.adaptive_cutoffs)
   if cfg.data.source not in ("embedded", "hf") and not cfg.data.path:
     raise UserError(f"data.source={cfg.data.source!r} needs a path: set "
                     f"--config.data.path to the folder or file(s) to read")
+
+
+def _check_cutoffs(cutoffs) -> None:
+  """A sequence of increasing positive ints (those >= vocab are dropped later)."""
+  if not isinstance(cutoffs, (list, tuple)) or not all(
+      isinstance(c, int) and not isinstance(c, bool) for c in cutoffs):
+    raise UserError(f"--config.model.adaptive_cutoffs={cutoffs!r} is not a "
+                    "tuple of word ids: use e.g. '(20000, 40000, 200000)'")
+  cluster_bounds(0, cutoffs)  # positive and strictly increasing
 
 
 def _divisor_hint(hidden: int, stripes: int) -> int:

@@ -13,7 +13,9 @@ cell state `c`, the carry and the logits stay float32.
 
 The model is an NNX module used functionally: `create` splits it into a graph
 definition and a parameter `nnx.State`, and `apply` merges them inside pure,
-jittable functions.
+jittable functions. `apply` gives logits [B, T, V] (exact log-probabilities
+with the adaptive head); `token_sums` gives the loss sums that train and eval
+steps need, which for the adaptive head never builds [B*T, V].
 """
 
 from typing import Any, Sequence
@@ -23,7 +25,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from zebra_jax import recurrence
+from zebra_jax import adaptive_softmax as asm
+from zebra_jax import metrics, recurrence
 
 # One (h, c) pair per layer, each [batch, hidden] float32.
 Carry = tuple[tuple[jax.Array, jax.Array], ...]
@@ -97,22 +100,47 @@ class ZebraLSTMLayer(nnx.Module):
 
 
 class ZebraLM(nnx.Module):
-  """Embedding -> num_layers x ZebraLSTM -> (tied) full softmax head."""
+  """Embedding -> num_layers x ZebraLSTM -> a full or adaptive softmax head.
+
+  head="full": an [E, V] matrix, tied to the [V, E] embedding when
+  tie_embeddings and E == H (params "embed", "head_w", "head_b").
+  head="adaptive": `AdaptiveSoftmax` over frequency clusters
+  (params "adaptive_softmax"); with adaptive_tie and E == H the input is an
+  `AdaptiveInput` sharing its tables and projections ("adaptive_input"),
+  otherwise the usual "embed" table. Tying needs E == H under both heads
+  because the tied tables live in the LSTM output's width.
+  """
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     dt = compute_dtype(cfg.dtype)
     self.dtype = dt
+    self.head = head_kind(cfg)
     self.dropout_embed = float(cfg.dropout_embed)
     self.dropout_hidden = float(cfg.dropout_hidden)
     self.dropout_output = float(cfg.dropout_output)
-    self.embed = nnx.Param(jax.random.uniform(
-        rngs.params(), (cfg.vocab_size, cfg.embed_size), jnp.float32, -0.1, 0.1))
+    same_width = cfg.embed_size == cfg.hidden_size
+    if self.head == "adaptive" and cfg.adaptive_tie and same_width:
+      self.adaptive_input = asm.AdaptiveInput(
+          cfg.vocab_size, cfg.hidden_size, cfg.adaptive_cutoffs,
+          cfg.adaptive_div_val, rngs=rngs, dtype=dt)
+    else:
+      self.embed = nnx.Param(jax.random.uniform(
+          rngs.params(), (cfg.vocab_size, cfg.embed_size), jnp.float32,
+          -0.1, 0.1))
     sizes = [cfg.embed_size] + [cfg.hidden_size] * cfg.num_layers
     self.layers = nnx.List([
         ZebraLSTMLayer(sizes[i], cfg.hidden_size, cfg.num_stripes, rngs=rngs,
                        dtype=dt, unroll=cfg.unroll, remat=cfg.remat)
         for i in range(cfg.num_layers)])
-    self.tied = bool(cfg.tie_embeddings and cfg.embed_size == cfg.hidden_size)
+    if self.head == "adaptive":
+      self.tied = hasattr(self, "adaptive_input")
+      self.adaptive_softmax = asm.AdaptiveSoftmax(
+          cfg.vocab_size, cfg.hidden_size, cfg.adaptive_cutoffs,
+          cfg.adaptive_div_val, rngs=rngs, dtype=dt,
+          tied_input=self.adaptive_input if self.tied else None,
+          chunk_rows=cfg.adaptive_chunk_rows)
+      return
+    self.tied = bool(cfg.tie_embeddings and same_width)
     if not self.tied:
       bound = 1.0 / cfg.hidden_size ** 0.5
       self.head_w = nnx.Param(jax.random.uniform(
@@ -120,20 +148,24 @@ class ZebraLM(nnx.Module):
           -bound, bound))
     self.head_b = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
 
-  def __call__(self, tokens: jax.Array, carry: Carry, dropout_rng=None):
-    """Next-token logits for a window.
+  def features(self, tokens: jax.Array, carry: Carry, dropout_rng=None):
+    """The last LSTM layer's outputs for a window.
 
     Args:
       tokens: [batch, time] int32.
       carry: one (h, c) pair per layer, each [batch, hidden] float32.
       dropout_rng: a PRNG key for training; None disables dropout.
     Returns:
-      logits [batch, time, vocab] float32, and the new carry.
+      hidden [batch, time, hidden] in the compute dtype (output dropout
+      applied), and the new carry.
     """
     rngs = (list(jax.random.split(dropout_rng, len(self.layers) + 1))
             if dropout_rng is not None else [None] * (len(self.layers) + 1))
     with jax.named_scope("embedding"):
-      x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, E]
+      if self.head == "adaptive" and self.tied:
+        x = self.adaptive_input(tokens)  # [B, T, H] float32
+      else:
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, E]
       x = dropout(x, self.dropout_embed, rngs[0])
     new_carry = []
     for i, layer in enumerate(self.layers):
@@ -143,13 +175,70 @@ class ZebraLM(nnx.Module):
         last = i == len(self.layers) - 1
         rate = self.dropout_output if last else self.dropout_hidden
         x = dropout(x, rate, rngs[i + 1])
+    return x, tuple(new_carry)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """[B, T, H] -> [B, T, V] float32: logits (full head) or exact
+    log-probabilities (adaptive head; their softmax is the same distribution,
+    so sampling, scoring and export need not know which head ran)."""
     with jax.named_scope("head"):
+      if self.head == "adaptive":
+        b, t, h = hidden.shape
+        return self.adaptive_softmax.log_probs(
+            hidden.reshape(b * t, h)).reshape(b, t, -1)
       w = self.embed[...].T if self.tied else self.head_w[...]
-      logits = jnp.einsum("bth,hv->btv", x.astype(self.dtype),
+      logits = jnp.einsum("bth,hv->btv", hidden.astype(self.dtype),
                           w.astype(self.dtype),
                           preferred_element_type=jnp.float32)
-      logits = logits + self.head_b[...]
-    return logits, tuple(new_carry)
+      return logits + self.head_b[...]
+
+  def target_log_probs(self, hidden: jax.Array,
+                       targets: jax.Array) -> jax.Array:
+    """log p(target): hidden [B, T, H], targets [B, T] -> [B, T] float32."""
+    if self.head == "full":
+      logp = jax.nn.log_softmax(self.logits(hidden), axis=-1)
+      return jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    b, t, h = hidden.shape
+    with jax.named_scope("head"):
+      nll = self.adaptive_softmax.nll(hidden.reshape(b * t, h),
+                                      targets.reshape(b * t))
+    return -nll.reshape(b, t)
+
+  def token_sums(self, hidden: jax.Array, targets: jax.Array,
+                 with_accuracy: bool = True) -> dict[str, jax.Array]:
+    """metrics.token_sums for this head, from hidden [B, T, H].
+
+    The adaptive head scores targets with the chunked `nll`, never building
+    [B*T, V]; its accuracy needs a full-vocabulary `predict`, so
+    with_accuracy=False leaves "correct" out. The full head has the logits
+    anyway and always counts "correct".
+    """
+    if self.head == "full":
+      logits = self.logits(hidden)
+      with jax.named_scope("loss"):
+        return metrics.token_sums(logits, targets)
+    log_probs = self.target_log_probs(hidden, targets)  # chunked nll
+    with jax.named_scope("loss"):
+      sums = {"loss_sum": -log_probs.sum(),
+              "count": jnp.asarray(targets.size, jnp.float32)}
+    if with_accuracy:
+      with jax.named_scope("accuracy"):
+        b, t, h = hidden.shape
+        best = self.adaptive_softmax.predict(hidden.reshape(b * t, h))
+        sums["correct"] = (best == targets.reshape(b * t)).astype(
+            jnp.float32).sum()
+    return sums
+
+  def __call__(self, tokens: jax.Array, carry: Carry, dropout_rng=None):
+    """(logits [batch, time, vocab] float32, new carry); see `logits`."""
+    hidden, new_carry = self.features(tokens, carry, dropout_rng)
+    return self.logits(hidden), new_carry
+
+
+def head_kind(cfg: ml_collections.ConfigDict) -> str:
+  """The head type, full or adaptive. Configs written before the adaptive
+  head existed (old workdirs, hand-built benchmark configs) mean full."""
+  return cfg.get("head", "full")
 
 
 def init_carry(cfg: ml_collections.ConfigDict, batch_size: int) -> Carry:
@@ -169,8 +258,34 @@ def abstract(cfg: ml_collections.ConfigDict):
 
 
 def apply(graphdef, params, tokens, carry, dropout_rng=None):
-  """Pure forward pass: (logits [B, T, V] float32, new carry)."""
+  """Pure forward pass: (logits [B, T, V] float32, new carry).
+
+  For the adaptive head the "logits" are exact log-probabilities.
+  """
   return nnx.merge(graphdef, params)(tokens, carry, dropout_rng)
+
+
+def token_sums(graphdef, params, inputs, targets, carry, dropout_rng=None,
+               with_accuracy: bool = True):
+  """Pure loss pass: ({"loss_sum", "count"[, "correct"]} float32, new carry).
+
+  What train and eval steps call: `metrics.token_sums(apply(...)[0], targets)`
+  for the full head; the chunked adaptive-softmax loss otherwise (see
+  `ZebraLM.token_sums` for when "correct" is left out).
+  """
+  lm = nnx.merge(graphdef, params)
+  hidden, new_carry = lm.features(inputs, carry, dropout_rng)
+  return lm.token_sums(hidden, targets, with_accuracy), new_carry
+
+
+def target_log_probs(graphdef, params, inputs, targets, carry):
+  """Pure scoring pass, no dropout: (log p(targets) [B, T] float32, carry).
+
+  The adaptive head reads them off its chunked loss, without [B, T, V].
+  """
+  lm = nnx.merge(graphdef, params)
+  hidden, new_carry = lm.features(inputs, carry)
+  return lm.target_log_probs(hidden, targets), new_carry
 
 
 def num_params(params: Any) -> int:

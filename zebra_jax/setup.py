@@ -19,18 +19,34 @@ from zebra_jax.errors import UserError
 
 # Fields that change the parameters' shapes or meaning: a workdir is tied to them.
 _ARCHITECTURE = ("embed_size", "hidden_size", "num_layers", "num_stripes",
-                 "tie_embeddings", "vocab_size")
+                 "tie_embeddings", "vocab_size", "head", "adaptive_cutoffs",
+                 "adaptive_div_val", "adaptive_tie")
+# What a config.json written before the adaptive head means: the full head.
+_LEGACY_MODEL = dict(head="full", adaptive_cutoffs=(), adaptive_div_val=1,
+                     adaptive_tie=False, adaptive_chunk_rows=1024)
 
 
 def config_path(workdir: str) -> str:
   return os.path.join(workdir, "config.json")
 
 
+def _with_legacy_fields(saved: dict) -> dict:
+  """A saved config with the model fields older versions did not write."""
+  return {**saved, "model": {**_LEGACY_MODEL, **saved["model"]}}
+
+
+def _same(a, b) -> bool:
+  """Equal, reading JSON's lists as the tuples configs hold."""
+  as_tuple = lambda x: tuple(x) if isinstance(x, (list, tuple)) else x
+  return as_tuple(a) == as_tuple(b)
+
+
 def _check_same_architecture(saved: dict, cfg: ml_collections.ConfigDict,
                              workdir: str) -> None:
+  saved = _with_legacy_fields(saved)
   for field in _ARCHITECTURE:
     old, new = saved["model"].get(field), cfg.model[field]
-    if old != new:
+    if not _same(old, new):
       raise UserError(
           f"workdir {workdir} holds a model with model.{field}={old}, but the "
           f"config asks for {new}: use a new --workdir, or the same model "
@@ -79,7 +95,7 @@ def load_for_inference(cfg: ml_collections.ConfigDict, workdir: str,
     raise UserError(f"workdir {workdir} has no config.json: train first with "
                     f"--mode=train --workdir={workdir}")
   with open(config_path(workdir)) as f:
-    saved = ml_collections.ConfigDict(json.load(f))
+    saved = ml_collections.ConfigDict(_with_legacy_fields(json.load(f)))
   ckpt = checkpoint.Checkpointer(workdir, create=False)
   if step is None:
     step = ckpt.best_step()
@@ -89,6 +105,7 @@ def load_for_inference(cfg: ml_collections.ConfigDict, workdir: str,
   merged = ml_collections.ConfigDict(saved.to_dict())
   merged.eval, merged.sample = cfg.eval, cfg.sample
   merged.model.dtype = cfg.model.dtype  # compute dtype may differ from training
+  merged.model.adaptive_chunk_rows = cfg.model.adaptive_chunk_rows  # memory only
   tokenizer, splits = data.load_eval_data(merged, workdir)
   mesh = parallel.make_mesh()
   graphdef, target = train_state.abstract_state(merged, mesh)
