@@ -27,8 +27,14 @@ def token_sums(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
           "count": jnp.asarray(targets.size, jnp.float32)}
 
 
-def summarize(loss_sum: float, correct: float, count: float) -> dict[str, float]:
-  """Host-side: loss per token, perplexity and accuracy from the sums."""
+def summarize(loss_sum: float, correct: float | None,
+              count: float) -> dict[str, float]:
+  """Host-side: loss per token, perplexity and accuracy from the sums.
+
+  correct=None (not counted: adaptive-head training) gives acc None, never a
+  made-up number.
+  """
   loss = loss_sum / max(count, 1.0)
-  return {"loss": loss, "ppl": math.exp(min(loss, 700.0)),
-          "acc": correct / max(count, 1.0), "tokens": count}
+  acc = None if correct is None else correct / max(count, 1.0)
+  return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "acc": acc,
+          "tokens": count}

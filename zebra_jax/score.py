@@ -13,7 +13,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax import model, setup
@@ -28,9 +27,9 @@ def window_logprobs(params, carry, inputs, targets, *, graphdef):
   Returns:
     (new carry, float32 [batch, time] log-probabilities).
   """
-  logits, carry = model.apply(graphdef, params, inputs, carry)
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return carry, jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+  logp, carry = model.target_log_probs(graphdef, params, inputs, targets,
+                                       carry)
+  return carry, logp
 
 
 @dataclasses.dataclass

@@ -58,9 +58,10 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef,
 
   def grads_of(params, inputs, targets, carry, rng):
     def loss_fn(params):
-      logits, new_carry = model.apply(graphdef, params, inputs, carry, rng)
-      with jax.named_scope("loss"):
-        sums = metrics.token_sums(logits, targets)
+      # No extra full-vocabulary pass for accuracy (adaptive head): see
+      # model.token_sums; the train log then shows no acc.
+      sums, new_carry = model.token_sums(graphdef, params, inputs, targets,
+                                         carry, rng, with_accuracy=False)
       return scale.scale_loss(sums["loss_sum"] / total_tokens), (new_carry, sums)
     return jax.grad(loss_fn, has_aux=True)(params)
 
@@ -204,7 +205,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
           good = [m for m in per_step if not m["skipped"]] or per_step
           total = {k: float(np.sum([m[k] for m in good], dtype=np.float64))
                    for k in good[0]}
-          summary = metrics.summarize(total["loss_sum"], total["correct"],
+          summary = metrics.summarize(total["loss_sum"], total.get("correct"),
                                       total["count"])
           log.train_line(
               epoch=position.epoch + 1, step=step,

@@ -55,13 +55,18 @@ class MetricWriter:
                  skipped=0) -> None:
     extra = f" | loss scale {loss_scale:.0f}" if loss_scale is not None else ""
     extra += f" | skipped {skipped}" if skipped or loss_scale is not None else ""
+    """acc=None (not computed in training with the adaptive head) leaves it
+    out of the line, metrics.jsonl and TensorBoard."""
+    shown = f" | acc {acc:.3f}" if acc is not None else ""
     self.info(f"| epoch {epoch} step {step} | batches {batch}/{batches} "
               f"| lr {lr:.2e} | ms/batch {ms_per_batch:.1f} "
-              f"| tok/s {tok_per_s:.0f} | loss {loss:.2f} | ppl {ppl:.2f} "
-              f"| acc {acc:.3f}{extra}")
+              f"| tok/s {tok_per_s:.0f} | loss {loss:.2f} | ppl {ppl:.2f}"
+              f"{shown}{extra}")
     record = dict(epoch=epoch, lr=lr, ms_per_batch=ms_per_batch,
-                  tok_per_s=tok_per_s, loss=loss, ppl=ppl, acc=acc,
+                  tok_per_s=tok_per_s, loss=loss, ppl=ppl,
                   grad_norm=grad_norm, skipped=skipped)
+    if acc is not None:
+      record["acc"] = acc
     if loss_scale is not None:
       record["loss_scale"] = loss_scale
     self.record("train", step, record)
