@@ -165,9 +165,12 @@ class Generator:
     return [t + o for t, o in zip(texts, outs)]
 
   def _continuation(self, prompt: str, ids) -> str:
-    """Decoded new tokens; word tokens need a space after the prompt."""
+    """Decoded new tokens. Word tokens need a space after the prompt; char
+    and byte-level BPE tokens carry their own spaces (" world" is one BPE
+    token), so they are joined as they are."""
     text = self.tokenizer.decode(ids)
-    if self.tokenizer.kind == "char" or not text or prompt[-1:].isspace():
+    if (self.tokenizer.kind in ("char", "bpe") or not text
+        or prompt[-1:].isspace()):
       return text
     return " " + text
 
@@ -178,7 +181,11 @@ def _cut(text: str, stop: str) -> str:
 
 def _stream_safe(text: str, stop: str, final: bool) -> str:
   """The part of `text` that can be printed now: before a stop string found,
-  and holding back a tail that might be the start of one still to come."""
+  holding back a tail that might be the start of one still to come, and a
+  trailing U+FFFD (a UTF-8 character whose other BPE bytes are still to come:
+  the next chunk decodes it whole)."""
+  if not final:
+    text = text.rstrip("\ufffd")
   if not stop:
     return text
   if stop in text or final:
