@@ -7,6 +7,8 @@ zebra_jax, Flax or the config code:
   prompt.jax   (params, carry, tokens int32 [b, t]) -> (last logits [b, V], carry)
   step.jax     (params, carry, tokens int32 [b])    -> (logits [b, V], carry)
 
+With `model.head=adaptive` the "logits" are exact log-probabilities (a
+softmax of them is the same distribution, so samplers need not care).
 Batch `b` and prompt length `t` are symbolic, so one artifact serves any
 batch. `params` is the flat list of arrays in params.npz (`leaf_00000`, ...),
 passed in rather than baked in: the serialized functions stay small, and
@@ -91,6 +93,9 @@ def write_artifact(loaded: setup.Loaded, folder: str,
       "platforms": list(platforms), "num_params": len(flat),
       "num_layers": m.num_layers, "hidden_size": m.hidden_size,
       "vocab_size": m.vocab_size, "tokenizer": loaded.tokenizer.kind,
+      "head": model.head_kind(m),
+      "outputs": ("log-probabilities" if model.head_kind(m) == "adaptive"
+                  else "logits"),
       "sample": {k: loaded.cfg.sample[k] for k in
                  ("max_new_tokens", "temperature", "top_k", "top_p")},
       "functions": {

@@ -24,7 +24,7 @@ import threading
 
 from absl import logging
 
-from zebra_jax import sample, score, setup
+from zebra_jax import model, sample, score, setup
 from zebra_jax.errors import UserError
 
 
@@ -104,7 +104,7 @@ class Service:
             "tokenizer": self.loaded.tokenizer.kind,
             "vocab_size": m.vocab_size, "num_layers": m.num_layers,
             "hidden_size": m.hidden_size, "num_stripes": m.num_stripes,
-            "limits": dataclasses.asdict(self.limits)}
+            "head": model.head_kind(m), "limits": dataclasses.asdict(self.limits)}
 
   def generate(self, body) -> dict:
     body = _check_fields(body, _GENERATE_FIELDS)
