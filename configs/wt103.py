@@ -8,12 +8,40 @@
 `data.path` is a folder in WikiText format (wiki.train.tokens, wiki.valid.tokens,
 wiki.test.tokens), e.g. the unpacked wikitext-103-v1 archive.
 
-The recipe (a target, not yet a measured result of this project): 2 layers of
-hidden 2048 in 8 stripes, 512-dim tied embedding through a projection-free
-head would not fit 267k words, so the vocabulary is capped at 100k words here
-until the adaptive softmax lands. Global batch 128 x 128 tokens, Adam 1e-3 with
-warmup + cosine, clip 0.25. Expect test perplexity in the 36-48 band that LSTMs
-of this class reach (Rae et al. 36.4; Merity et al. QRNN 33.0).
+The recipe. Nothing in it has been measured by this project at full size (no
+GPU was available); the numbers below are a design, ESTIMATES and targets.
+
+  data       every word: the 267,735-word vocabulary (max_vocab_size=0),
+             streams of global batch 128 x window 128 = 16,384 tokens/step,
+             the LSTM state carried across windows (truncated BPTT)
+  model      2 ZebraLSTM layers, hidden 2048 in 8 stripes of 256, bfloat16
+             compute with float32 parameters; adaptive softmax (Grave et al.
+             2017) with Transformer-XL's cutoffs 20k/40k/200k and div_val 4
+             (cluster widths 2048/512/128/32), tied to an adaptive input of
+             the same tables: 113.3M parameters (75.2M of them embeddings,
+             37.8M LSTM)
+  dropout    0.1 on embeddings, 0.2 between layers and before the head
+  optimizer  Adam 1e-3 (b2 0.999), 2,000 warmup steps, cosine to 1e-5 over
+             100,000 steps (1.64B tokens, ~16 epochs), global-norm clip 0.25
+
+ESTIMATED speed (an H100 model, not a measurement): about 0.5 GFLOP per
+trained token (the LSTM's and the 20k-word shortlist's matmuls, x3 for the
+backward pass). At 200-400 TFLOP/s that is 1.3-2.5 us per token per GPU, and
+each step also pays the 128-step sequential recurrence, assumed 10-40 ms of
+kernel latency whatever the GPU count, plus ~2 ms of all-reduce:
+
+  GPUs   ms/step   tokens/s      minutes/epoch (103M tokens)   100k steps
+  1      30-80     0.2-0.55M     3-9                           0.8-2.3 h
+  8      15-47     0.35-1.1M     1.5-5                         0.4-1.3 h
+
+With 8 GPUs the recurrence dominates; measure with `python -m zebra_jax.bench
+--shape=gpu` and the `tok/s` of the first log lines before trusting these.
+
+TARGET test perplexity: 36-48, the band recurrent models of this class reach
+on WikiText-103. References: Rae et al. 2018 (Fast Parametric Learning with
+Activation Memorization) report test 36.4 for their LSTM baseline; Merity et
+al. 2018 (An Analysis of Neural Language Modeling at Multiple Scales) reach
+33.0 with a 4-layer QRNN, a bar below the band.
 """
 
 import ml_collections
@@ -31,7 +59,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       tokenizer="word",         # WikiText convention: whitespace tokens, <eos>
       bpe_vocab_size=32000,     # tokenizer=bpe: byte-level BPE size
       min_freq=1,
-      max_vocab_size=100_000,   # full softmax over the top words (adaptive softmax: not wired in yet)
+      max_vocab_size=0,         # 0 = no cap: all 267,735 words (the adaptive softmax makes that affordable)
       valid_fraction=0.05,      # unused: WikiText has its own splits
       test_fraction=0.05,
       batching="streams",
@@ -40,14 +68,20 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   )
   c.model = dict(
       vocab_size=0,             # from the tokenizer
-      embed_size=512,
+      embed_size=2048,          # == hidden_size, so the adaptive input and softmax share tables
       hidden_size=2048,
       num_layers=2,
       num_stripes=8,            # 8 stripes of 256: 8x fewer recurrent FLOPs
       dropout_embed=0.1,
       dropout_hidden=0.2,
       dropout_output=0.2,
-      tie_embeddings=True,      # only when embed_size == hidden_size
+      tie_embeddings=True,      # head=full only, and only when embed_size == hidden_size
+      head="adaptive",          # full | adaptive: Grave et al. 2017 over the 267k words
+      adaptive_cutoffs=(20000, 40000, 200000),  # Transformer-XL's WikiText-103 clusters; cutoffs >= vocab are dropped
+      adaptive_div_val=4,       # widths 2048/512/128/32: Transformer-XL large uses 4 (its base, d=410, uses 1);
+                                # at d=2048, div_val=1 would spend 548M parameters on the tables, 4 spends 74M
+      adaptive_tie=True,        # input = AdaptiveInput sharing the head's tables and projections (needs embed_size == hidden_size)
+      adaptive_chunk_rows=1024,  # loss rows per tail-cluster chunk: 1024 x 160k float32 = 0.66 GB at a time
       dtype="bfloat16",         # GPU default; parameters stay float32
       unroll=8,
       remat=False,
@@ -57,7 +91,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       b1=0.9, b2=0.999, eps=1e-8, warmup_steps=2000, min_lr_ratio=0.01,
       clip_norm=0.25)
   c.train = dict(
-      num_steps=200_000,        # ~1.6 epochs of 103M tokens at 16k tokens/step
+      num_steps=100_000,        # 1.64B tokens = ~16 epochs of 103M at 16,384 tokens/step
       time_budget_minutes=0.0,
       log_every=200,
       eval_every=4000,
@@ -85,7 +119,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   if variant == "tiny":  # same code path, shrunk for tests and smoke runs
     c.data.update(batch_size=8, seq_len=16, max_vocab_size=0)
     c.model.update(embed_size=32, hidden_size=32, num_stripes=4, unroll=1,
-                   dtype="float32", dropout_embed=0.0)
+                   dtype="float32", dropout_embed=0.0,
+                   adaptive_cutoffs=(8, 16),  # a ~24-word test vocab: 3 clusters
+                   adaptive_div_val=2, adaptive_chunk_rows=32)
     c.optim.update(warmup_steps=5, clip_norm=1.0, learning_rate=3e-2)
     c.train.update(num_steps=20, log_every=5, eval_every=10, eval_max_batches=4)
     c.eval.update(batch_size=8, seq_len=16)
