@@ -114,9 +114,10 @@ class AdaptiveSoftmax(nnx.Module):
     num_tails = len(self.bounds) - 1
     self.biases = nnx.List([nnx.Param(jnp.zeros((stop - start,), jnp.float32))
                             for start, stop in self.bounds])
-    self.cluster_w = nnx.Param(jnp.zeros((num_tails, self.widths[0]),
-                                         jnp.float32))  # [tails, d_0]
-    self.cluster_b = nnx.Param(jnp.zeros((num_tails,), jnp.float32))
+    if num_tails:  # zero-size arrays cannot be checkpointed: none then
+      self.cluster_w = nnx.Param(jnp.zeros((num_tails, self.widths[0]),
+                                           jnp.float32))  # [tails, d_0]
+      self.cluster_b = nnx.Param(jnp.zeros((num_tails,), jnp.float32))
 
   @property
   def shortlist(self) -> int:
@@ -136,6 +137,8 @@ class AdaptiveSoftmax(nnx.Module):
     """[N, d] -> [N, shortlist + tails] float32: words, then clusters."""
     z = self._project(hidden, 0)
     words = self._logits(z, 0)
+    if len(self.bounds) == 1:
+      return jax.nn.log_softmax(words, -1)
     clusters = (_matmul(z, self.cluster_w[...], self.dtype, "nk,ck->nc")
                 + self.cluster_b[...])
     return jax.nn.log_softmax(jnp.concatenate([words, clusters], -1), -1)
