@@ -19,11 +19,10 @@ from zebra_jax.errors import UserError
 
 # Fields that change the parameters' shapes or meaning: a workdir is tied to them.
 _ARCHITECTURE = ("embed_size", "hidden_size", "num_layers", "num_stripes",
-                 "tie_embeddings", "vocab_size", "head", "adaptive_cutoffs",
-                 "adaptive_div_val", "adaptive_tie")
+                 "tie_embeddings", "vocab_size", "head")
+_ADAPTIVE = ("adaptive_cutoffs", "adaptive_div_val", "adaptive_tie")  # if used
 # What a config.json written before the adaptive head means: the full head.
-_LEGACY_MODEL = dict(head="full", adaptive_cutoffs=(), adaptive_div_val=1,
-                     adaptive_tie=False, adaptive_chunk_rows=1024)
+_LEGACY_MODEL = dict(head="full")
 
 
 def config_path(workdir: str) -> str:
@@ -44,7 +43,8 @@ def _same(a, b) -> bool:
 def _check_same_architecture(saved: dict, cfg: ml_collections.ConfigDict,
                              workdir: str) -> None:
   saved = _with_legacy_fields(saved)
-  for field in _ARCHITECTURE:
+  adaptive = cfg.model.head == "adaptive" == saved["model"]["head"]
+  for field in _ARCHITECTURE + (_ADAPTIVE if adaptive else ()):
     old, new = saved["model"].get(field), cfg.model[field]
     if not _same(old, new):
       raise UserError(
