@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -144,3 +145,22 @@ def test_infer_bench_reports_throughput_and_latency_percentiles(trained,
   assert stats["avg"] == pytest.approx(2.5) and stats["p50"] == pytest.approx(2.5)
   with pytest.raises(UserError, match="bench_batch_sizes"):
     infer_bench.run(cfg, workdir, ["one"])
+
+
+def test_bpe_continuations_keep_their_own_spaces_and_whole_characters():
+  """Byte-level BPE: ' world' is one token, so the prompt 'hello' must not get
+  a second space; a character whose bytes span two chunks is never streamed
+  as U+FFFD."""
+  pytest.importorskip("tokenizers")
+  from zebra_jax.bpe import BPETokenizer
+  tok = BPETokenizer.build(["hello world, the world is big. wörld é\n" * 50],
+                           300)
+  gen = types.SimpleNamespace(tokenizer=tok)
+  ids = tok.encode_prompt("hello world")
+  assert sample.Generator._continuation(gen, "hello", ids[1:]) == " world"
+  euro = tok.encode_prompt("a€")  # unseen in training: 3 byte tokens
+  partial = sample.Generator._continuation(gen, "x", euro[:-1])
+  assert partial.startswith("a") and partial.endswith("\ufffd")
+  assert sample._stream_safe(partial, "", final=False) == "a"
+  assert sample._stream_safe(partial, "", final=True) == partial
+  assert sample.Generator._continuation(gen, "x", euro) == "a€"

@@ -127,7 +127,13 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
      "/no/such/dir"),
     (["--config.data.batch_size=12"], "does not divide over 8 devices"),
     (["--config.model.hiden_size=64"],
-     "model has no field 'hiden_size'; valid fields: dropout_embed"),
+     "model has no field 'hiden_size'; valid fields: adaptive_chunk_rows"),
+    (["--config.model.head=bogus"],
+     "--config.model.head='bogus' is not one of full, adaptive"),
+    (["--config.model.head=adaptive", "--config.model.adaptive_cutoffs=(60,20)"],
+     "model.adaptive_cutoffs=(60, 20) must be positive and strictly increasing"),
+    (["--config.model.adaptive_div_val=0"],
+     "model.adaptive_div_val=0 must be positive"),
 ])
 def test_bad_config_gives_one_clear_line(tmp_path, override, message):
   out = _cli("--config=configs/demo.py:tiny", f"--workdir={tmp_path}/run",

@@ -1,0 +1,226 @@
+"""ZebraLM with the adaptive softmax head: equal to the full head without
+cutoffs, the chunked loss agrees with the log-probabilities `apply` returns,
+and a wt103.py:tiny run trains, evaluates, samples, scores and exports."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from zebra_jax import evaluate, export, model, sample, score, setup, train
+from zebra_jax import writer
+from zebra_jax.errors import UserError
+from tests.helpers import tiny_word_config, write_wikitext
+
+V, H = 23, 16
+
+
+def _cfg(**overrides) -> ml_collections.ConfigDict:
+  c = dict(vocab_size=V, embed_size=H, hidden_size=H, num_layers=2,
+           num_stripes=2, dropout_embed=0.0, dropout_hidden=0.0,
+           dropout_output=0.0, tie_embeddings=True, dtype="float32",
+           unroll=1, remat=False, head="adaptive", adaptive_cutoffs=(4, 9, 15),
+           adaptive_div_val=2, adaptive_tie=True, adaptive_chunk_rows=8)
+  c.update(overrides)
+  return ml_collections.ConfigDict(c)
+
+
+def _random_params(cfg, seed=0, scale=0.5):
+  """Every parameter random (zero-initialised cluster logits hide bugs)."""
+  graphdef, shapes = model.abstract(cfg)
+  leaves, treedef = jax.tree.flatten(shapes)
+  rng = np.random.default_rng(seed)
+  return graphdef, jax.tree.unflatten(treedef, [
+      jnp.asarray(rng.uniform(-scale, scale, x.shape), jnp.float32)
+      for x in leaves])
+
+
+def _data(cfg, batch=3, time=9, seed=1):
+  rng = np.random.default_rng(seed)
+  ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, time + 1)),
+                    jnp.int32)
+  carry = tuple((jnp.asarray(rng.uniform(-.5, .5, (batch, cfg.hidden_size)),
+                             jnp.float32),) * 2 for _ in range(cfg.num_layers))
+  return ids[:, :-1], ids[:, 1:], carry
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_no_cutoffs_is_the_full_head_with_the_same_weights(tie):
+  full_cfg = _cfg(head="full", tie_embeddings=tie)
+  adaptive_cfg = _cfg(adaptive_cutoffs=(), adaptive_div_val=1,
+                      adaptive_tie=tie)
+  full_graphdef, full = _random_params(full_cfg)
+  adaptive_graphdef, adaptive = _random_params(adaptive_cfg, seed=5)
+  assert all(x.size for x in jax.tree.leaves(adaptive))  # orbax saves no empties
+  lm = nnx.merge(adaptive_graphdef, adaptive)
+  for i, layer in enumerate(lm.layers):  # copy every weight across
+    for name in ("w_x", "w_h", "b"):
+      getattr(layer, name)[...] = full["layers"][i][name][...]
+  head = lm.adaptive_softmax
+  if tie:
+    assert "embed" not in adaptive and "head_w" not in full
+    head.weights.tables[0][...] = full["embed"][...]  # the input too
+  else:
+    lm.embed[...] = full["embed"][...]
+    head.weights.tables[0][...] = full["head_w"][...].T
+  head.biases[0][...] = full["head_b"][...]
+  adaptive_graphdef, adaptive = nnx.split(lm)
+
+  inputs, targets, carry = _data(full_cfg)
+  logits, full_carry = model.apply(full_graphdef, full, inputs, carry)
+  log_probs, carry2 = model.apply(adaptive_graphdef, adaptive, inputs, carry)
+  np.testing.assert_allclose(log_probs, jax.nn.log_softmax(logits, -1),
+                             atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+               full_carry, carry2)
+  want, _ = model.token_sums(full_graphdef, full, inputs, targets, carry)
+  got, _ = model.token_sums(adaptive_graphdef, adaptive, inputs, targets, carry)
+  assert got["loss_sum"] == pytest.approx(float(want["loss_sum"]), rel=1e-5)
+  assert got["correct"] == want["correct"] and got["count"] == want["count"]
+
+
+def test_chunked_loss_agrees_with_the_log_probabilities_of_apply():
+  cfg = _cfg()
+  graphdef, params = _random_params(cfg)
+  assert "adaptive_input" in params and "embed" not in params  # tied
+  inputs, targets, carry = _data(cfg, batch=4, time=7)
+  for start, stop in ((0, 4), (4, 9), (9, 15), (15, V)):  # every cluster
+    assert ((targets >= start) & (targets < stop)).any()
+  log_probs, carry1 = model.apply(graphdef, params, inputs, carry)
+  assert log_probs.shape == (4, 7, V) and log_probs.dtype == jnp.float32
+  np.testing.assert_allclose(jnp.exp(log_probs).sum(-1), 1.0, rtol=1e-5)
+  gathered = jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+
+  sums_fn = jax.jit(model.token_sums, static_argnums=(0, 6))
+  sums, carry2 = sums_fn(graphdef, params, inputs, targets, carry, None, True)
+  assert float(sums["loss_sum"]) == pytest.approx(float(-gathered.sum()),
+                                                  rel=1e-5)
+  assert float(sums["correct"]) == float(
+      (jnp.argmax(log_probs, -1) == targets).sum())
+  assert float(sums["count"]) == targets.size
+  jax.tree.map(np.testing.assert_array_equal, carry1, carry2)
+  cheap, _ = sums_fn(graphdef, params, inputs, targets, carry, None, False)
+  assert "correct" not in cheap and cheap["loss_sum"] == sums["loss_sum"]
+  per_token, _ = model.target_log_probs(graphdef, params, inputs, targets,
+                                        carry)
+  np.testing.assert_allclose(per_token, gathered, atol=1e-5)
+
+
+def test_gradients_of_the_chunked_loss_match_the_dense_log_probabilities():
+  """Through the tied input, the LSTM and every cluster, with dropout."""
+  cfg = _cfg(dropout_embed=0.2, dropout_output=0.3)
+  graphdef, params = _random_params(cfg)
+  inputs, targets, carry = _data(cfg)
+  key = jax.random.key(3)
+
+  def chunked(p):
+    return model.token_sums(graphdef, p, inputs, targets, carry, key,
+                            with_accuracy=False)[0]["loss_sum"]
+
+  def dense(p):
+    log_probs, _ = model.apply(graphdef, p, inputs, carry, key)
+    return -jnp.take_along_axis(log_probs, targets[..., None], -1).sum()
+
+  got, want = jax.jit(jax.grad(chunked))(params), jax.grad(dense)(params)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.all(np.isfinite(g)) and np.abs(w).max() > 0
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_untied_when_widths_differ():
+  cfg = _cfg(embed_size=12)  # adaptive_tie asks, but E != H: a plain table
+  _, params = model.abstract(cfg)
+  assert params["embed"].shape == (V, 12)
+  assert "adaptive_input" not in params
+  assert params["adaptive_softmax"]["weights"]["tables"][0].shape == (4, H)
+
+
+def test_configs_without_a_head_field_mean_the_full_head(tmp_path):
+  """Workdirs from before the adaptive head keep loading as what they were."""
+  cfg = _cfg(head="full")
+  del cfg["head"]
+  assert model.head_kind(cfg) == "full"
+  _, params = model.abstract(cfg)
+  assert "head_b" in params
+  saved = {"model": {k: v for k, v in cfg.items()
+                     if not k.startswith("adaptive_")}}
+  new = ml_collections.ConfigDict({"model": _cfg(head="full").to_dict()})
+  setup._check_same_architecture(saved, new, str(tmp_path))  # same model
+  new.model.head = "adaptive"
+  with pytest.raises(UserError, match="model.head=full"):
+    setup._check_same_architecture(saved, new, str(tmp_path))
+  # Cutoffs come back from JSON as lists; they are the same cutoffs.
+  saved = json.loads(json.dumps(new.to_dict()))
+  setup._check_same_architecture(saved, new, str(tmp_path))
+  new.model.adaptive_cutoffs = (4, 10, 15)
+  with pytest.raises(UserError, match="adaptive_cutoffs"):
+    setup._check_same_architecture(saved, new, str(tmp_path))
+
+
+def test_train_log_without_accuracy(tmp_path):
+  log = writer.MetricWriter(str(tmp_path), tensorboard=False)
+  common = dict(epoch=1, batch=1, batches=2, lr=1e-3, ms_per_batch=1.0,
+                tok_per_s=1.0, loss=1.0, ppl=2.7, grad_norm=1.0)
+  log.train_line(step=1, acc=None, **common)
+  log.train_line(step=2, acc=0.5, **common)
+  log.close()
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert "acc" not in records[0] and records[1]["acc"] == 0.5
+
+
+# ------------------------------------------------ wt103.py:tiny end to end
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("adaptive")
+  cfg = tiny_word_config(write_wikitext(tmp / "wt"))
+  cfg.train.update(num_steps=40, eval_every=20, eval_max_batches=0)
+  workdir = str(tmp / "run")
+  summary = train.run(cfg, workdir)
+  return cfg, workdir, summary
+
+
+def test_tiny_wt103_run_trains_evaluates_and_samples(trained):
+  cfg, workdir, summary = trained
+  saved = json.load(open(f"{workdir}/config.json"))["model"]
+  assert saved["head"] == "adaptive" and saved["adaptive_cutoffs"] == [8, 16]
+  vocab = saved["vocab_size"]
+  assert vocab > 16  # three clusters really exist
+  records = [json.loads(l) for l in open(f"{workdir}/metrics.jsonl")]
+  train_records = [r for r in records if r["kind"] == "train"]
+  assert train_records[-1]["loss"] < train_records[0]["loss"] - 0.25
+  assert not any("acc" in r for r in train_records)  # not computed: not shown
+  valid = [r for r in records if r["kind"] == "valid"]
+  assert valid and 0.0 < valid[-1]["acc"] <= 1.0
+
+  results = evaluate.run(cfg, workdir, splits_to_eval=("valid",))["valid"]
+  assert results["loss"] == pytest.approx(summary["best_valid_loss"], rel=1e-5)
+  assert np.isfinite(results["ppl"]) and results["ppl"] < 0.8 * vocab
+  [res] = score.run(cfg, workdir, texts=["the cat sat on a mat"])
+  assert np.isfinite(res["ppl"])
+
+  cfg.sample.update(prompt="the cat", max_new_tokens=6, temperature=0.0)
+  [text] = sample.run(cfg, workdir)
+  assert text.startswith("the cat ")
+  assert len(re.findall(r"[^ \n]+|\n", text)) == 2 + 6  # <eos> is "\n"
+
+
+def test_export_of_the_adaptive_head_matches_apply(trained):
+  cfg, workdir, _ = trained
+  loaded = setup.load_for_inference(cfg, workdir)
+  prompt, step, flat = export.export_functions(loaded)
+  tokens = np.random.default_rng(0).integers(
+      0, loaded.cfg.model.vocab_size, (2, 5)).astype(np.int32)
+  carry = model.init_carry(loaded.cfg.model, 2)
+  last, carry1 = prompt.call(flat, carry, tokens)
+  want, carry2 = model.apply(loaded.graphdef, loaded.params, tokens, carry)
+  np.testing.assert_allclose(last, want[:, -1], atol=1e-5)
+  np.testing.assert_allclose(np.exp(last).sum(-1), 1.0, rtol=1e-5)
+  out, _ = step.call(flat, carry1, tokens[:, -1])
+  want, _ = model.apply(loaded.graphdef, loaded.params, tokens[:, -1:], carry2)
+  np.testing.assert_allclose(out, want[:, 0], atol=1e-5)
