@@ -42,8 +42,7 @@ def _functions(graphdef, treedef):
 
   def prompt(flat_params, carry, tokens):                     # tokens [b, t]
     params = jax.tree.unflatten(treedef, flat_params)
-    logits, carry = model.apply(graphdef, params, tokens, carry)
-    return logits[:, -1], carry
+    return model.last_logits(graphdef, params, tokens, carry)
 
   def step(flat_params, carry, tokens):                       # tokens [b]
     params = jax.tree.unflatten(treedef, flat_params)

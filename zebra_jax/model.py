@@ -265,6 +265,16 @@ def apply(graphdef, params, tokens, carry, dropout_rng=None):
   return nnx.merge(graphdef, params)(tokens, carry, dropout_rng)
 
 
+def last_logits(graphdef, params, tokens, carry):
+  """(logits of the last position [B, V] float32, new carry), no dropout.
+
+  What consuming a prompt needs: the head runs on one position, not T.
+  """
+  lm = nnx.merge(graphdef, params)
+  hidden, new_carry = lm.features(tokens, carry)
+  return lm.logits(hidden[:, -1:])[:, 0], new_carry
+
+
 def token_sums(graphdef, params, inputs, targets, carry, dropout_rng=None,
                with_accuracy: bool = True):
   """Pure loss pass: ({"loss_sum", "count"[, "correct"]} float32, new carry).

@@ -60,8 +60,7 @@ class Options:
 
 def _consume_prompt(params, tokens, carry, *, graphdef):
   """Runs prompts [B, T] through the model: (last logits [B, V], carry)."""
-  logits, carry = model.apply(graphdef, params, tokens, carry)
-  return logits[:, -1], carry
+  return model.last_logits(graphdef, params, tokens, carry)
 
 
 def _one_token(params, carry, tokens, *, graphdef):
