@@ -91,24 +91,35 @@ def test_chunked_loss_agrees_with_the_log_probabilities_of_apply():
   inputs, targets, carry = _data(cfg, batch=4, time=7)
   for start, stop in ((0, 4), (4, 9), (9, 15), (15, V)):  # every cluster
     assert ((targets >= start) & (targets < stop)).any()
-  log_probs, carry1 = model.apply(graphdef, params, inputs, carry)
+
+  @jax.jit  # one compile for every path
+  def paths(params):
+    out = {}
+    out["log_probs"], out["carry_apply"] = model.apply(graphdef, params,
+                                                       inputs, carry)
+    out["sums"], out["carry_sums"] = model.token_sums(graphdef, params, inputs,
+                                                      targets, carry)
+    out["cheap"], _ = model.token_sums(graphdef, params, inputs, targets,
+                                       carry, with_accuracy=False)
+    out["per_token"], _ = model.target_log_probs(graphdef, params, inputs,
+                                                 targets, carry)
+    return out
+
+  out = paths(params)
+  log_probs, sums = out["log_probs"], out["sums"]
   assert log_probs.shape == (4, 7, V) and log_probs.dtype == jnp.float32
   np.testing.assert_allclose(jnp.exp(log_probs).sum(-1), 1.0, rtol=1e-5)
   gathered = jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
-
-  sums_fn = jax.jit(model.token_sums, static_argnums=(0, 6))
-  sums, carry2 = sums_fn(graphdef, params, inputs, targets, carry, None, True)
   assert float(sums["loss_sum"]) == pytest.approx(float(-gathered.sum()),
                                                   rel=1e-5)
   assert float(sums["correct"]) == float(
       (jnp.argmax(log_probs, -1) == targets).sum())
   assert float(sums["count"]) == targets.size
-  jax.tree.map(np.testing.assert_array_equal, carry1, carry2)
-  cheap, _ = sums_fn(graphdef, params, inputs, targets, carry, None, False)
-  assert "correct" not in cheap and cheap["loss_sum"] == sums["loss_sum"]
-  per_token, _ = model.target_log_probs(graphdef, params, inputs, targets,
-                                        carry)
-  np.testing.assert_allclose(per_token, gathered, atol=1e-5)
+  jax.tree.map(np.testing.assert_array_equal, out["carry_apply"],
+               out["carry_sums"])
+  assert "correct" not in out["cheap"]
+  assert out["cheap"]["loss_sum"] == sums["loss_sum"]
+  np.testing.assert_allclose(out["per_token"], gathered, atol=1e-5)
 
 
 def test_gradients_of_the_chunked_loss_match_the_dense_log_probabilities():
@@ -126,7 +137,8 @@ def test_gradients_of_the_chunked_loss_match_the_dense_log_probabilities():
     log_probs, _ = model.apply(graphdef, p, inputs, carry, key)
     return -jnp.take_along_axis(log_probs, targets[..., None], -1).sum()
 
-  got, want = jax.jit(jax.grad(chunked))(params), jax.grad(dense)(params)
+  got, want = jax.jit(lambda p: (jax.grad(chunked)(p), jax.grad(dense)(p)))(
+      params)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert np.all(np.isfinite(g)) and np.abs(w).max() > 0
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

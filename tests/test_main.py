@@ -91,7 +91,8 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
   data = write_wikitext(tmp_path / "wt")
   workdir = str(tmp_path / "run")
   args = ["--config=configs/wt103.py:tiny", f"--workdir={workdir}",
-          f"--config.data.path={data}", "--config.train.num_steps=100000",
+          f"--config.data.path={data}", "--config.model.head=full",
+          "--config.train.num_steps=100000",
           "--config.checkpoint.every_steps=10", "--config.train.eval_every=1000",
           "--config.train.log_every=10"]
   proc = subprocess.Popen([sys.executable, "-m", "zebra_jax.main", *args],
@@ -176,7 +177,7 @@ def test_workdir_with_other_tokenizer_or_model_is_rejected(tmp_path):
 
 
 def test_prompt_symbols_outside_the_vocabulary(tmp_path, caplog):
-  cfg = tiny_word_config(write_wikitext(tmp_path / "wt"))
+  cfg = tiny_word_config(write_wikitext(tmp_path / "wt"), head="full")
   cfg.train.num_steps = 2
   workdir = str(tmp_path / "run")
   train.run(cfg, workdir)

@@ -19,7 +19,7 @@ from tests.helpers import REPO, tiny_word_config, write_wikitext
 
 
 def _config(data, num_steps=12):
-  cfg = tiny_word_config(data)
+  cfg = tiny_word_config(data, head="full")
   cfg.train.update(num_steps=num_steps, log_every=1, eval_every=1000,
                    report_at_end=False)
   cfg.checkpoint.update(every_steps=1000, keep_latest=3)
@@ -69,7 +69,8 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
   workdir = str(tmp_path / "run")
   args = [sys.executable, "-m", "zebra_jax.main", "--config=configs/wt103.py:tiny",
           f"--workdir={workdir}", f"--config.data.path={data}",
-          "--config.train.log_every=2", "--config.train.eval_every=100000",
+          "--config.model.head=full", "--config.train.log_every=2",
+          "--config.train.eval_every=100000",
           "--config.checkpoint.every_steps=100000",
           "--config.train.report_at_end=false"]
   proc = subprocess.Popen(args + ["--config.train.num_steps=1000000"], cwd=REPO,
