@@ -55,8 +55,8 @@ class MetricWriter:
                  skipped=0) -> None:
     extra = f" | loss scale {loss_scale:.0f}" if loss_scale is not None else ""
     extra += f" | skipped {skipped}" if skipped or loss_scale is not None else ""
-    """acc=None (not computed in training with the adaptive head) leaves it
-    out of the line, metrics.jsonl and TensorBoard."""
+    # acc=None (not computed in training with the adaptive head) leaves it
+    # out of the line, metrics.jsonl and TensorBoard.
     shown = f" | acc {acc:.3f}" if acc is not None else ""
     self.info(f"| epoch {epoch} step {step} | batches {batch}/{batches} "
               f"| lr {lr:.2e} | ms/batch {ms_per_batch:.1f} "
