@@ -34,7 +34,7 @@ kernel latency whatever the GPU count, plus ~2 ms of all-reduce:
   1      30-80     0.2-0.55M     3-9                           0.8-2.3 h
   8      15-47     0.35-1.1M     1.5-5                         0.4-1.3 h
 
-With 8 GPUs the recurrence dominates; measure with `python -m zebra_jax.bench
+With 8 GPUs the recurrence dominates; measure with `python -m zebra_jax.tools.bench
 --shape=gpu` and the `tok/s` of the first log lines before trusting these.
 
 TARGET test perplexity: 36-48, the band recurrent models of this class reach

@@ -11,5 +11,5 @@ minutes=${2:-1.5}
 seeds=${3:-0,1,2}
 shift $(( $# < 3 ? $# : 3 ))
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
-exec python3 -m zebra_jax.experiments --out="$out" --budget_minutes="$minutes" \
+exec python3 -m zebra_jax.tools.experiments --out="$out" --budget_minutes="$minutes" \
     --seeds="$seeds" --stripes=1,2,4,8 "$@"

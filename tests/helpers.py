@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 from configs import demo, wt103
-from zebra_jax import train
+from zebra_jax.training import loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the cat sat on a mat while the dog ran to the park and the bird sang "
@@ -47,5 +47,5 @@ def trained_char_run(tmp_path_factory):
     (base / "story.txt").write_text("".join(
         f"line {i}: the quick brown fox jumps over the lazy dog.\n"
         for i in range(300)))
-    train.run(cfg, workdir)
+    loop.run(cfg, workdir)
   return cfg, workdir

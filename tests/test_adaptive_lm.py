@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from zebra_jax import evaluate, export, model, sample, score, setup, train
-from zebra_jax import writer
 from zebra_jax.errors import UserError
+from zebra_jax.inference import export, loading, sample, score
+from zebra_jax.model import lm
+from zebra_jax.runtime import rundir, writer
+from zebra_jax.training import evaluate, loop
 from tests.helpers import tiny_word_config, write_wikitext
 
 V, H = 23, 16
@@ -32,7 +34,7 @@ def _cfg(**overrides) -> ml_collections.ConfigDict:
 
 def _random_params(cfg, seed=0, scale=0.5):
   """Every parameter random (zero-initialised cluster logits hide bugs)."""
-  graphdef, shapes = model.abstract(cfg)
+  graphdef, shapes = lm.abstract(cfg)
   leaves, treedef = jax.tree.flatten(shapes)
   rng = np.random.default_rng(seed)
   return graphdef, jax.tree.unflatten(treedef, [
@@ -72,14 +74,14 @@ def test_no_cutoffs_is_the_full_head_with_the_same_weights(tie):
   adaptive_graphdef, adaptive = nnx.split(lm)
 
   inputs, targets, carry = _data(full_cfg)
-  logits, full_carry = model.apply(full_graphdef, full, inputs, carry)
-  log_probs, carry2 = model.apply(adaptive_graphdef, adaptive, inputs, carry)
+  logits, full_carry = lm.apply(full_graphdef, full, inputs, carry)
+  log_probs, carry2 = lm.apply(adaptive_graphdef, adaptive, inputs, carry)
   np.testing.assert_allclose(log_probs, jax.nn.log_softmax(logits, -1),
                              atol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                full_carry, carry2)
-  want, _ = model.token_sums(full_graphdef, full, inputs, targets, carry)
-  got, _ = model.token_sums(adaptive_graphdef, adaptive, inputs, targets, carry)
+  want, _ = lm.token_sums(full_graphdef, full, inputs, targets, carry)
+  got, _ = lm.token_sums(adaptive_graphdef, adaptive, inputs, targets, carry)
   assert got["loss_sum"] == pytest.approx(float(want["loss_sum"]), rel=1e-5)
   assert got["correct"] == want["correct"] and got["count"] == want["count"]
 
@@ -95,13 +97,13 @@ def test_chunked_loss_agrees_with_the_log_probabilities_of_apply():
   @jax.jit  # one compile for every path
   def paths(params):
     out = {}
-    out["log_probs"], out["carry_apply"] = model.apply(graphdef, params,
+    out["log_probs"], out["carry_apply"] = lm.apply(graphdef, params,
                                                        inputs, carry)
-    out["sums"], out["carry_sums"] = model.token_sums(graphdef, params, inputs,
+    out["sums"], out["carry_sums"] = lm.token_sums(graphdef, params, inputs,
                                                       targets, carry)
-    out["cheap"], _ = model.token_sums(graphdef, params, inputs, targets,
+    out["cheap"], _ = lm.token_sums(graphdef, params, inputs, targets,
                                        carry, with_accuracy=False)
-    out["per_token"], _ = model.target_log_probs(graphdef, params, inputs,
+    out["per_token"], _ = lm.target_log_probs(graphdef, params, inputs,
                                                  targets, carry)
     return out
 
@@ -130,11 +132,11 @@ def test_gradients_of_the_chunked_loss_match_the_dense_log_probabilities():
   key = jax.random.key(3)
 
   def chunked(p):
-    return model.token_sums(graphdef, p, inputs, targets, carry, key,
+    return lm.token_sums(graphdef, p, inputs, targets, carry, key,
                             with_accuracy=False)[0]["loss_sum"]
 
   def dense(p):
-    log_probs, _ = model.apply(graphdef, p, inputs, carry, key)
+    log_probs, _ = lm.apply(graphdef, p, inputs, carry, key)
     return -jnp.take_along_axis(log_probs, targets[..., None], -1).sum()
 
   got, want = jax.jit(lambda p: (jax.grad(chunked)(p), jax.grad(dense)(p)))(
@@ -146,7 +148,7 @@ def test_gradients_of_the_chunked_loss_match_the_dense_log_probabilities():
 
 def test_untied_when_widths_differ():
   cfg = _cfg(embed_size=12)  # adaptive_tie asks, but E != H: a plain table
-  _, params = model.abstract(cfg)
+  _, params = lm.abstract(cfg)
   assert params["embed"].shape == (V, 12)
   assert "adaptive_input" not in params
   assert params["adaptive_softmax"]["weights"]["tables"][0].shape == (4, H)
@@ -156,22 +158,22 @@ def test_configs_without_a_head_field_mean_the_full_head(tmp_path):
   """Workdirs from before the adaptive head keep loading as what they were."""
   cfg = _cfg(head="full")
   del cfg["head"]
-  assert model.head_kind(cfg) == "full"
-  _, params = model.abstract(cfg)
+  assert lm.head_kind(cfg) == "full"
+  _, params = lm.abstract(cfg)
   assert "head_b" in params
   saved = {"model": {k: v for k, v in cfg.items()
                      if not k.startswith("adaptive_")}}
   new = ml_collections.ConfigDict({"model": _cfg(head="full").to_dict()})
-  setup._check_same_architecture(saved, new, str(tmp_path))  # same model
+  rundir._check_same_architecture(saved, new, str(tmp_path))  # same model
   new.model.head = "adaptive"
   with pytest.raises(UserError, match="model.head=full"):
-    setup._check_same_architecture(saved, new, str(tmp_path))
+    rundir._check_same_architecture(saved, new, str(tmp_path))
   # Cutoffs come back from JSON as lists; they are the same cutoffs.
   saved = json.loads(json.dumps(new.to_dict()))
-  setup._check_same_architecture(saved, new, str(tmp_path))
+  rundir._check_same_architecture(saved, new, str(tmp_path))
   new.model.adaptive_cutoffs = (4, 10, 15)
   with pytest.raises(UserError, match="adaptive_cutoffs"):
-    setup._check_same_architecture(saved, new, str(tmp_path))
+    rundir._check_same_architecture(saved, new, str(tmp_path))
 
 
 def test_train_log_without_accuracy(tmp_path):
@@ -193,7 +195,7 @@ def trained(tmp_path_factory):
   cfg = tiny_word_config(write_wikitext(tmp / "wt"))
   cfg.train.update(num_steps=40, eval_every=20, eval_max_batches=0)
   workdir = str(tmp / "run")
-  summary = train.run(cfg, workdir)
+  summary = loop.run(cfg, workdir)
   return cfg, workdir, summary
 
 
@@ -224,15 +226,15 @@ def test_tiny_wt103_run_trains_evaluates_and_samples(trained):
 
 def test_export_of_the_adaptive_head_matches_apply(trained):
   cfg, workdir, _ = trained
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   prompt, step, flat = export.export_functions(loaded)
   tokens = np.random.default_rng(0).integers(
       0, loaded.cfg.model.vocab_size, (2, 5)).astype(np.int32)
-  carry = model.init_carry(loaded.cfg.model, 2)
+  carry = lm.init_carry(loaded.cfg.model, 2)
   last, carry1 = prompt.call(flat, carry, tokens)
-  want, carry2 = model.apply(loaded.graphdef, loaded.params, tokens, carry)
+  want, carry2 = lm.apply(loaded.graphdef, loaded.params, tokens, carry)
   np.testing.assert_allclose(last, want[:, -1], atol=1e-5)
   np.testing.assert_allclose(np.exp(last).sum(-1), 1.0, rtol=1e-5)
   out, _ = step.call(flat, carry1, tokens[:, -1])
-  want, _ = model.apply(loaded.graphdef, loaded.params, tokens[:, -1:], carry2)
+  want, _ = lm.apply(loaded.graphdef, loaded.params, tokens[:, -1:], carry2)
   np.testing.assert_allclose(out, want[:, 0], atol=1e-5)

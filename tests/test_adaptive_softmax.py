@@ -8,8 +8,8 @@ import optax
 import pytest
 from flax import nnx
 
-from zebra_jax import adaptive_softmax as asm
 from zebra_jax.errors import UserError
+from zebra_jax.model import adaptive_softmax as asm
 
 V, D = 50, 16
 CUTOFFS = (10, 20, 35)  # clusters: 10 shortlist + 3 tails of 10, 15, 15

@@ -1,4 +1,4 @@
-"""Smoke test of `python -m zebra_jax.bench --quick`: rows exist, numbers are
+"""Smoke test of `python -m zebra_jax.tools.bench --quick`: rows exist, numbers are
 positive. No timing assertions: CI machines are shared and noisy.
 
 It runs in a fresh process (memory rows read process peaks, and the flag below
@@ -19,7 +19,7 @@ def test_quick_bench_writes_every_row(tmp_path):
   path = tmp_path / "bench.json"
   env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
   out = subprocess.run(
-      [sys.executable, "-m", "zebra_jax.bench", "--quick", f"--json={path}"],
+      [sys.executable, "-m", "zebra_jax.tools.bench", "--quick", f"--json={path}"],
       capture_output=True, text=True, env=env, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "tok/s" in out.stdout  # the table was printed

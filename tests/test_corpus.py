@@ -5,7 +5,7 @@ import os
 import ml_collections
 import pytest
 
-from zebra_jax import corpus
+from zebra_jax.data import corpus
 from zebra_jax.errors import UserError
 
 

@@ -7,8 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from zebra_jax import corpus
-from zebra_jax import data
+from zebra_jax.data import corpus, pipeline
 from zebra_jax.errors import UserError
 
 
@@ -30,7 +29,7 @@ def text_file(tmp_path):
 
 def test_prepare_data_writes_and_reuses_cache(tmp_path, text_file, monkeypatch):
   config, workdir = make_config(text_file), str(tmp_path / "run")
-  tok, ids = data.prepare_data(config, workdir)
+  tok, ids = pipeline.prepare_data(config, workdir)
   # 10 lines: train = 6, valid = 2, test = 2; each line is 4 words + <eos>.
   assert {k: len(v) for k, v in ids.items()} == {"train": 30, "valid": 10,
                                                  "test": 10}
@@ -45,7 +44,7 @@ def test_prepare_data_writes_and_reuses_cache(tmp_path, text_file, monkeypatch):
     raise AssertionError("the corpus was read although the cache matched")
 
   monkeypatch.setattr(corpus, "load_splits", no_reading)
-  tok2, ids2 = data.prepare_data(config, workdir)
+  tok2, ids2 = pipeline.prepare_data(config, workdir)
   assert tok2 == tok
   assert isinstance(ids2["train"], np.memmap)
   for name in corpus.SPLITS:
@@ -55,9 +54,9 @@ def test_prepare_data_writes_and_reuses_cache(tmp_path, text_file, monkeypatch):
 def test_changed_source_is_reencoded_with_the_saved_tokenizer(tmp_path,
                                                               text_file):
   config, workdir = make_config(text_file), str(tmp_path / "run")
-  tok, _ = data.prepare_data(config, workdir)
+  tok, _ = pipeline.prepare_data(config, workdir)
   text_file.write_text("the dog sat\n" * 10, encoding="utf-8")
-  tok2, ids = data.prepare_data(config, workdir)
+  tok2, ids = pipeline.prepare_data(config, workdir)
   assert tok2 == tok  # the vocab is the run's, so "dog" is unknown now
   assert ids["train"][:4].tolist() == [tok.token_to_id["the"], tok.unk_id,
                                        tok.token_to_id["sat"], tok.eos_id]
@@ -65,27 +64,27 @@ def test_changed_source_is_reencoded_with_the_saved_tokenizer(tmp_path,
 
 def test_tokenizer_mismatch_is_a_user_error(tmp_path, text_file):
   workdir = str(tmp_path / "run")
-  data.prepare_data(make_config(text_file), workdir)
+  pipeline.prepare_data(make_config(text_file), workdir)
   with pytest.raises(UserError,
                      match="made with tokenizer=word.*new --workdir"):
-    data.prepare_data(make_config(text_file, tokenizer="char"), workdir)
+    pipeline.prepare_data(make_config(text_file, tokenizer="char"), workdir)
   with pytest.raises(UserError, match="min_freq=1.*min_freq=2"):
-    data.prepare_data(make_config(text_file, min_freq=2), workdir)
+    pipeline.prepare_data(make_config(text_file, min_freq=2), workdir)
 
 
 def test_load_eval_data_needs_a_trained_workdir(tmp_path, text_file):
   config, workdir = make_config(text_file), str(tmp_path / "run")
   with pytest.raises(UserError, match="has no tokenizer.*train first"):
-    data.load_eval_data(config, workdir)
-  tok, ids = data.prepare_data(config, workdir)
-  tok2, ids2 = data.load_eval_data(config, workdir)
+    pipeline.load_eval_data(config, workdir)
+  tok, ids = pipeline.prepare_data(config, workdir)
+  tok2, ids2 = pipeline.load_eval_data(config, workdir)
   assert tok2 == tok
   np.testing.assert_array_equal(ids2["test"], ids["test"])
 
 
 def test_stream_batcher_matches_reshape():
   ids = np.arange(27, dtype=np.int32)  # 3 rows of 9, nothing trimmed
-  batcher = data.StreamBatcher(ids, batch_size=3, seq_len=2)
+  batcher = pipeline.StreamBatcher(ids, batch_size=3, seq_len=2)
   rows = ids.reshape(3, 9)
   assert batcher.batches_per_epoch == 4  # (9 - 1) // 2
   for i in range(4):
@@ -99,7 +98,7 @@ def test_stream_batcher_matches_reshape():
 
 def test_stream_batcher_rows_continue_and_tail_is_trimmed():
   ids = np.arange(100, dtype=np.int32)
-  batcher = data.StreamBatcher(ids, batch_size=4, seq_len=5)  # rows of 25
+  batcher = pipeline.StreamBatcher(ids, batch_size=4, seq_len=5)  # rows of 25
   assert batcher.batches_per_epoch == 4  # (25 - 1) // 5
   first, _ = batcher.get(0)
   np.testing.assert_array_equal(first[:, 0], [0, 25, 50, 75])
@@ -110,33 +109,33 @@ def test_stream_batcher_rows_continue_and_tail_is_trimmed():
     np.testing.assert_array_equal(targets, inputs + 1)
   ids = np.arange(103, dtype=np.int32)  # 3 extra tokens: dropped
   np.testing.assert_array_equal(
-      data.StreamBatcher(ids, 4, 5).get(3)[0], batcher.get(3)[0])
+      pipeline.StreamBatcher(ids, 4, 5).get(3)[0], batcher.get(3)[0])
 
 
 def test_stream_batcher_process_slices():
   ids = np.arange(8 * 11, dtype=np.int32)
-  full_inputs, full_targets = data.StreamBatcher(ids, 8, 5).get(1)
+  full_inputs, full_targets = pipeline.StreamBatcher(ids, 8, 5).get(1)
   for p in range(4):
-    local = data.StreamBatcher(ids, 8, 5, process_index=p, process_count=4)
+    local = pipeline.StreamBatcher(ids, 8, 5, process_index=p, process_count=4)
     assert local.local_batch_size == 2
     inputs, targets = local.get(1)
     np.testing.assert_array_equal(inputs, full_inputs[2 * p:2 * p + 2])
     np.testing.assert_array_equal(targets, full_targets[2 * p:2 * p + 2])
   with pytest.raises(UserError, match="multiple of the process count 3"):
-    data.StreamBatcher(ids, 8, 5, process_index=0, process_count=3)
+    pipeline.StreamBatcher(ids, 8, 5, process_index=0, process_count=3)
 
 
 def test_too_short_split_is_a_user_error():
   with pytest.raises(UserError, match="50 tokens.*batch_size=10.*seq_len=5"):
-    data.StreamBatcher(np.arange(50, dtype=np.int32), 10, 5)  # rows of 5 < 6
+    pipeline.StreamBatcher(np.arange(50, dtype=np.int32), 10, 5)  # rows of 5 < 6
   with pytest.raises(UserError, match="5 tokens.*seq_len=5"):
-    data.RandomWindowBatcher(np.arange(5, dtype=np.int32), 2, 5, seed=0)
+    pipeline.RandomWindowBatcher(np.arange(5, dtype=np.int32), 2, 5, seed=0)
 
 
 def test_random_batcher_is_deterministic_per_seed_and_index():
   ids = np.arange(1000, dtype=np.int32)
-  a = data.RandomWindowBatcher(ids, batch_size=4, seq_len=8, seed=1)
-  b = data.RandomWindowBatcher(ids, batch_size=4, seq_len=8, seed=1)
+  a = pipeline.RandomWindowBatcher(ids, batch_size=4, seq_len=8, seed=1)
+  b = pipeline.RandomWindowBatcher(ids, batch_size=4, seq_len=8, seed=1)
   assert a.batches_per_epoch == 1000 // 32
   inputs, targets = a.get(5)
   assert inputs.shape == (4, 8) and inputs.dtype == np.int32
@@ -149,9 +148,9 @@ def test_random_batcher_is_deterministic_per_seed_and_index():
   np.testing.assert_array_equal(b.get(5)[0], inputs)
   assert not np.array_equal(a.get(6)[0], inputs)
   assert not np.array_equal(a.get(5, epoch=1)[0], inputs)
-  other_seed = data.RandomWindowBatcher(ids, 4, 8, seed=2)
+  other_seed = pipeline.RandomWindowBatcher(ids, 4, 8, seed=2)
   assert not np.array_equal(other_seed.get(5)[0], inputs)
-  local = data.RandomWindowBatcher(ids, 4, 8, seed=1, process_index=1,
+  local = pipeline.RandomWindowBatcher(ids, 4, 8, seed=1, process_index=1,
                                    process_count=2)
   np.testing.assert_array_equal(local.get(5)[0], inputs[2:])
 
@@ -159,21 +158,21 @@ def test_random_batcher_is_deterministic_per_seed_and_index():
 def test_make_batcher_and_position():
   config = make_config("", batching="random", batch_size=2, seq_len=3).data
   ids = np.arange(40, dtype=np.int32)
-  assert isinstance(data.make_batcher(config, ids, seed=0),
-                    data.RandomWindowBatcher)
+  assert isinstance(pipeline.make_batcher(config, ids, seed=0),
+                    pipeline.RandomWindowBatcher)
   config.batching = "streams"
-  assert isinstance(data.make_batcher(config, ids, seed=0), data.StreamBatcher)
+  assert isinstance(pipeline.make_batcher(config, ids, seed=0), pipeline.StreamBatcher)
   config.batching = "shuffle"
   with pytest.raises(UserError, match="data.batching 'shuffle' is unknown"):
-    data.make_batcher(config, ids, seed=0)
+    pipeline.make_batcher(config, ids, seed=0)
 
-  position = data.DataPosition()
+  position = pipeline.DataPosition()
   seen = []
   for _ in range(5):
     seen.append((position.epoch, position.index))
     position = position.advance(batches_per_epoch=2)
   assert seen == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
-  assert data.DataPosition.from_dict(position.to_dict()) == position
+  assert pipeline.DataPosition.from_dict(position.to_dict()) == position
   assert json.loads(json.dumps(position.to_dict())) == {"epoch": 2, "index": 1}
 
 
@@ -208,7 +207,7 @@ def test_big_corpus_caches_once_and_is_reused(tmp_path, monkeypatch):
   config = make_config(tmp_path / "wt", source="wikitext")
   workdir = str(tmp_path / "run")
   monkeypatch.setattr(corpus, "CHUNK_BYTES", 1 << 22)  # ~10 pieces
-  tok, ids = data.prepare_data(config, workdir)
+  tok, ids = pipeline.prepare_data(config, workdir)
   assert isinstance(ids["train"], np.memmap)
   # 20 words + <eos> per line.
   assert len(ids["train"]) == BIG_TOKENS // 20 * 21
@@ -222,7 +221,7 @@ def test_big_corpus_caches_once_and_is_reused(tmp_path, monkeypatch):
     raise AssertionError("the corpus was read although the cache matched")
 
   monkeypatch.setattr(corpus, "open_splits", no_reading)
-  tok2, ids2 = data.prepare_data(config, workdir)
+  tok2, ids2 = pipeline.prepare_data(config, workdir)
   assert tok2 == tok
   np.testing.assert_array_equal(ids2["train"][-1000:], ids["train"][-1000:])
 
@@ -236,7 +235,7 @@ def test_streamed_npy_header_is_patched(tmp_path):
 
   arrays = [np.arange(5, dtype=np.int32), np.arange(0, dtype=np.int32),
             np.arange(7, dtype=np.int64)]
-  assert data._stream_npy(path, arrays, NoProgress()) == 12
+  assert pipeline._stream_npy(path, arrays, NoProgress()) == 12
   loaded = np.load(path, mmap_mode="r")
   assert loaded.dtype == np.int32
   assert loaded.tolist() == list(range(5)) + list(range(7))
@@ -246,13 +245,13 @@ def test_bpe_prepare_data_and_settings_check(tmp_path, text_file):
   pytest.importorskip("tokenizers")
   config = make_config(text_file, tokenizer="bpe", bpe_vocab_size=280)
   workdir = str(tmp_path / "run")
-  tok, ids = data.prepare_data(config, workdir)
+  tok, ids = pipeline.prepare_data(config, workdir)
   assert tok.kind == "bpe"
   assert tok.decode(ids["valid"]) == "the cat 0 sat\nthe cat 1 sat\n"
-  assert data.prepare_data(config, workdir)[0] == tok
+  assert pipeline.prepare_data(config, workdir)[0] == tok
   config.data.bpe_vocab_size = 400
   with pytest.raises(UserError, match="bpe_vocab_size=280.*bpe_vocab_size=400"):
-    data.prepare_data(config, workdir)
+    pipeline.prepare_data(config, workdir)
 
 
 def test_file_split_pieces_cut_after_newlines(tmp_path, monkeypatch):
@@ -271,7 +270,7 @@ def test_file_split_pieces_cut_after_newlines(tmp_path, monkeypatch):
 
 
 def test_data_bench_quick_smoke(capsys):
-  from zebra_jax import data_bench  # pylint: disable=g-import-not-at-top
+  from zebra_jax.tools import data_bench  # pylint: disable=g-import-not-at-top
   results = data_bench.run(num_tokens=200_000, batch_size=16, seq_len=32,
                            num_batches=20, vocab_size=1000,
                            step_tokens_per_s=1000.0)

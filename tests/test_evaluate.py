@@ -9,8 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from zebra_jax import evaluate, metrics, model, setup
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading
+from zebra_jax.model import lm, metrics
+from zebra_jax.training import evaluate
 from tests.helpers import trained_char_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,15 +44,15 @@ def test_eval_on_8_devices_equals_1_device(trained):
 def test_perplexity_is_exp_of_summed_loss_over_tokens(trained):
   """Windows of 7, 7 and 6 tokens: exp(sum / count), not a mean of windows."""
   cfg, workdir = trained
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   ids = np.asarray(loaded.splits["valid"][:8 * 21 + 3])  # 3 left over
   evaluator = evaluate.Evaluator(loaded.graphdef, one_device_mesh(),
                                  loaded.cfg.model, batch_size=8, seq_len=7)
   res = evaluator.run(loaded.params, ids)
   # By hand: one pass over each row, numpy log-softmax, one mean.
   rows = ids[:8 * 21].reshape(8, 21)
-  logits, _ = model.apply(loaded.graphdef, loaded.params, rows[:, :-1],
-                          model.init_carry(loaded.cfg.model, 8))
+  logits, _ = lm.apply(loaded.graphdef, loaded.params, rows[:, :-1],
+                          lm.init_carry(loaded.cfg.model, 8))
   logits = np.asarray(logits, np.float64)
   logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + \
       logits.max(-1)

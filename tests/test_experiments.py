@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from configs import demo
-from zebra_jax import experiments, experiments_report
+from zebra_jax.tools import experiments, experiments_report
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _VOCAB = 112  # the embedded corpus' character vocabulary
@@ -64,7 +64,7 @@ def _compare_cli(out):
   """
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   subprocess.run(
-      [sys.executable, "-m", "zebra_jax.experiments",
+      [sys.executable, "-m", "zebra_jax.tools.experiments",
        "--config=configs/demo.py:tiny", f"--out={out}", "--budget_minutes=0.02",
        "--seeds=0", "--stripes=1,2", "--no_classic", "--eval_points=2",
        "--curve_eval_batches=2"],

@@ -10,7 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from zebra_jax import export, model, sample, setup
+from zebra_jax.inference import export, loading, sample
+from zebra_jax.model import lm
 from tests.helpers import trained_char_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +41,7 @@ np.savez(out, last=np.asarray(last), logits=np.asarray(logits),
 def exported(tmp_path_factory):
   cfg, workdir = trained_char_run(tmp_path_factory)
   export_dir = export.run(cfg, workdir, str(tmp_path_factory.mktemp("export")))
-  return cfg, workdir, export_dir, setup.load_for_inference(cfg, workdir)
+  return cfg, workdir, export_dir, loading.load_for_inference(cfg, workdir)
 
 
 def test_artifact_in_a_fresh_process_gives_the_same_logits(exported, tmp_path):
@@ -56,10 +57,10 @@ def test_artifact_in_a_fresh_process_gives_the_same_logits(exported, tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
   assert run.returncode == 0, run.stderr
   got = np.load(f"{out}.npz")
-  carry = model.init_carry(loaded.cfg.model, 3)
-  logits, carry = model.apply(loaded.graphdef, loaded.params, tokens, carry)
+  carry = lm.init_carry(loaded.cfg.model, 3)
+  logits, carry = lm.apply(loaded.graphdef, loaded.params, tokens, carry)
   np.testing.assert_allclose(got["last"], logits[:, -1], atol=1e-5)
-  step_logits, carry = model.apply(loaded.graphdef, loaded.params,
+  step_logits, carry = lm.apply(loaded.graphdef, loaded.params,
                                    tokens[:, -1:], carry)
   np.testing.assert_allclose(got["logits"], step_logits[:, 0], atol=1e-5)
   np.testing.assert_allclose(got["h"], carry[-1][0], atol=1e-5)

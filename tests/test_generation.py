@@ -10,8 +10,9 @@ import types
 import numpy as np
 import pytest
 
-from zebra_jax import infer_bench, sample, setup
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading, sample
+from zebra_jax.tools import infer_bench
 from tests.helpers import trained_char_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +22,7 @@ PROMPTS = ["the ", "line 12: the quick", "x"]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   cfg, workdir = trained_char_run(tmp_path_factory)
-  return cfg, workdir, sample.Generator(setup.load_for_inference(cfg, workdir))
+  return cfg, workdir, sample.Generator(loading.load_for_inference(cfg, workdir))
 
 
 def test_batched_prompts_of_different_lengths_match_each_alone(trained):
@@ -152,7 +153,7 @@ def test_bpe_continuations_keep_their_own_spaces_and_whole_characters():
   a second space; a character whose bytes span two chunks is never streamed
   as U+FFFD."""
   pytest.importorskip("tokenizers")
-  from zebra_jax.bpe import BPETokenizer
+  from zebra_jax.data.bpe import BPETokenizer
   tok = BPETokenizer.build(["hello world, the world is big. wörld é\n" * 50],
                            300)
   gen = types.SimpleNamespace(tokenizer=tok)

@@ -10,8 +10,7 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from zebra_jax import corpus  # pylint: disable=g-import-not-at-top
-from zebra_jax import data
+from zebra_jax.data import corpus, pipeline  # pylint: disable=g-import-not-at-top
 from zebra_jax.errors import UserError
 
 # WikiText rows: non-empty lines keep their "\n", blank lines are "".
@@ -75,8 +74,8 @@ def test_matches_the_wikitext_folder_token_for_token(tmp_path):
   wt = ml_collections.ConfigDict(dict(data=dict(
       hf_config(folder, source="wikitext"))))
   hf = ml_collections.ConfigDict(dict(data=dict(hf_config(path))))
-  tok_a, ids_a = data.prepare_data(wt, str(tmp_path / "run_a"))
-  tok_b, ids_b = data.prepare_data(hf, str(tmp_path / "run_b"))
+  tok_a, ids_a = pipeline.prepare_data(wt, str(tmp_path / "run_a"))
+  tok_b, ids_b = pipeline.prepare_data(hf, str(tmp_path / "run_b"))
   assert tok_a == tok_b
   for name in corpus.SPLITS:
     np.testing.assert_array_equal(ids_a[name], ids_b[name])

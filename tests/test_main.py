@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from configs import demo
-from zebra_jax import evaluate, sample, setup, train
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading, sample
+from zebra_jax.training import evaluate, loop
 from tests.helpers import REPO, tiny_word_config, write_wikitext
 
 def _cli(*args, timeout=300):
@@ -28,7 +29,7 @@ def test_train_eval_sample_in_process(tmp_path):
   cfg = tiny_word_config(write_wikitext(tmp_path / "wt"))
   cfg.train.num_steps, cfg.train.eval_every = 80, 40
   workdir = str(tmp_path / "run")
-  summary = train.run(cfg, workdir)
+  summary = loop.run(cfg, workdir)
   assert summary["steps"] == 80
   records = [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")]
   train_losses = [r["loss"] for r in records if r["kind"] == "train"]
@@ -56,11 +57,11 @@ def test_eval_uses_best_checkpoint_and_matches_training_eval(tmp_path):
   cfg.train.eval_max_batches = 0  # score the whole split, as eval mode does
   cfg.eval.batch_size = 8
   workdir = str(tmp_path / "run")
-  train.run(cfg, workdir)
+  loop.run(cfg, workdir)
   records = [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")]
   valid = {r["step"]: r["loss"] for r in records if r["kind"] == "valid"}
   best_step = min(valid, key=valid.get)
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   assert loaded.step == best_step
   again = evaluate.run(cfg, workdir, splits_to_eval=("valid",))["valid"]
   assert again["loss"] == pytest.approx(valid[best_step], rel=1e-5)
@@ -151,7 +152,7 @@ def test_empty_corpus_and_eval_without_checkpoint(tmp_path):
   with pytest.raises(UserError, match="empty"):
     cfg = demo.get_config("tiny")
     cfg.data.source, cfg.data.path = "text", str(empty)
-    train.run(cfg, str(tmp_path / "a"))
+    loop.run(cfg, str(tmp_path / "a"))
   with pytest.raises(UserError, match="train first"):
     evaluate.run(demo.get_config("tiny"), str(tmp_path / "nothing"))
   os.makedirs(tmp_path / "b")
@@ -165,22 +166,22 @@ def test_workdir_with_other_tokenizer_or_model_is_rejected(tmp_path):
   cfg = tiny_word_config(write_wikitext(tmp_path / "wt"))
   cfg.train.num_steps = 2
   workdir = str(tmp_path / "run")
-  train.run(cfg, workdir)
+  loop.run(cfg, workdir)
   other = tiny_word_config(tmp_path / "wt")
   other.data.tokenizer = "char"
   with pytest.raises(UserError, match="tokenizer"):
-    train.run(other, workdir)
+    loop.run(other, workdir)
   bigger = tiny_word_config(tmp_path / "wt")
   bigger.model.hidden_size = 64
   with pytest.raises(UserError, match="model.hidden_size=32"):
-    train.run(bigger, workdir)
+    loop.run(bigger, workdir)
 
 
 def test_prompt_symbols_outside_the_vocabulary(tmp_path, caplog):
   cfg = tiny_word_config(write_wikitext(tmp_path / "wt"), head="full")
   cfg.train.num_steps = 2
   workdir = str(tmp_path / "run")
-  train.run(cfg, workdir)
+  loop.run(cfg, workdir)
   cfg.sample.update(prompt="the zebra", max_new_tokens=3)
   texts = sample.run(cfg, workdir)  # word level: <unk> and a warning
   assert texts[0].startswith("the zebra")
@@ -189,7 +190,7 @@ def test_prompt_symbols_outside_the_vocabulary(tmp_path, caplog):
   char_cfg = demo.get_config("tiny")
   char_dir = str(tmp_path / "char")
   char_cfg.train.num_steps = 2
-  train.run(char_cfg, char_dir)
+  loop.run(char_cfg, char_dir)
   char_cfg.sample.prompt = "zebra \u2603"
   with pytest.raises(UserError, match="\u2603"):
     sample.run(char_cfg, char_dir)

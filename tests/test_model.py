@@ -14,7 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
-from zebra_jax import model
+from zebra_jax.model import lm
 
 
 def _cfg(**overrides) -> ml_collections.ConfigDict:
@@ -29,11 +29,11 @@ def _cfg(**overrides) -> ml_collections.ConfigDict:
 def _random_model(cfg, seed, scale=0.5):
   """(graphdef, params) with every parameter drawn uniformly, biases too.
 
-  Built from `model.abstract`, so no initializer runs (eager init compiles
+  Built from `lm.abstract`, so no initializer runs (eager init compiles
   every op per shape, which would dominate this file's run time); the
   initializers have their own tests below.
   """
-  graphdef, shapes = model.abstract(cfg)
+  graphdef, shapes = lm.abstract(cfg)
   leaves, treedef = jax.tree.flatten(shapes)
   rng = np.random.default_rng(seed)
   new = [jnp.asarray(rng.uniform(-scale, scale, x.shape), jnp.float32)
@@ -122,13 +122,13 @@ def _numpy_loss(p, tokens, targets, carry):
 
 
 def _jax_loss(graphdef, params, tokens, targets, carry):
-  logits, _ = model.apply(graphdef, params, tokens, carry)
+  logits, _ = lm.apply(graphdef, params, tokens, carry)
   return optax.softmax_cross_entropy_with_integer_labels(
       logits, targets).mean()
 
 
 # Jitted once per shape: eager op-by-op dispatch would dominate the run time.
-_apply = jax.jit(model.apply, static_argnums=0)
+_apply = jax.jit(lm.apply, static_argnums=0)
 _loss_and_grad = jax.jit(jax.value_and_grad(_jax_loss, argnums=1),
                          static_argnums=0)
 
@@ -209,7 +209,7 @@ def test_stripes_evolve_independently():
   """Stripe 0's initial state never reaches stripe 1 inside a layer."""
   s, g, n_in = 4, 4, 16
   layer_def, layer_state = nnx.split(
-      model.ZebraLSTMLayer(n_in, s * g, s, rngs=nnx.Rngs(0)))
+      lm.ZebraLSTMLayer(n_in, s * g, s, rngs=nnx.Rngs(0)))
   layer = jax.jit(lambda x, hc: nnx.merge(layer_def, layer_state)(x, hc))
   rng = np.random.default_rng(10)
   x = jnp.asarray(rng.normal(size=(2, 6, n_in)), jnp.float32)
@@ -255,7 +255,7 @@ def test_unroll_and_remat_do_not_change_results():
   tokens, carry = _tokens(cfg, 2, 7, seed=15), _random_carry(cfg, 2, seed=16)
   targets = jnp.roll(tokens, -1, axis=1)
   want = _loss_and_grad(graphdef, params, tokens, targets, carry)
-  other_graphdef, _ = model.abstract(_cfg(num_stripes=2, unroll=3,
+  other_graphdef, _ = lm.abstract(_cfg(num_stripes=2, unroll=3,
                                           remat=True))
   got = _loss_and_grad(other_graphdef, params, tokens, targets, carry)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
@@ -295,16 +295,16 @@ def test_gradients_match_float64_finite_differences():
       checked += 1
     assert np.abs(want).max() > 1e-3  # every parameter group matters
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-3)
-  assert checked == model.num_params(params)
+  assert checked == lm.num_params(params)
 
 
 def test_overfits_a_fixed_batch():
   cfg = _cfg(num_stripes=2, num_layers=1, vocab_size=11, embed_size=16,
              hidden_size=16)
-  graphdef, params = model.create(cfg, seed=0)
+  graphdef, params = lm.create(cfg, seed=0)
   tokens = _tokens(cfg, 4, 13, seed=21)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
-  carry = model.init_carry(cfg, 4)
+  carry = lm.init_carry(cfg, 4)
   tx = optax.adam(3e-2)
 
   @jax.jit
@@ -324,7 +324,7 @@ def test_overfits_a_fixed_batch():
 
 
 # ------------------------------------------------------- init and options
-# These use `model.create` (the real initializers). They share one shape set,
+# These use `lm.create` (the real initializers). They share one shape set,
 # S=4, H=E=16, so eager init compiles once for all of them.
 
 _INIT = dict(num_stripes=4, embed_size=16, hidden_size=16)
@@ -342,13 +342,13 @@ def _expected_num_params(cfg):
 
 def test_init_biases_and_orthogonal_stripes():
   cfg = _cfg(**_INIT)
-  _, params = model.create(cfg, seed=0)
+  _, params = lm.create(cfg, seed=0)
   g = 4
   for i in range(cfg.num_layers):
     b = np.asarray(params["layers"][i]["b"][...]).reshape(4, 4, g)  # [S,gate,G]
     np.testing.assert_array_equal(b[:, 1], 1.0)  # forget gate
     np.testing.assert_array_equal(b[:, [0, 2, 3]], 0.0)
-    blocks = model.stripe_blocks(params, i)
+    blocks = lm.stripe_blocks(params, i)
     assert len(blocks) == 4
     for w in blocks:
       assert w.shape == (g, 4 * g)
@@ -356,8 +356,8 @@ def test_init_biases_and_orthogonal_stripes():
     # Stripes are drawn independently, not copies of one block.
     assert np.abs(blocks[0] - blocks[1]).max() > 1e-2
   # Same seed, same params; another seed, other params.
-  _, again = model.create(cfg, seed=0)
-  _, other = model.create(cfg, seed=1)
+  _, again = lm.create(cfg, seed=0)
+  _, other = lm.create(cfg, seed=1)
   jax.tree.map(np.testing.assert_array_equal, params, again)
   for name in ("w_x", "w_h"):
     assert np.abs(params["layers"][1][name][...]
@@ -367,19 +367,19 @@ def test_init_biases_and_orthogonal_stripes():
 
 def test_tied_and_untied_heads():
   tied_cfg = _cfg(**_INIT, tie_embeddings=True)
-  _, tied = model.create(tied_cfg, seed=0)
+  _, tied = lm.create(tied_cfg, seed=0)
   assert "head_w" not in tied
-  assert model.num_params(tied) == _expected_num_params(tied_cfg)
+  assert lm.num_params(tied) == _expected_num_params(tied_cfg)
 
   untied_cfg = _cfg(**{**_INIT, "embed_size": 12}, tie_embeddings=True)
-  graphdef, untied = model.create(untied_cfg, seed=0)  # E != H: cannot tie
+  graphdef, untied = lm.create(untied_cfg, seed=0)  # E != H: cannot tie
   assert untied["head_w"][...].shape == (16, 11)
   assert untied["embed"][...].shape == (11, 12)
   assert untied["layers"][0]["w_x"][...].shape == (12, 4, 16)
   assert untied["layers"][1]["w_x"][...].shape == (16, 4, 16)
-  assert model.num_params(untied) == _expected_num_params(untied_cfg)
+  assert lm.num_params(untied) == _expected_num_params(untied_cfg)
   logits, carry = _apply(graphdef, untied, _tokens(untied_cfg, 2, 4, 22),
-                         model.init_carry(untied_cfg, 2))
+                         lm.init_carry(untied_cfg, 2))
   assert logits.shape == (2, 4, 11) and logits.dtype == jnp.float32
   assert np.isfinite(np.asarray(logits)).all()
   assert [x.shape for hc in carry for x in hc] == [(2, 16)] * 4
@@ -387,8 +387,8 @@ def test_tied_and_untied_heads():
 
 def test_dropout_only_with_rng():
   rates = dict(dropout_embed=0.3, dropout_hidden=0.3, dropout_output=0.3)
-  graphdef, params = model.create(_cfg(**_INIT, **rates), seed=0)
-  plain_graphdef, plain = model.create(_cfg(**_INIT), seed=0)
+  graphdef, params = lm.create(_cfg(**_INIT, **rates), seed=0)
+  plain_graphdef, plain = lm.create(_cfg(**_INIT), seed=0)
   cfg = _cfg(**_INIT)
   tokens, carry = _tokens(cfg, 2, 6, 23), _random_carry(cfg, 2, 24)
 
@@ -411,18 +411,18 @@ def test_dropout_only_with_rng():
 
 def test_dropout_is_inverted():
   x = jnp.ones((4000,), jnp.float32)
-  y = np.asarray(model.dropout(x, 0.25, jax.random.key(3)))
+  y = np.asarray(lm.dropout(x, 0.25, jax.random.key(3)))
   assert set(np.unique(y)) <= {0.0, np.float32(1 / 0.75)}
   assert abs((y > 0).mean() - 0.75) < 0.03  # keeps 1 - rate ...
   assert abs(y.mean() - 1.0) < 0.04  # ... and rescales: same expectation
-  np.testing.assert_array_equal(model.dropout(x, 0.25, None), x)
-  np.testing.assert_array_equal(model.dropout(x, 0.0, jax.random.key(3)), x)
+  np.testing.assert_array_equal(lm.dropout(x, 0.25, None), x)
+  np.testing.assert_array_equal(lm.dropout(x, 0.0, jax.random.key(3)), x)
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
   cfg = _cfg(**_INIT)
-  f32_graphdef, f32 = model.create(cfg, seed=0)
-  bf16_graphdef, bf16 = model.create(_cfg(**_INIT, dtype="bfloat16"), seed=0)
+  f32_graphdef, f32 = lm.create(cfg, seed=0)
+  bf16_graphdef, bf16 = lm.create(_cfg(**_INIT, dtype="bfloat16"), seed=0)
   for a, b in zip(jax.tree.leaves(f32), jax.tree.leaves(bf16)):
     assert b.dtype == jnp.float32
     np.testing.assert_array_equal(a, b)

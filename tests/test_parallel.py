@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from configs import wt103
-from zebra_jax import checkpoint, parallel, train, train_state
 from zebra_jax.errors import UserError
+from zebra_jax.runtime import checkpoint, parallel
+from zebra_jax.training import loop, train_state
 from tests.helpers import tiny_word_config, write_wikitext
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +48,7 @@ def _run_steps(cfg, num_devices, batches, accum=1, state=None):
   mesh = parallel.make_mesh(jax.devices()[:num_devices])
   graphdef, tx, fresh = train_state.init_state(cfg, mesh)
   state = fresh if state is None else state
-  step = train.compile_train_step(graphdef, tx, mesh, state, accum)
+  step = loop.compile_train_step(graphdef, tx, mesh, state, accum)
   metrics = []
   for b in batches:
     batch = {k: (parallel.global_batch(mesh, v) if v.ndim else v)
@@ -168,7 +169,7 @@ def test_low_precision_trains_like_float32(tmp_path, dtype):
     cfg = tiny_word_config(data)
     cfg.model.dtype = name
     cfg.train.update(num_steps=40, eval_every=40, report_at_end=False)
-    train.run(cfg, str(tmp_path / name))
+    loop.run(cfg, str(tmp_path / name))
     records = [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")]
     train_losses = [r["loss"] for r in records if r["kind"] == "train"]
     assert train_losses[-1] < train_losses[0] - 0.3, name  # it learns

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from zebra_jax import plot
 from zebra_jax.errors import UserError
+from zebra_jax.tools import plot
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zebra_jax import recurrence
+from zebra_jax.model import recurrence
 
 
 def _inputs(stripes, width, batch=3, time=6, features=5, seed=0,

@@ -13,8 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from zebra_jax import checkpoint, parallel, preemption, train, train_state
 from zebra_jax.errors import UserError
+from zebra_jax.runtime import checkpoint, parallel
+from zebra_jax.training import loop, preemption, train_state
 from tests.helpers import REPO, tiny_word_config, write_wikitext
 
 
@@ -42,15 +43,15 @@ def _final_state(cfg, workdir, step):
 def test_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
   data = write_wikitext(tmp_path / "wt")
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  train.run(_config(data), straight)
+  loop.run(_config(data), straight)
 
   real = preemption.StopRequest.should_stop
   monkeypatch.setattr(preemption.StopRequest, "should_stop",
                       lambda self, step: step == 6 or real(self, step))
-  first = train.run(_config(data), resumed)
+  first = loop.run(_config(data), resumed)
   assert first["preempted"] and first["steps"] == 6
   monkeypatch.setattr(preemption.StopRequest, "should_stop", real)
-  second = train.run(_config(data), resumed)
+  second = loop.run(_config(data), resumed)
   assert second["steps"] == 12 and not second["preempted"]
 
   a, b = _train_losses(straight), _train_losses(resumed)
@@ -100,7 +101,7 @@ def _two_checkpoints(tmp_path):
   cfg = _config(data)
   cfg.checkpoint.every_steps = 6
   workdir = str(tmp_path / "run")
-  train.run(cfg, workdir)
+  loop.run(cfg, workdir)
   assert checkpoint.Checkpointer(workdir).all_steps() == [6, 12]
   cfg.model.vocab_size = json.load(open(f"{workdir}/config.json"))["model"][
       "vocab_size"]
@@ -148,7 +149,7 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, damage):
   assert glob.glob(f"{workdir}/checkpoints/12.corrupt-*")
   # The training command resumes from step 6 and saves step 12 again.
   cfg.train.num_steps = 12
-  summary = train.run(cfg, workdir)
+  summary = loop.run(cfg, workdir)
   assert summary["steps"] == 12
   assert checkpoint.Checkpointer(workdir).all_steps() == [6, 12]
 
@@ -206,17 +207,17 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
     cfg = _config(data, num_steps=6)
     cfg.checkpoint.every_steps = 6
     workdir = str(mount / "run")
-    train.run(cfg, workdir)
+    loop.run(cfg, workdir)
     free = shutil.disk_usage(mount).free
     with open(mount / "filler", "wb") as f:  # leave ~20 KB: too little to save
       f.write(b"\0" * (free - 20_000))
     cfg.train.num_steps = 12
     with pytest.raises(UserError, match="could not write checkpoint step 12.*"
                        "previous checkpoint \\(step 6\\) is intact"):
-      train.run(cfg, workdir)
+      loop.run(cfg, workdir)
     os.remove(mount / "filler")
     assert checkpoint.Checkpointer(workdir).all_steps() == [6]
-    summary = train.run(cfg, workdir)  # space again: resumes from step 6
+    summary = loop.run(cfg, workdir)  # space again: resumes from step 6
     assert summary["steps"] == 12
   finally:
     subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -1,7 +1,7 @@
 """Sampling against fake models with a known next token.
 
 Modelled on flax temperature_sampler_test. Expected values come from plain
-numpy, never from zebra_jax.sampling itself.
+numpy, never from zebra_jax.inference.sampling itself.
 """
 
 import jax
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zebra_jax import sampling
 from zebra_jax.errors import UserError
+from zebra_jax.inference import sampling
 
 VOCAB = 11
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from configs import wt103
-from zebra_jax import evaluate, score, setup, train
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading, score
+from zebra_jax.training import evaluate, loop
 from tests.helpers import REPO, write_wikitext
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def trained(tmp_path_factory):
   cfg.train.num_steps = cfg.checkpoint.every_steps = 5
   cfg.train.eval_every = 1000
   workdir = os.path.join(tmp, "run")
-  train.run(cfg, workdir)
+  loop.run(cfg, workdir)
   return cfg, workdir
 
 
@@ -30,7 +31,7 @@ def test_score_equals_eval_on_a_split_of_only_that_text(trained):
   cfg, workdir = trained
   test_file = os.path.join(cfg.data.path, "wiki.test.tokens")
   [res] = score.run(cfg, workdir, text_files=[test_file])
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",),
                            axis_types=(jax.sharding.AxisType.Auto,))
   # The test split is exactly this file; batch 1 keeps every token in order.
@@ -45,7 +46,7 @@ def test_score_equals_eval_on_a_split_of_only_that_text(trained):
 
 def test_window_length_does_not_change_scores(trained):
   cfg, workdir = trained
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   text = "the cat sat on a mat . \n the dog ran to the park . \n" * 3
   short = score.Scorer(loaded, seq_len=5).score_text(text)
   whole = score.Scorer(loaded, seq_len=1000).score_text(text)
@@ -80,6 +81,6 @@ def test_cli_score_and_bad_inputs(trained, tmp_path):
     score.run(cfg, workdir, text_files=[f"{tmp_path}/missing.txt"])
   with pytest.raises(UserError, match="nothing to score"):
     score.run(cfg, workdir)
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   with pytest.raises(UserError, match="nothing to score|at least two"):
     score.Scorer(loaded, 16).score_ids(np.array([3]))

@@ -6,14 +6,14 @@ import threading
 
 import pytest
 
-from zebra_jax import sample, serve, setup
+from zebra_jax.inference import loading, sample, serve
 from tests.helpers import trained_char_run
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   cfg, workdir = trained_char_run(tmp_path_factory)
-  service = serve.Service(setup.load_for_inference(cfg, workdir),
+  service = serve.Service(loading.load_for_inference(cfg, workdir),
                           serve.Limits(max_new_tokens=64, max_rows=8,
                                        max_body_bytes=4096))
   httpd = serve.make_server(service, "127.0.0.1", 0)  # ephemeral port

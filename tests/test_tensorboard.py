@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from zebra_jax import writer
+from zebra_jax.runtime import writer
 
 event_accumulator = pytest.importorskip(
     "tensorboard.backend.event_processing.event_accumulator")

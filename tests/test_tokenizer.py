@@ -7,9 +7,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from zebra_jax import tokenizer as tokenizer_lib
+from zebra_jax.data import tokenizer as tokenizer_lib
+from zebra_jax.data.tokenizer import CharTokenizer, WordTokenizer
 from zebra_jax.errors import UserError
-from zebra_jax.tokenizer import CharTokenizer, WordTokenizer
 
 # Counts: the 4, cat 3, sat 2, <eos> 3 (one per line, the empty one too),
 # on 1, mat 1, a 1.

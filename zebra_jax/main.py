@@ -11,7 +11,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zebra_jax import distributed  # defines the multi-process flags
+from zebra_jax.runtime import distributed  # defines the multi-process flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/demo.py or "
@@ -100,7 +100,7 @@ def _sample_overrides(cfg):
 def main(argv):
   del argv  # Everything comes from flags.
   # Imported here so --help and flag errors answer before JAX starts.
-  from zebra_jax import writer
+  from zebra_jax.runtime import writer
   from zebra_jax.errors import UserError
   distributed.initialize()  # before any JAX backend starts
   if not flags.FLAGS["verbosity"].present:
@@ -122,7 +122,7 @@ def _fail(writer, message: str) -> None:
   """One line on stderr, exit code 2.
 
   Exits without running atexit hooks: by now in-flight checkpoint saves have
-  finished (train.run waits for them), and after a full disk the hooks of
+  finished (loop.run waits for them), and after a full disk the hooks of
   tensorboardX and orbax would only print tracebacks of failed flushes.
   """
   writer.error(message)
@@ -131,11 +131,14 @@ def _fail(writer, message: str) -> None:
 
 
 def _dispatch(mode: str, cfg, workdir: str) -> None:
-  from zebra_jax import evaluate, sample, score, train
+  from zebra_jax.training import evaluate
+  from zebra_jax.inference import sample
+  from zebra_jax.inference import score
+  from zebra_jax.training import loop
   if mode == "train":
     config_path = next((a.split("=", 1)[1] for a in sys.argv  # for hints
                         if a.startswith("--config=")), None)
-    summary = train.run(cfg, workdir, config_path)
+    summary = loop.run(cfg, workdir, config_path)
     if cfg.train.report_at_end and not summary["preempted"]:
       evaluate.run(cfg, workdir)
       sample.run(cfg, workdir)
@@ -148,23 +151,23 @@ def _dispatch(mode: str, cfg, workdir: str) -> None:
   elif mode == "score":
     score.run(cfg, workdir, _TEXT.value, _TEXT_FILE.value, _VERBOSE.value)
   elif mode == "export":
-    from zebra_jax import export
+    from zebra_jax.inference import export
     export.run(cfg, workdir, _EXPORT_DIR.value)
   elif mode == "serve":
-    from zebra_jax import serve
+    from zebra_jax.inference import serve
     serve.run(cfg, workdir, _HOST.value, _PORT.value)
   elif mode == "infer_bench":
-    from zebra_jax import infer_bench
+    from zebra_jax.tools import infer_bench
     infer_bench.run(cfg, workdir, _BENCH_BATCH_SIZES.value,
                     new_tokens=_BENCH_NEW_TOKENS.value,
                     prompt_len=_BENCH_PROMPT_LEN.value,
                     requests=_BENCH_REQUESTS.value,
                     json_path=_BENCH_JSON.value)
   elif mode == "plot":
-    from zebra_jax import plot
+    from zebra_jax.tools import plot
     print(plot.run([workdir, *_COMPARE.value], _PLOT_OUT.value))
   else:
-    from zebra_jax import bench
+    from zebra_jax.tools import bench
     bench.run(json_path=os.path.join(workdir, "bench.json"))
 
 

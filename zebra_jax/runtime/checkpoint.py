@@ -137,6 +137,25 @@ class Checkpointer:
     verify(restored.state, meta.get("digests", {}))
     return restored.state, meta
 
+  def restore_params(self, step: int, target_params: Any) -> Any:
+    """Restores only the `params` field of a saved state, verified.
+
+    Reads none of the optimizer state or carry: what inference needs, in a
+    third of the memory of a full restore under Adam.
+    """
+    target = {"params": target_params}
+    restored = self._manager.restore(
+        step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                item=target, partial_restore=True,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
+            meta=ocp.args.JsonRestore()))
+    params = restored.state["params"]
+    expected = dict(restored.meta).get("digests", {})
+    verify(params, {k[len(".params"):]: v for k, v in expected.items()
+                    if k.startswith(".params")})
+    return params
+
   def restore_latest(self, target_state: Any,
                      log: Callable[[str], None] = print):
     """(step, state, meta) from the newest intact step, or None if none exist.

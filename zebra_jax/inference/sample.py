@@ -1,7 +1,7 @@
 """--mode=sample: generate text from one or several prompts with a trained workdir.
 
 Each prompt is consumed once as a window; then each new token is one step of
-the recurrence with the (h, c) carry, inside jitted loops (zebra_jax.sampling),
+the recurrence with the (h, c) carry, inside jitted loops (zebra_jax.inference.sampling),
 so the cost per token does not grow with the length of the text.
 
 Several prompts run as one batch. Prompts of different lengths are never
@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zebra_jax import model, sampling, setup
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading, sampling
+from zebra_jax.model import lm
 
 # Fields that configs may not define yet; configs/*.py should own them.
 _DEFAULTS = dict(repetition_penalty=1.0, stop="", stream=False, chunk=32)
@@ -60,12 +61,12 @@ class Options:
 
 def _consume_prompt(params, tokens, carry, *, graphdef):
   """Runs prompts [B, T] through the model: (last logits [B, V], carry)."""
-  return model.last_logits(graphdef, params, tokens, carry)
+  return lm.last_logits(graphdef, params, tokens, carry)
 
 
 def _one_token(params, carry, tokens, *, graphdef):
   """The recurrent step sampling calls: tokens [B] -> logits [B, V]."""
-  logits, carry = model.apply(graphdef, params, tokens[:, None], carry)
+  logits, carry = lm.apply(graphdef, params, tokens[:, None], carry)
   return logits[:, 0], carry
 
 
@@ -76,7 +77,7 @@ class Generator:
   sampling caches its loop per step_fn object.
   """
 
-  def __init__(self, loaded: setup.Loaded):
+  def __init__(self, loaded: loading.Loaded):
     self.loaded, self.tokenizer = loaded, loaded.tokenizer
     # One device: replicated params would repeat every step on every device.
     self.params = jax.device_put(loaded.params, jax.local_devices()[0])
@@ -102,7 +103,7 @@ class Generator:
     order, parts = [], []
     for length, members in by_length.items():
       tokens = np.stack([rows[i] for i in members])            # [n, T]
-      carry = model.init_carry(self.loaded.cfg.model, len(members))
+      carry = lm.init_carry(self.loaded.cfg.model, len(members))
       parts.append(self._consume(self.params, tokens, carry))
       order.extend(members)
     inverse = np.argsort(np.asarray(order))                    # row -> place
@@ -207,7 +208,7 @@ def read_prompt_file(path: str) -> list[str]:
   return prompts
 
 
-def generate_text(loaded: setup.Loaded, prompt: str, *, max_new_tokens: int,
+def generate_text(loaded: loading.Loaded, prompt: str, *, max_new_tokens: int,
                   temperature: float, top_k: int, top_p: float,
                   num_samples: int, seed: int) -> list[str]:
   """Returns num_samples continuations (prompt included) of `prompt`."""
@@ -225,7 +226,7 @@ def run(cfg, workdir: str, prompts: list[str] | None = None) -> list[str]:
   if stream and len(prompts) * options.num_samples > 1:
     raise UserError("--stream prints one text as it grows: use one prompt and "
                     "--num_samples=1, or drop --stream")
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   generator = Generator(loaded)
   show = jax.process_index() == 0
   header = lambda i, n: (f"----- sample {i + 1}/{n} (step {loaded.step}, "

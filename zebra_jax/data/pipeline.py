@@ -28,8 +28,7 @@ import time
 from absl import logging
 import numpy as np
 
-from zebra_jax import corpus
-from zebra_jax import tokenizer as tokenizer_lib
+from zebra_jax.data import corpus, tokenizer as tokenizer_lib
 from zebra_jax.errors import UserError
 
 SPLITS = corpus.SPLITS

@@ -24,8 +24,9 @@ import threading
 
 from absl import logging
 
-from zebra_jax import model, sample, score, setup
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading, sample, score
+from zebra_jax.model import lm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,7 @@ def _texts(body: dict, one: str, many: str) -> list[str]:
 class Service:
   """The model behind the endpoints; usable without HTTP (tests, embedding)."""
 
-  def __init__(self, loaded: setup.Loaded, limits: Limits = Limits()):
+  def __init__(self, loaded: loading.Loaded, limits: Limits = Limits()):
     self.loaded, self.limits = loaded, limits
     self.generator = sample.Generator(loaded)
     self.scorer = score.Scorer(loaded, loaded.cfg.eval.seq_len)
@@ -104,7 +105,7 @@ class Service:
             "tokenizer": self.loaded.tokenizer.kind,
             "vocab_size": m.vocab_size, "num_layers": m.num_layers,
             "hidden_size": m.hidden_size, "num_stripes": m.num_stripes,
-            "head": model.head_kind(m), "limits": dataclasses.asdict(self.limits)}
+            "head": lm.head_kind(m), "limits": dataclasses.asdict(self.limits)}
 
   def generate(self, body) -> dict:
     body = _check_fields(body, _GENERATE_FIELDS)
@@ -220,7 +221,7 @@ def make_server(service: Service, host: str = "127.0.0.1",
 
 def run(cfg, workdir: str, host: str = "127.0.0.1", port: int = 8000) -> None:
   """--mode=serve: serves until interrupted (Ctrl-C)."""
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   service = Service(loaded, Limits.from_config(cfg))
   try:
     server = make_server(service, host, port)

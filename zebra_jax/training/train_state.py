@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from zebra_jax import loss_scale, model, optim, parallel
+from zebra_jax.model import lm
+from zebra_jax.runtime import parallel
+from zebra_jax.training import loss_scale, optim
 
 
 @flax.struct.dataclass
@@ -15,16 +17,16 @@ class TrainState:
   step: jax.Array        # int32 scalar: updates applied so far
   params: Any            # nnx.State, float32 master weights
   opt_state: Any         # optax state
-  carry: model.Carry     # (h, c) per layer, [batch, hidden]: sharded on 'data'
+  carry: lm.Carry     # (h, c) per layer, [batch, hidden]: sharded on 'data'
   rng: jax.Array         # uint32[2] base key; dropout uses fold_in(rng, step)
   loss_scale: loss_scale.LossScale  # dynamic for float16; counts skipped steps
 
 
 def _build(cfg: ml_collections.ConfigDict, tx):
-  graphdef, params = model.create(cfg.model, cfg.seed)
+  graphdef, params = lm.create(cfg.model, cfg.seed)
   state = TrainState(
       step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-      carry=model.init_carry(cfg.model, cfg.data.batch_size),
+      carry=lm.init_carry(cfg.model, cfg.data.batch_size),
       rng=jax.random.PRNGKey(cfg.seed),
       loss_scale=make_loss_scale(cfg))
   return graphdef, state
@@ -50,7 +52,7 @@ def init_state(cfg: ml_collections.ConfigDict, mesh):
 def abstract_state(cfg: ml_collections.ConfigDict, mesh):
   """(graphdef, ShapeDtypeStructs with shardings): a restore target, no memory."""
   tx = optim.make_optimizer(cfg.optim, cfg.train.num_steps)
-  graphdef, _ = model.abstract(cfg.model)
+  graphdef, _ = lm.abstract(cfg.model)
   state = jax.eval_shape(lambda: _build(cfg, tx)[1])
   shardings = parallel.state_shardings(mesh, state)
   target = jax.tree.map(

@@ -21,7 +21,7 @@ Where the data comes from, first match wins:
 import glob
 import os
 
-from zebra_jax import corpus
+from zebra_jax.data import corpus
 from zebra_jax.errors import UserError
 
 # Our split names -> the names datasets use (WikiText says "validation").

@@ -1,7 +1,7 @@
 """Striped vs classic LSTM at equal wall-clock, over seeds (issue 9).
 
   launch/compare_stripes.sh runs/compare 1.5 0,1,2      # OUT MINUTES SEEDS
-  python -m zebra_jax.experiments --out=runs/compare --budget_minutes=1.5 \
+  python -m zebra_jax.tools.experiments --out=runs/compare --budget_minutes=1.5 \
       --seeds=0,1,2 --stripes=1,2,4,8 --config=configs/demo.py
 
 Every setting trains the same config for the same wall-clock budget
@@ -36,7 +36,7 @@ from typing import Sequence
 
 import ml_collections
 
-from zebra_jax import experiments_report
+from zebra_jax.tools import experiments_report
 
 # The calibration run: windows of steps after the first (which compiles), and
 # the median window's rate is the estimate (robust to one noisy window).
@@ -71,15 +71,15 @@ def param_count(cfg, setting: Setting) -> int:
   cfg.model.vocab_size must be filled in (see `vocab_size`).
   """
   import jax
-  from zebra_jax import model
-  _, params = model.abstract(apply_setting(cfg, setting).model)
+  from zebra_jax.model import lm
+  _, params = lm.abstract(apply_setting(cfg, setting).model)
   return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
 def with_vocab_size(cfg, workdir: str) -> ml_collections.ConfigDict:
   """cfg with model.vocab_size from the tokenizer (cached in workdir/data)."""
-  from zebra_jax import data
-  tokenizer, _ = data.prepare_data(cfg, workdir)
+  from zebra_jax.data import pipeline
+  tokenizer, _ = pipeline.prepare_data(cfg, workdir)
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   cfg.model.vocab_size = tokenizer.vocab_size
   return cfg
@@ -130,7 +130,8 @@ def _fresh(workdir: str) -> None:
 
 def calibrate(cfg, setting: Setting, workdir: str) -> float:
   """Steps per second of `setting` on this machine now (compile excluded)."""
-  from zebra_jax import plot, train
+  from zebra_jax.tools import plot
+  from zebra_jax.training import loop
   window = _CALIBRATION_WINDOW_STEPS
   steps = window * (_CALIBRATION_WINDOWS + 1)
   cfg = _run_config(cfg, setting, cfg.seed, num_steps=steps, log_every=window,
@@ -138,7 +139,7 @@ def calibrate(cfg, setting: Setting, workdir: str) -> float:
                     eval_max_batches=1)
   cfg.checkpoint.every_steps = steps  # a save inside a window would skew it
   _fresh(workdir)
-  train.run(cfg, workdir)
+  loop.run(cfg, workdir)
   rates = [1000.0 / r["ms_per_batch"] for r in plot.read_metrics(workdir)
            if r["kind"] == "train"]
   return statistics.median(rates[1:])  # the first window still warms up
@@ -161,18 +162,20 @@ def timed_config(cfg, setting, seed, steps_per_s, budget_minutes, margin,
 
 def prime(run_cfg, workdir: str) -> None:
   """One step + one evaluation of exactly run_cfg: compiles into the cache."""
-  from zebra_jax import train
+  from zebra_jax.training import loop
   _fresh(workdir)
   cfg = ml_collections.ConfigDict(run_cfg.to_dict())
   cfg.train.time_budget_minutes = 1e-9  # stops after the first step
-  train.run(cfg, workdir)
+  loop.run(cfg, workdir)
 
 
 def train_and_score(run_cfg, setting: Setting, workdir: str) -> dict:
   """One timed run + the identical final evaluation; returns its record."""
-  from zebra_jax import evaluate, plot, train
+  from zebra_jax.training import evaluate
+  from zebra_jax.tools import plot
+  from zebra_jax.training import loop
   launched = time.time()
-  summary = train.run(run_cfg, workdir)
+  summary = loop.run(run_cfg, workdir)
   scores = evaluate.run(run_cfg, workdir)
   records = plot.read_metrics(workdir)
   rates = [r["tok_per_s"] for r in records if r["kind"] == "train"]
@@ -288,7 +291,7 @@ def _parse_override(cfg, item: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
   import argparse
-  p = argparse.ArgumentParser(prog="python -m zebra_jax.experiments",
+  p = argparse.ArgumentParser(prog="python -m zebra_jax.tools.experiments",
                               description=__doc__.split("\n")[0])
   p.add_argument("--config", default="configs/demo.py",
                  help="config file[:variant]")

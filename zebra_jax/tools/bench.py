@@ -1,8 +1,8 @@
 """Speed and memory benchmark: ZebraLSTM next to PyTorch nn.LSTM, one process.
 
-  python -m zebra_jax.bench                      # shape A, CPU or GPU (minutes)
-  python -m zebra_jax.bench --shape=gpu          # bf16, hidden 1024, batch 64
-  python -m zebra_jax.bench --quick --json=/tmp/bench.json   # tiny, seconds
+  python -m zebra_jax.tools.bench                      # shape A, CPU or GPU (minutes)
+  python -m zebra_jax.tools.bench --shape=gpu          # bf16, hidden 1024, batch 64
+  python -m zebra_jax.tools.bench --quick --json=/tmp/bench.json   # tiny, seconds
 
 Rows (tokens/s, ms/step, ratio to torch, GFLOP/s and fraction of the matmul
 peak measured in this run, XLA's planned bytes per step):
@@ -38,7 +38,10 @@ import optax
 from absl import app, flags
 from flax import nnx
 
-from zebra_jax import evaluate, metrics, model, profiling, sampling
+from zebra_jax.inference import sampling
+from zebra_jax.model import lm, metrics
+from zebra_jax.runtime import profiling
+from zebra_jax.training import evaluate
 
 _QUICK = flags.DEFINE_bool("quick", False,
                            "Tiny shapes: a smoke test in seconds.")
@@ -115,7 +118,7 @@ def _random_split(build):
 
 
 def _create(cfg):
-  return _random_split(lambda: model.ZebraLM(cfg, rngs=nnx.Rngs(0)))
+  return _random_split(lambda: lm.ZebraLM(cfg, rngs=nnx.Rngs(0)))
 
 
 class _Runner:
@@ -142,9 +145,9 @@ def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True):
   custom_vjp=False differentiates the scan with plain autodiff: the row that
   shows what the hand-written backward pass (recurrence.py) buys."""
   b, t, h = shape["batch"], seq_len or shape["seq_len"], shape["hidden"]
-  dt = model.compute_dtype(shape["dtype"])
+  dt = lm.compute_dtype(shape["dtype"])
   graphdef, params = _random_split(lambda: nnx.List([
-      model.ZebraLSTMLayer(h, h, stripes, rngs=nnx.Rngs(i), dtype=dt,
+      lm.ZebraLSTMLayer(h, h, stripes, rngs=nnx.Rngs(i), dtype=dt,
                            remat=remat, custom_vjp=custom_vjp)
       for i in range(shape["layers"])]))
   x = jax.random.normal(jax.random.key(0), (b, t, h), dt)
@@ -172,11 +175,11 @@ def lm_runner(shape, stripes, *, seq_len=None, remat=False):
   """The full LM train step: embedding, layers, tied head, mean CE, Adam."""
   cfg = model_config(shape, stripes, remat=remat)
   graphdef, params = _create(cfg)
-  carry = model.init_carry(cfg, shape["batch"])
+  carry = lm.init_carry(cfg, shape["batch"])
   tokens = _tokens(shape, seq_len)
 
   def loss_fn(params, tokens, carry):
-    logits, _ = model.apply(graphdef, params, tokens[:, :-1], carry)
+    logits, _ = lm.apply(graphdef, params, tokens[:, :-1], carry)
     with jax.named_scope("loss"):
       sums = metrics.token_sums(logits, tokens[:, 1:])
     return sums["loss_sum"] / sums["count"]
@@ -192,13 +195,13 @@ def eval_runner(shape, stripes):
   tokens = _tokens(shape)
   step = jax.jit(functools.partial(evaluate.eval_step, graphdef=graphdef),
                  donate_argnums=1)
-  return _Runner(step, (params, model.init_carry(cfg, shape["batch"]),
+  return _Runner(step, (params, lm.init_carry(cfg, shape["batch"]),
                         tokens[:, :-1], tokens[:, 1:]), {0: 1})
 
 
 def _one_token(params, carry, tokens, *, graphdef):
   """sampling.generate's step: tokens [B] -> (logits [B, V], carry)."""
-  logits, carry = model.apply(graphdef, params, tokens[:, None], carry)
+  logits, carry = lm.apply(graphdef, params, tokens[:, None], carry)
   return logits[:, 0], carry
 
 
@@ -206,7 +209,7 @@ def gen_runner(shape, stripes, batch):
   cfg = model_config(shape, stripes)
   graphdef, params = _create(cfg)
   step_fn = functools.partial(_one_token, graphdef=graphdef)
-  carry = model.init_carry(cfg, batch)
+  carry = lm.init_carry(cfg, batch)
   logits = jnp.zeros((batch, shape["vocab"]), jnp.float32)
   run = functools.partial(
       sampling.generate, step_fn, params, carry, logits, jax.random.key(0),
@@ -405,7 +408,7 @@ def memory_rows(shape_name, fresh_processes: bool):
     for seq_len in shape["windows"]:
       if fresh_processes:  # peaks only grow: one process per row
         out = subprocess.run(
-            [sys.executable, "-m", "zebra_jax.bench",
+            [sys.executable, "-m", "zebra_jax.tools.bench",
              f"--shape={shape_name}", f"--memory_row={seq_len},{int(remat)}"],
             capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

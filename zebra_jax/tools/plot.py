@@ -1,6 +1,6 @@
 """Loss and perplexity curves from metrics.jsonl, several workdirs overlaid.
 
-  python -m zebra_jax.plot runs/s1 runs/s8 --out=runs/s1_vs_s8.png
+  python -m zebra_jax.tools.plot runs/s1 runs/s8 --out=runs/s1_vs_s8.png
   python -m zebra_jax.main --config=configs/demo.py --workdir=runs/s8 --mode=plot
 
 The figure has a row per quantity (loss, ppl) and a column per x axis (step,
@@ -163,7 +163,7 @@ def run(workdirs: Sequence[str], out: str | None = None) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
   import argparse
   parser = argparse.ArgumentParser(
-      prog="python -m zebra_jax.plot", description=__doc__.split("\n")[0])
+      prog="python -m zebra_jax.tools.plot", description=__doc__.split("\n")[0])
   parser.add_argument("workdirs", nargs="+", help="run folders with "
                       "metrics.jsonl; one colour each")
   parser.add_argument("--out", default=None, help="PNG path (default "

@@ -10,7 +10,7 @@ import platform
 import statistics
 from typing import Sequence
 
-from zebra_jax import plot
+from zebra_jax.tools import plot
 
 
 def machine() -> str:

@@ -129,7 +129,7 @@ def source_fingerprint(data_config) -> str:
     desc.update(python=sys.version, stdlib=_stdlib_dir(),
                 format=_EMBEDDED_FORMAT)
   elif data_config.source == "hf":
-    from zebra_jax import hf_source  # pylint: disable=g-import-not-at-top
+    from zebra_jax.data import hf_source  # pylint: disable=g-import-not-at-top
     desc.update(hf_source.describe(data_config))
   else:
     desc["path"] = data_config.path
@@ -383,7 +383,7 @@ def _check_fractions(data_config) -> None:
 
 
 def _load_hf(data_config) -> dict[str, Split]:
-  from zebra_jax import hf_source  # pylint: disable=g-import-not-at-top
+  from zebra_jax.data import hf_source  # pylint: disable=g-import-not-at-top
   return hf_source.load(data_config)
 
 

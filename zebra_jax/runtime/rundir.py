@@ -1,21 +1,20 @@
-"""What every mode does first: check the config, load data, match the workdir.
+"""A run directory's config.json: written by training, read by every mode.
 
-`prepare` is the training entry (it writes config.json and the tokenizer);
-`load_for_inference` is how eval and sample get a trained model: everything
-they need is in the workdir.
+`prepare` is the training entry (it validates the config, prepares data and
+writes config.json); `load_config` reads a workdir's config back, the
+architecture coming from the workdir and the settings a user may change at
+inference time from the caller's config.
 """
 
-import dataclasses
 import json
 import os
-from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
-from zebra_jax import checkpoint, config_checks, data, parallel, train_state
+from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
+from zebra_jax.runtime import config_checks
 
 # Fields that change the parameters' shapes or meaning: a workdir is tied to them.
 _ARCHITECTURE = ("embed_size", "hidden_size", "num_layers", "num_stripes",
@@ -57,7 +56,7 @@ def prepare(cfg: ml_collections.ConfigDict, workdir: str):
   """Validates, tokenizes (cached), fixes vocab_size; returns (cfg, tok, splits)."""
   config_checks.validate(cfg)
   os.makedirs(workdir, exist_ok=True)
-  tokenizer, splits = data.prepare_data(cfg, workdir)
+  tokenizer, splits = pipeline.prepare_data(cfg, workdir)
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # an unlocked, resolved copy
   if cfg.model.vocab_size not in (0, tokenizer.vocab_size):
     raise UserError(
@@ -73,42 +72,21 @@ def prepare(cfg: ml_collections.ConfigDict, workdir: str):
   return cfg, tokenizer, splits
 
 
-@dataclasses.dataclass
-class Loaded:
-  """A trained model and its data, as read back from a workdir."""
-  cfg: ml_collections.ConfigDict
-  tokenizer: Any
-  splits: dict[str, np.ndarray]
-  graphdef: Any
-  params: Any
-  step: int
+def load_config(cfg: ml_collections.ConfigDict,
+                workdir: str) -> ml_collections.ConfigDict:
+  """The workdir's config.json with `cfg`'s eval, sample and compute settings.
 
-
-def load_for_inference(cfg: ml_collections.ConfigDict, workdir: str,
-                       step: int | None = None) -> Loaded:
-  """Reads config.json, the tokenizer, data and the best (or given) checkpoint.
-
-  The model architecture comes from the workdir; eval and sample settings come
-  from `cfg` so they can be overridden on the command line.
+  The architecture comes from the workdir; eval and sample settings, the
+  compute dtype and the head's chunking (memory only) come from `cfg`, so
+  they can be overridden on the command line.
   """
   if not os.path.exists(config_path(workdir)):
     raise UserError(f"workdir {workdir} has no config.json: train first with "
                     f"--mode=train --workdir={workdir}")
   with open(config_path(workdir)) as f:
-    saved = ml_collections.ConfigDict(_with_legacy_fields(json.load(f)))
-  ckpt = checkpoint.Checkpointer(workdir, create=False)
-  if step is None:
-    step = ckpt.best_step()
-  if step is None:
-    raise UserError(f"workdir {workdir} has no checkpoint in "
-                    f"{ckpt.directory}: train first with --mode=train")
-  merged = ml_collections.ConfigDict(saved.to_dict())
+    saved = _with_legacy_fields(json.load(f))
+  merged = ml_collections.ConfigDict(saved)
   merged.eval, merged.sample = cfg.eval, cfg.sample
   merged.model.dtype = cfg.model.dtype  # compute dtype may differ from training
   merged.model.adaptive_chunk_rows = cfg.model.adaptive_chunk_rows  # memory only
-  tokenizer, splits = data.load_eval_data(merged, workdir)
-  mesh = parallel.make_mesh()
-  graphdef, target = train_state.abstract_state(merged, mesh)
-  state, _ = ckpt.restore(step, target)
-  ckpt.close()
-  return Loaded(merged, tokenizer, splits, graphdef, state.params, step)
+  return merged

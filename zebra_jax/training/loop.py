@@ -17,12 +17,13 @@ import numpy as np
 import optax
 from absl import logging
 
-from zebra_jax import checkpoint, data, evaluate, loss_scale, metrics, model
-from zebra_jax import optim
-from zebra_jax import parallel, preemption, profiling, progress, sample, setup
-from zebra_jax import writer
-from zebra_jax.train_state import TrainState, init_state
+from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading, sample
+from zebra_jax.model import lm, metrics
+from zebra_jax.runtime import checkpoint, parallel, profiling, progress, rundir, writer
+from zebra_jax.training import evaluate, loss_scale, optim, preemption
+from zebra_jax.training.train_state import init_state, TrainState
 
 
 def _to_micro(x, k):
@@ -59,8 +60,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef,
   def grads_of(params, inputs, targets, carry, rng):
     def loss_fn(params):
       # No extra full-vocabulary pass for accuracy (adaptive head): see
-      # model.token_sums; the train log then shows no acc.
-      sums, new_carry = model.token_sums(graphdef, params, inputs, targets,
+      # lm.token_sums; the train log then shows no acc.
+      sums, new_carry = lm.token_sums(graphdef, params, inputs, targets,
                                          carry, rng, with_accuracy=False)
       return scale.scale_loss(sums["loss_sum"] / total_tokens), (new_carry, sums)
     return jax.grad(loss_fn, has_aux=True)(params)
@@ -130,7 +131,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
 
   config_path only shapes the follow-up commands the summary prints.
   """
-  cfg, tokenizer, splits = setup.prepare(cfg, workdir)
+  cfg, tokenizer, splits = rundir.prepare(cfg, workdir)
   mesh = parallel.make_mesh()
   accum = cfg.train.grad_accum_steps
   parallel.check_batch(cfg.data.batch_size, "data.batch_size", mesh, accum)
@@ -138,22 +139,22 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
   log = writer.MetricWriter(workdir)
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint.keep_latest,
                                  cfg.checkpoint.keep_best)
-  position = data.DataPosition()
+  position = pipeline.DataPosition()
   best_valid, best_step = float("inf"), None
   if (restored := ckpt.restore_latest(state, log.info)) is not None:
     latest, state, meta = restored
-    position = data.DataPosition.from_dict(meta["position"])
+    position = pipeline.DataPosition.from_dict(meta["position"])
     best_valid = meta.get("best_valid_loss", best_valid)
     best_step = meta.get("best_valid_step", best_step)
     log.info(f"resuming from checkpoint at step {latest} "
              f"(epoch {position.epoch}, batch {position.index})")
-  batcher = data.make_batcher(cfg.data, splits["train"], cfg.seed,
+  batcher = pipeline.make_batcher(cfg.data, splits["train"], cfg.seed,
                               jax.process_index(), jax.process_count())
   step_fn = compile_train_step(graphdef, tx, mesh, state, accum)
   evaluator = evaluate.Evaluator(graphdef, mesh, cfg.model,
                                  cfg.eval.batch_size, cfg.eval.seq_len)
   lr_at = optim.learning_rate_schedule(cfg.optim, cfg.train.num_steps)
-  n_params = model.num_params(state.params)
+  n_params = lm.num_params(state.params)
   log.info(f"model: {n_params:,} parameters | {cfg.model.num_layers} layers x "
            f"hidden {cfg.model.hidden_size} in {cfg.model.num_stripes} stripes "
            f"| vocab {cfg.model.vocab_size} | {jax.device_count()} "
@@ -283,7 +284,7 @@ def _make_eval_sampler(cfg, tokenizer, splits, graphdef):
     nonlocal generator
     if generator is None:
       generator = sample.Generator(
-          setup.Loaded(cfg, tokenizer, splits, graphdef, params, 0))
+          loading.Loaded(cfg, tokenizer, splits, graphdef, params, 0))
     else:  # same compiled code, new weights
       generator.params = jax.device_put(params, jax.local_devices()[0])
     return generator.generate([cfg.sample.prompt], options)[0]

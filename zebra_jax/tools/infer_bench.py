@@ -19,8 +19,8 @@ import time
 import jax
 import numpy as np
 
-from zebra_jax import sample, sampling, setup
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading, sample, sampling
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -96,7 +96,7 @@ def run(cfg, workdir: str, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *,
         json_path: str | None = None) -> dict:
   """--mode=infer_bench: prints one line per batch size, writes JSON."""
   sizes = _check(batch_sizes, new_tokens, prompt_len, requests)
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   valid = np.asarray(loaded.splits["valid"])
   if len(valid) < prompt_len:
     raise UserError(f"the valid split has {len(valid)} tokens, fewer than "

@@ -2,8 +2,8 @@
 
 import ml_collections
 
-from zebra_jax.adaptive_softmax import cluster_bounds
 from zebra_jax.errors import UserError
+from zebra_jax.model.adaptive_softmax import cluster_bounds
 
 _CHOICES = {
     "data.source": ("embedded", "wikitext", "text", "hf"),

@@ -1,6 +1,6 @@
 """Fault injection: break a small training run in every way we promise to survive.
 
-  python -m zebra_jax.chaos [--workdir=/tmp/chaos] [--steps=40]
+  python -m zebra_jax.tools.chaos [--workdir=/tmp/chaos] [--steps=40]
 
 Trains a tiny model once without interruption, then again while, in turn,
 sending SIGTERM mid-run, SIGKILLing mid-save, corrupting the newest checkpoint

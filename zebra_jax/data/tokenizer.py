@@ -263,7 +263,7 @@ def make_tokenizer(data_config, train_text) -> _Tokenizer:
     raise UserError(f"data.tokenizer {kind!r} is unknown: set "
                     f"--config.data.tokenizer to one of {', '.join(KINDS)}")
   if kind == "bpe":
-    from zebra_jax import bpe  # pylint: disable=g-import-not-at-top
+    from zebra_jax.data import bpe  # pylint: disable=g-import-not-at-top
     return bpe.BPETokenizer.build(_pieces(train_text),
                                   vocab_size=data_config.bpe_vocab_size)
   return _KINDS[kind].build(
@@ -291,7 +291,7 @@ def load_tokenizer(directory: str) -> _Tokenizer:
     with open(path, encoding="utf-8") as f:
       spec = json.load(f)
     if "kind" not in spec and "model" in spec:  # an HF tokenizers file
-      from zebra_jax import bpe  # pylint: disable=g-import-not-at-top
+      from zebra_jax.data import bpe  # pylint: disable=g-import-not-at-top
       return bpe.BPETokenizer.load_file(directory, spec)
     return _KINDS[spec["kind"]](spec["vocab"], spec["min_freq"],
                                 spec["max_vocab_size"])

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from zebra_jax import adaptive_softmax as asm
-from zebra_jax import metrics, recurrence
+from zebra_jax.model import adaptive_softmax as asm, metrics, recurrence
 
 # One (h, c) pair per layer, each [batch, hidden] float32.
 Carry = tuple[tuple[jax.Array, jax.Array], ...]

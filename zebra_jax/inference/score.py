@@ -15,8 +15,9 @@ import math
 import jax
 import numpy as np
 
-from zebra_jax import model, setup
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading
+from zebra_jax.model import lm
 
 
 def window_logprobs(params, carry, inputs, targets, *, graphdef):
@@ -27,7 +28,7 @@ def window_logprobs(params, carry, inputs, targets, *, graphdef):
   Returns:
     (new carry, float32 [batch, time] log-probabilities).
   """
-  logp, carry = model.target_log_probs(graphdef, params, inputs, targets,
+  logp, carry = lm.target_log_probs(graphdef, params, inputs, targets,
                                        carry)
   return carry, logp
 
@@ -58,7 +59,7 @@ class TextScore:
 class Scorer:
   """Scores texts one at a time (batch 1) in fixed windows: one compile."""
 
-  def __init__(self, loaded: setup.Loaded, seq_len: int):
+  def __init__(self, loaded: loading.Loaded, seq_len: int):
     self.loaded, self.seq_len = loaded, int(seq_len)
     if self.seq_len <= 0:
       raise UserError(f"eval.seq_len={seq_len} must be positive: set "
@@ -79,7 +80,7 @@ class Scorer:
     # outputs, and every window then shares one compiled shape.
     padded = np.zeros(-(-n // t) * t + 1, np.int32)
     padded[:ids.size] = ids
-    carry = model.init_carry(self.loaded.cfg.model, 1)
+    carry = lm.init_carry(self.loaded.cfg.model, 1)
     out = []
     for start in range(0, n, t):
       carry, logp = self._window(self.params, carry,
@@ -127,7 +128,7 @@ def run(cfg, workdir: str, texts=(), text_files=(),
         verbose: bool = False) -> list[dict]:
   """--mode=score: prints and returns one summary per text."""
   named = read_texts(texts, text_files)
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   scorer = Scorer(loaded, cfg.eval.seq_len)
   results = []
   for name, text in named:

@@ -27,6 +27,13 @@ def replicated(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def replicated_like(mesh, tree):
+  """ShapeDtypeStructs of `tree`, replicated over the mesh: a restore target."""
+  rep = replicated(mesh)
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)
+
+
 def batch_sharded(mesh) -> NamedSharding:
   """Leading (batch) axis split over the data axis."""
   return NamedSharding(mesh, P(DATA_AXIS))

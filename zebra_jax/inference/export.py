@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zebra_jax import model, setup
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading
+from zebra_jax.model import lm
 
 _TRITON_TEMPLATES = os.path.join(os.path.dirname(__file__), "triton")
 MODEL_NAME = "zebra_lstm"
@@ -42,17 +43,17 @@ def _functions(graphdef, treedef):
 
   def prompt(flat_params, carry, tokens):                     # tokens [b, t]
     params = jax.tree.unflatten(treedef, flat_params)
-    return model.last_logits(graphdef, params, tokens, carry)
+    return lm.last_logits(graphdef, params, tokens, carry)
 
   def step(flat_params, carry, tokens):                       # tokens [b]
     params = jax.tree.unflatten(treedef, flat_params)
-    logits, carry = model.apply(graphdef, params, tokens[:, None], carry)
+    logits, carry = lm.apply(graphdef, params, tokens[:, None], carry)
     return logits[:, 0], carry
 
   return prompt, step
 
 
-def export_functions(loaded: setup.Loaded, platforms=("cpu",)):
+def export_functions(loaded: loading.Loaded, platforms=("cpu",)):
   """(prompt Exported, step Exported, flat float32 params as numpy)."""
   leaves, treedef = jax.tree.flatten(loaded.params)
   flat = [np.asarray(jax.device_get(x)) for x in leaves]
@@ -69,7 +70,7 @@ def export_functions(loaded: setup.Loaded, platforms=("cpu",)):
   return exp_prompt, exp_step, flat
 
 
-def write_artifact(loaded: setup.Loaded, folder: str,
+def write_artifact(loaded: loading.Loaded, folder: str,
                    platforms=("cpu", "cuda")) -> dict:
   """Writes the artifact folder; returns its manifest."""
   try:
@@ -92,8 +93,8 @@ def write_artifact(loaded: setup.Loaded, folder: str,
       "platforms": list(platforms), "num_params": len(flat),
       "num_layers": m.num_layers, "hidden_size": m.hidden_size,
       "vocab_size": m.vocab_size, "tokenizer": loaded.tokenizer.kind,
-      "head": model.head_kind(m),
-      "outputs": ("log-probabilities" if model.head_kind(m) == "adaptive"
+      "head": lm.head_kind(m),
+      "outputs": ("log-probabilities" if lm.head_kind(m) == "adaptive"
                   else "logits"),
       "sample": {k: loaded.cfg.sample[k] for k in
                  ("max_new_tokens", "temperature", "top_k", "top_p")},
@@ -147,7 +148,7 @@ def _link_or_copy(src: str, dst: str) -> None:
 def run(cfg, workdir: str, export_dir: str | None = None) -> str:
   """--mode=export: WORKDIR/export/{artifact,triton}; returns the export dir."""
   export_dir = export_dir or os.path.join(workdir, "export")
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   artifact = os.path.join(export_dir, "artifact")
   manifest = write_artifact(loaded, artifact)
   model_dir = write_triton_repository(artifact,

@@ -18,13 +18,15 @@ import time
 import jax
 import numpy as np
 
-from zebra_jax import metrics, model, parallel, setup, writer
 from zebra_jax.errors import UserError
+from zebra_jax.inference import loading
+from zebra_jax.model import lm, metrics
+from zebra_jax.runtime import parallel, writer
 
 
 def eval_step(params, carry, inputs, targets, *, graphdef):
   """One window without dropout: (new carry, metric sums)."""
-  sums, carry = model.token_sums(graphdef, params, inputs, targets, carry)
+  sums, carry = lm.token_sums(graphdef, params, inputs, targets, carry)
   return carry, sums
 
 
@@ -64,7 +66,7 @@ class Evaluator:
     rows = self.rows(ids)
     # A no-op when params already live on this mesh (tests use a smaller one).
     params = jax.device_put(params, parallel.replicated(self.mesh))
-    carry = jax.device_put(model.init_carry(self.model_cfg, self.batch_size),
+    carry = jax.device_put(lm.init_carry(self.model_cfg, self.batch_size),
                            parallel.batch_sharded(self.mesh))
     starts = list(range(0, rows.shape[1] - 1, self.seq_len))
     if max_batches:
@@ -115,7 +117,7 @@ def run(cfg, workdir: str, splits_to_eval=("valid", "test"),
       raise UserError(f"--split={splits_to_eval} is unknown: use one of "
                       f"{', '.join(SPLIT_CHOICES)}")
     splits_to_eval = SPLIT_CHOICES[splits_to_eval]
-  loaded = setup.load_for_inference(cfg, workdir)
+  loaded = loading.load_for_inference(cfg, workdir)
   mesh = mesh or parallel.make_mesh()
   evaluator = Evaluator(loaded.graphdef, mesh, loaded.cfg.model,
                         cfg.eval.batch_size, cfg.eval.seq_len)

@@ -12,8 +12,8 @@ from typing import Any
 
 import jax
 
-from zebra_jax import progress
 from zebra_jax.errors import UserError
+from zebra_jax.runtime import progress
 
 
 class MetricWriter:

@@ -1,7 +1,7 @@
 """How fast the input pipeline feeds the train step, on synthetic ids.
 
-  python -m zebra_jax.data_bench --step_tokens_per_s=250000   # wt103 shapes
-  python -m zebra_jax.data_bench --quick                      # seconds
+  python -m zebra_jax.tools.data_bench --step_tokens_per_s=250000   # wt103 shapes
+  python -m zebra_jax.tools.data_bench --quick                      # seconds
 
 Builds a 100M-token int32 id array as an np.memmap in a temp folder (as the
 real cache is read), then times StreamBatcher.get alone and followed by
@@ -20,7 +20,7 @@ from absl import flags
 import jax
 import numpy as np
 
-from zebra_jax import data
+from zebra_jax.data import pipeline
 
 _NUM_TOKENS = flags.DEFINE_integer("num_tokens", 100_000_000,
                                    "Synthetic ids in the memmap.")
@@ -70,7 +70,7 @@ def run(num_tokens: int, batch_size: int, seq_len: int, num_batches: int,
     ids = synthetic_ids(os.path.join(tmp, "ids.bin"), num_tokens, vocab_size)
     print(f"synthetic ids: {num_tokens:,} int32 in "
           f"{time.perf_counter() - start:.1f} s")
-    batcher = data.StreamBatcher(ids, batch_size, seq_len)
+    batcher = pipeline.StreamBatcher(ids, batch_size, seq_len)
     results = {}
     for name, to_device in (("batcher", False), ("batcher+device_put", True)):
       results[name] = r = measure(batcher, num_batches, to_device)

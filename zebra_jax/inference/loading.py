@@ -1,0 +1,52 @@
+"""A trained model read back from a workdir: config, tokenizer, data, params.
+
+Inference restores the parameters alone: the optimizer moments (twice the
+parameters again under Adam), the training carry and the loss scale stay on
+disk, so a model loads in a third of the memory and from any batch size.
+"""
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from zebra_jax.data import pipeline
+from zebra_jax.errors import UserError
+from zebra_jax.model import lm
+from zebra_jax.runtime import checkpoint, parallel, rundir
+
+
+@dataclasses.dataclass
+class Loaded:
+  """A trained model and its data, as read back from a workdir."""
+  cfg: ml_collections.ConfigDict
+  tokenizer: Any
+  splits: dict[str, np.ndarray]
+  graphdef: Any
+  params: Any
+  step: int
+
+
+def load_for_inference(cfg: ml_collections.ConfigDict, workdir: str,
+                       step: int | None = None) -> Loaded:
+  """Reads config.json, the tokenizer, data and the best (or given) checkpoint.
+
+  Args:
+    cfg: the caller's config; its eval/sample settings and compute dtype win.
+    workdir: a trained run directory.
+    step: a checkpoint step; None picks the best by validation loss.
+  """
+  merged = rundir.load_config(cfg, workdir)
+  ckpt = checkpoint.Checkpointer(workdir, create=False)
+  if step is None:
+    step = ckpt.best_step()
+  if step is None:
+    raise UserError(f"workdir {workdir} has no checkpoint in "
+                    f"{ckpt.directory}: train first with --mode=train")
+  tokenizer, splits = pipeline.load_eval_data(merged, workdir)
+  graphdef, abstract_params = lm.abstract(merged.model)
+  params = ckpt.restore_params(
+      step, parallel.replicated_like(parallel.make_mesh(), abstract_params))
+  ckpt.close()
+  return Loaded(merged, tokenizer, splits, graphdef, params, step)
