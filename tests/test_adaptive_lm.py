@@ -59,19 +59,19 @@ def test_no_cutoffs_is_the_full_head_with_the_same_weights(tie):
   full_graphdef, full = _random_params(full_cfg)
   adaptive_graphdef, adaptive = _random_params(adaptive_cfg, seed=5)
   assert all(x.size for x in jax.tree.leaves(adaptive))  # orbax saves no empties
-  lm = nnx.merge(adaptive_graphdef, adaptive)
-  for i, layer in enumerate(lm.layers):  # copy every weight across
+  adaptive_lm = nnx.merge(adaptive_graphdef, adaptive)
+  for i, layer in enumerate(adaptive_lm.layers):  # copy every weight across
     for name in ("w_x", "w_h", "b"):
       getattr(layer, name)[...] = full["layers"][i][name][...]
-  head = lm.adaptive_softmax
+  head = adaptive_lm.adaptive_softmax
   if tie:
     assert "embed" not in adaptive and "head_w" not in full
     head.weights.tables[0][...] = full["embed"][...]  # the input too
   else:
-    lm.embed[...] = full["embed"][...]
+    adaptive_lm.embed[...] = full["embed"][...]
     head.weights.tables[0][...] = full["head_w"][...].T
   head.biases[0][...] = full["head_b"][...]
-  adaptive_graphdef, adaptive = nnx.split(lm)
+  adaptive_graphdef, adaptive = nnx.split(adaptive_lm)
 
   inputs, targets, carry = _data(full_cfg)
   logits, full_carry = lm.apply(full_graphdef, full, inputs, carry)

@@ -47,8 +47,7 @@ def _functions(graphdef, treedef):
 
   def step(flat_params, carry, tokens):                       # tokens [b]
     params = jax.tree.unflatten(treedef, flat_params)
-    logits, carry = lm.apply(graphdef, params, tokens[:, None], carry)
-    return logits[:, 0], carry
+    return lm.decode_step(params, carry, tokens, graphdef=graphdef)
 
   return prompt, step
 

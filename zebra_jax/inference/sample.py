@@ -64,12 +64,6 @@ def _consume_prompt(params, tokens, carry, *, graphdef):
   return lm.last_logits(graphdef, params, tokens, carry)
 
 
-def _one_token(params, carry, tokens, *, graphdef):
-  """The recurrent step sampling calls: tokens [B] -> logits [B, V]."""
-  logits, carry = lm.apply(graphdef, params, tokens[:, None], carry)
-  return logits[:, 0], carry
-
-
 class Generator:
   """A loaded model with its jitted prompt and step functions, built once.
 
@@ -83,7 +77,7 @@ class Generator:
     self.params = jax.device_put(loaded.params, jax.local_devices()[0])
     self._consume = jax.jit(functools.partial(_consume_prompt,
                                               graphdef=loaded.graphdef))
-    self.step_fn = functools.partial(_one_token, graphdef=loaded.graphdef)
+    self.step_fn = functools.partial(lm.decode_step, graphdef=loaded.graphdef)
 
   def encode(self, prompt: str) -> np.ndarray:
     if not prompt:

@@ -274,6 +274,16 @@ def last_logits(graphdef, params, tokens, carry):
   return lm.logits(hidden[:, -1:])[:, 0], new_carry
 
 
+def decode_step(params, carry, tokens, *, graphdef):
+  """One generated token: tokens [B] -> (logits [B, V] float32, new carry).
+
+  The one recurrent step that sampling, serving, export and the generation
+  benchmark all run; bind `graphdef` with functools.partial.
+  """
+  logits, new_carry = apply(graphdef, params, tokens[:, None], carry)
+  return logits[:, 0], new_carry
+
+
 def token_sums(graphdef, params, inputs, targets, carry, dropout_rng=None,
                with_accuracy: bool = True):
   """Pure loss pass: ({"loss_sum", "count"[, "correct"]} float32, new carry).

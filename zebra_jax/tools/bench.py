@@ -199,16 +199,10 @@ def eval_runner(shape, stripes):
                         tokens[:, :-1], tokens[:, 1:]), {0: 1})
 
 
-def _one_token(params, carry, tokens, *, graphdef):
-  """sampling.generate's step: tokens [B] -> (logits [B, V], carry)."""
-  logits, carry = lm.apply(graphdef, params, tokens[:, None], carry)
-  return logits[:, 0], carry
-
-
 def gen_runner(shape, stripes, batch):
   cfg = model_config(shape, stripes)
   graphdef, params = _create(cfg)
-  step_fn = functools.partial(_one_token, graphdef=graphdef)
+  step_fn = functools.partial(lm.decode_step, graphdef=graphdef)
   carry = lm.init_carry(cfg, batch)
   logits = jnp.zeros((batch, shape["vocab"]), jnp.float32)
   run = functools.partial(
