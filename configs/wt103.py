@@ -44,80 +44,56 @@ al. 2018 (An Analysis of Neural Language Modeling at Multiple Scales) reach
 33.0 with a 4-layer QRNN, a bar below the band.
 """
 
+import importlib.util
+import os
+
 import ml_collections
 
 
+def _base():
+  """configs/base.py beside this file, whatever the working directory."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py")
+  spec = importlib.util.spec_from_file_location("zebra_configs_base", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.data = dict(
-      source="wikitext",        # wikitext (folder) | hf (Salesforce/wikitext or a local parquet/arrow dir) | text | embedded
-      path="",                  # wikitext/text: REQUIRED, e.g. /data/wikitext-103
-      hf_name="Salesforce/wikitext",  # source=hf: the hub dataset
-      hf_config="wikitext-103-v1",    # source=hf: wikitext-103-v1 | wikitext-103-raw-v1 | wikitext-2-v1 | wikitext-2-raw-v1
-      hf_cache_dir="",          # source=hf: datasets cache ("" = HF default); HF_HUB_OFFLINE=1 reads only this
+  c = _base().get_config()
+  c.data.update(
+      source="wikitext",        # or hf: Salesforce/wikitext, or a local parquet/arrow dir
+      hf_config="wikitext-103-v1",  # source=hf
       tokenizer="word",         # WikiText convention: whitespace tokens, <eos>
-      bpe_vocab_size=32000,     # tokenizer=bpe: byte-level BPE size
-      min_freq=1,
-      max_vocab_size=0,         # 0 = no cap: all 267,735 words (the adaptive softmax makes that affordable)
-      valid_fraction=0.05,      # unused: WikiText has its own splits
-      test_fraction=0.05,
-      batching="streams",
-      batch_size=128,           # global; split evenly over devices
-      seq_len=128,              # truncated-BPTT window
-  )
-  c.model = dict(
-      vocab_size=0,             # from the tokenizer
-      embed_size=2048,          # == hidden_size, so the adaptive input and softmax share tables
+      bpe_vocab_size=32000,     # if tokenizer=bpe
+      batch_size=128,           # x seq_len = 16,384 tokens per step
+      seq_len=128,
+  )  # max_vocab_size=0: all 267,735 words (the adaptive softmax affords them)
+  c.model.update(
+      embed_size=2048,          # == hidden_size: adaptive input and softmax share tables
       hidden_size=2048,
-      num_layers=2,
       num_stripes=8,            # 8 stripes of 256: 8x fewer recurrent FLOPs
       dropout_embed=0.1,
       dropout_hidden=0.2,
       dropout_output=0.2,
-      tie_embeddings=True,      # head=full only, and only when embed_size == hidden_size
-      head="adaptive",          # full | adaptive: Grave et al. 2017 over the 267k words
-      adaptive_cutoffs=(20000, 40000, 200000),  # Transformer-XL's WikiText-103 clusters; cutoffs >= vocab are dropped
-      adaptive_div_val=4,       # widths 2048/512/128/32: Transformer-XL large uses 4 (its base, d=410, uses 1);
-                                # at d=2048, div_val=1 would spend 548M parameters on the tables, 4 spends 74M
-      adaptive_tie=True,        # input = AdaptiveInput sharing the head's tables and projections (needs embed_size == hidden_size)
-      adaptive_chunk_rows=1024,  # loss rows per tail-cluster chunk: 1024 x 160k float32 = 0.66 GB at a time
+      head="adaptive",          # base's cutoffs are Transformer-XL's WikiText-103 clusters;
+                                # div_val=4 gives widths 2048/512/128/32 (74M table
+                                # parameters; div_val=1 would spend 548M)
       dtype="bfloat16",         # GPU default; parameters stay float32
       unroll=8,
-      remat=False,
   )
-  c.optim = dict(
-      name="adam", learning_rate=1e-3, weight_decay=0.0, momentum=0.9,
-      b1=0.9, b2=0.999, eps=1e-8, warmup_steps=2000, min_lr_ratio=0.01,
-      clip_norm=0.25)
-  c.train = dict(
-      num_steps=100_000,        # 1.64B tokens = ~16 epochs of 103M at 16,384 tokens/step
-      time_budget_minutes=0.0,
+  c.optim.update(learning_rate=1e-3, warmup_steps=2000, min_lr_ratio=0.01,
+                 clip_norm=0.25)
+  c.train.update(
+      num_steps=100_000,        # 1.64B tokens = ~16 epochs of 103M
       log_every=200,
       eval_every=4000,
-      eval_max_batches=0,
-      report_at_end=True,
-      sample_at_eval=True,      # a short sample from sample.prompt in TensorBoard
-      grad_accum_steps=1,       # k micro-batches per update (same update, less memory)
-      max_consecutive_skips=100,  # stop after this many non-finite steps in a row
-      loss_scale=dict(          # dynamic loss scaling, used when model.dtype=float16
-          initial_scale=2.0 ** 15, growth_interval=2000, growth_factor=2.0,
-          backoff_factor=0.5, min_scale=1.0),
   )
-  c.eval = dict(batch_size=16, seq_len=256)
-  c.serve = dict(                # --mode=serve request limits
-      max_body_bytes=1 << 20, max_new_tokens=1024, max_prompt_tokens=4096,
-      max_rows=64, max_score_tokens=100_000)
-  c.profile = dict(
-      start_step=0,             # first traced step (>= 2 skips compilation)
-      num_steps=0,              # steps traced into workdir/profile; 0 = off
-  )
-  c.checkpoint = dict(every_steps=4000, keep_latest=2, keep_best=1)
-  c.sample = dict(prompt="The history of", max_new_tokens=60, temperature=0.8,
-                  top_k=0, top_p=0.95, num_samples=1, seed=0,
-                  repetition_penalty=1.0, stop="", stream=False, chunk=32)
+  c.eval.seq_len = 256
+  c.checkpoint.every_steps = 4000
+  c.sample.update(prompt="The history of", max_new_tokens=60)
   if variant == "tiny":  # same code path, shrunk for tests and smoke runs
-    c.data.update(batch_size=8, seq_len=16, max_vocab_size=0)
+    c.data.update(batch_size=8, seq_len=16)
     c.model.update(embed_size=32, hidden_size=32, num_stripes=4, unroll=1,
                    dtype="float32", dropout_embed=0.0,
                    adaptive_cutoffs=(8, 16),  # a ~24-word test vocab: 3 clusters
