@@ -1,4 +1,4 @@
-"""Striped vs classic LSTM at equal wall-clock, over seeds (issue 9).
+"""Striped vs classic LSTM at equal wall-clock, over seeds.
 
   launch/compare_stripes.sh runs/compare 1.5 0,1,2      # OUT MINUTES SEEDS
   python -m zebra_jax.tools.experiments --out=runs/compare --budget_minutes=1.5 \
