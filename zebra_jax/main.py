@@ -1,7 +1,9 @@
-"""Command line: python -m zebra_jax.main --config=configs/demo.py --workdir=DIR.
+"""Command line: zebra-jax (or python -m zebra_jax.main) --config=configs/demo.py.
 
 Flags name things (what to run, where, which prompt); the config holds numbers.
 Any config field can be overridden, e.g. --config.model.num_stripes=8.
+--workdir defaults to runs/<config name>[-<variant>]; every mode but train
+may leave out --config and use the workdir's config.json.
 """
 
 import errno
@@ -11,14 +13,17 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from zebra_jax.cli import arguments
+from zebra_jax.errors import UserError
 from zebra_jax.runtime import distributed  # defines the multi-process flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/demo.py or "
-    "configs/wt103.py:tiny.", lock_config=True)
+    "configs/wt103.py:tiny; outside --mode=train, default: the workdir's "
+    "config.json.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory: config.json, tokenizer/, checkpoints/, "
-    "metrics.jsonl.")
+    "metrics.jsonl (default: runs/<config name>[-<variant>]).")
 _MODE = flags.DEFINE_enum(
     "mode", "train",
     ["train", "eval", "sample", "score", "export", "serve", "infer_bench",
@@ -26,7 +31,8 @@ _MODE = flags.DEFINE_enum(
     "train (then evaluate valid/test and print a sample), eval, sample, score "
     "(texts), export (jax.export + Triton repository), serve (HTTP on "
     "localhost), infer_bench (generation throughput and latency), plot "
-    "(loss/ppl curves PNG) or bench (training speed vs PyTorch).")
+    "(loss/ppl curves PNG) or bench (training speed vs PyTorch; takes "
+    "zebra_jax.tools.bench's flags, e.g. --quick, --shape, --memory).")
 _PLOT_OUT = flags.DEFINE_string("plot_out", None,
                                 "plot: PNG path (default WORKDIR/curves.png).")
 _COMPARE = flags.DEFINE_list("compare", [], "plot: more workdirs to overlay.")
@@ -78,7 +84,6 @@ _TOP_P = flags.DEFINE_float("top_p", None, "sample: nucleus mass to keep "
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", None,
                                     "sample: continuations to draw.")
 _SEED = flags.DEFINE_integer("seed", None, "sample: random seed.")
-flags.mark_flags_as_required(["config", "workdir"])
 
 
 def _sample_overrides(cfg):
@@ -101,11 +106,12 @@ def main(argv):
   del argv  # Everything comes from flags.
   # Imported here so --help and flag errors answer before JAX starts.
   from zebra_jax.runtime import writer
-  from zebra_jax.errors import UserError
   distributed.initialize()  # before any JAX backend starts
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
-  cfg, workdir = _sample_overrides(_CONFIG.value), _WORKDIR.value
+  cfg, workdir = _CONFIG.value, _WORKDIR.value
+  if cfg is not None:
+    cfg = _sample_overrides(cfg)
   try:
     _dispatch(_MODE.value, cfg, workdir)
   except UserError as e:
@@ -131,10 +137,9 @@ def _fail(writer, message: str) -> None:
 
 
 def _dispatch(mode: str, cfg, workdir: str) -> None:
-  from zebra_jax.training import evaluate
-  from zebra_jax.inference import sample
-  from zebra_jax.inference import score
-  from zebra_jax.training import loop
+  if mode in ("train", "eval", "sample"):
+    from zebra_jax.inference import sample
+    from zebra_jax.training import evaluate, loop
   if mode == "train":
     config_path = next((a.split("=", 1)[1] for a in sys.argv  # for hints
                         if a.startswith("--config=")), None)
@@ -149,6 +154,7 @@ def _dispatch(mode: str, cfg, workdir: str) -> None:
                if _PROMPT_FILE.value else None)
     sample.run(cfg, workdir, prompts)
   elif mode == "score":
+    from zebra_jax.inference import score
     score.run(cfg, workdir, _TEXT.value, _TEXT_FILE.value, _VERBOSE.value)
   elif mode == "export":
     from zebra_jax.inference import export
@@ -166,49 +172,32 @@ def _dispatch(mode: str, cfg, workdir: str) -> None:
   elif mode == "plot":
     from zebra_jax.tools import plot
     print(plot.run([workdir, *_COMPARE.value], _PLOT_OUT.value))
-  else:
+  else:  # bench's own flags were defined by _parse_flags
     from zebra_jax.tools import bench
-    bench.run(json_path=os.path.join(workdir, "bench.json"))
-
-
-def _config_field_error(argv: list[str]) -> str | None:
-  """For a bad --config.a.b override: which field is unknown and the valid ones."""
-  import importlib.util
-  path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")),
-              None)
-  if path is None:
-    return None
-  file, _, variant = path.partition(":")
-  try:
-    spec = importlib.util.spec_from_file_location("_zebra_config", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config(variant) if variant else module.get_config()
-  except Exception:  # the config file itself is broken: absl's message stands
-    return None
-  for arg in argv:
-    if not arg.startswith("--config.") and not arg.startswith("--noconfig."):
-      continue
-    dotted = arg.split("=", 1)[0].split("config.", 1)[1]
-    node, walked = cfg, []
-    for part in dotted.split("."):
-      if not hasattr(node, "keys") or part not in node:
-        where = ".".join(walked) or "the config"
-        valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else ""
-        return (f"--config.{dotted}: {where} has no field {part!r}; valid "
-                f"fields: {valid}")
-      node, walked = node[part], walked + [part]
-  return None
+    f = flags.FLAGS
+    bench.run(f.quick, f.shape, f.json or (workdir and os.path.join(
+        workdir, "bench.json")), f.rounds, f.memory, f.trace_dir)
 
 
 def _parse_flags(argv: list[str]):
-  """absl's parser, with one clear line for a mistyped --config override."""
+  """absl's parser after `arguments.resolve`; bad input is one clear line."""
+  asks_help = any(a.lstrip("-").startswith(("help", "h", "?")) and
+                  a.startswith("-") and "=" not in a for a in argv[1:])
+  try:
+    argv = argv if asks_help else arguments.resolve(argv)
+  except UserError as e:
+    _usage_error(str(e))
+  if arguments.flag_value(argv, "mode") == "bench":
+    from zebra_jax.tools import bench  # pylint: disable=unused-import  # its flags
   try:
     return flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    message = _config_field_error(argv) or " ".join(str(e).split())
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    _usage_error(arguments.config_field_error(argv) or " ".join(str(e).split()))
+
+
+def _usage_error(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
 
 
 def run():
