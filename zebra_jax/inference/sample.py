@@ -23,10 +23,6 @@ from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, sampling
 from zebra_jax.model import lm
 
-# Fields that configs may not define yet; configs/*.py should own them.
-_DEFAULTS = dict(repetition_penalty=1.0, stop="", stream=False, chunk=32)
-
-
 @dataclasses.dataclass(frozen=True)
 class Options:
   """Everything that shapes one generation request."""
@@ -42,10 +38,8 @@ class Options:
 
   @classmethod
   def from_config(cls, sample_cfg) -> "Options":
-    names = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in _DEFAULTS.items() if k in names}
-    values.update({k: sample_cfg[k] for k in names if k in sample_cfg})
-    return cls(**values)
+    """config.sample's values (configs/base.py defines every field)."""
+    return cls(**{f.name: sample_cfg[f.name] for f in dataclasses.fields(cls)})
 
   def check(self) -> None:
     """UserError for a value no request can honour (host side, cheap)."""
@@ -216,7 +210,7 @@ def run(cfg, workdir: str, prompts: list[str] | None = None) -> list[str]:
   options = Options.from_config(cfg.sample)
   options.check()  # before loading a checkpoint
   prompts = prompts or [cfg.sample.prompt]
-  stream = bool(cfg.sample.get("stream", _DEFAULTS["stream"]))
+  stream = bool(cfg.sample.stream)
   if stream and len(prompts) * options.num_samples > 1:
     raise UserError("--stream prints one text as it grows: use one prompt and "
                     "--num_samples=1, or drop --stream")

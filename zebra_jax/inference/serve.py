@@ -40,10 +40,9 @@ class Limits:
 
   @classmethod
   def from_config(cls, cfg) -> "Limits":
-    """cfg.serve's fields where a config defines them, else the defaults."""
-    given = cfg.get("serve") or {}
-    return cls(**{f.name: int(given[f.name]) for f in dataclasses.fields(cls)
-                  if f.name in given})
+    """cfg.serve's values (configs/base.py defines every field)."""
+    return cls(**{f.name: int(cfg.serve[f.name])
+                  for f in dataclasses.fields(cls)})
 
 
 class BadRequest(Exception):
