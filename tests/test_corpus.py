@@ -1,11 +1,13 @@
-"""Corpus sources: the embedded corpus, WikiText folders, plain text files."""
+"""Sources: the embedded corpus, WikiText folders, plain text files, and the
+registry that picks them by name."""
 
 import os
 
 import ml_collections
 import pytest
 
-from zebra_jax.data import corpus
+from zebra_jax.data import pipeline, sources, splits as splits_lib
+from zebra_jax.data.sources import embedded
 from zebra_jax.errors import UserError
 
 
@@ -13,6 +15,14 @@ def data_config(**overrides) -> ml_collections.ConfigDict:
   c = dict(source="embedded", path="", valid_fraction=0.05, test_fraction=0.05)
   c.update(overrides)
   return ml_collections.ConfigDict(c)
+
+
+def load_splits(data_config) -> dict[str, str]:
+  return sources.load_splits(pipeline.make_source(data_config))
+
+
+def source_fingerprint(data_config) -> str:
+  return pipeline.make_source(data_config).fingerprint()
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +33,10 @@ def embedded_twice(tmp_path_factory):
   """
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-    first = corpus.load_splits(data_config())
-    second = corpus.load_splits(data_config())
+    first = load_splits(data_config())
+    second = load_splits(data_config())
     cached = os.listdir(os.path.join(os.environ["XDG_CACHE_HOME"], "zebra_jax"))
-    documents = corpus.embedded_documents()
+    documents = embedded.embedded_documents()
   return first, second, cached, documents
 
 
@@ -35,7 +45,7 @@ def test_embedded_is_big_english_text(embedded_twice):
   total = sum(len(text) for text in splits.values())
   assert total > 500_000
   assert splits["train"].count(" the ") > 1000
-  for name in corpus.SPLITS:
+  for name in splits_lib.SPLITS:
     assert splits[name].strip(), name
   # The held-out shares are roughly the fractions asked for (documents vary).
   assert 0.01 < len(splits["valid"]) / total < 0.15
@@ -55,7 +65,7 @@ def test_embedded_splits_are_disjoint_documents(embedded_twice):
   assert any(name.startswith("module:") for name in documents)
   # Every document lands in exactly one split.
   for name, text in list(documents.items())[::25]:
-    homes = [s for s in corpus.SPLITS if text + "\n\n" in splits[s]]
+    homes = [s for s in splits_lib.SPLITS if text + "\n\n" in splits[s]]
     assert len(homes) == 1, (name, homes)
 
 
@@ -80,7 +90,7 @@ def write_wikitext(folder, suffix=".tokens"):
 @pytest.mark.parametrize("suffix", [".tokens", ".raw"])
 def test_wikitext_folder(tmp_path, suffix):
   texts = write_wikitext(tmp_path / "wt", suffix)
-  splits = corpus.load_splits(
+  splits = load_splits(
       data_config(source="wikitext", path=str(tmp_path / "wt")))
   assert splits == texts
 
@@ -89,20 +99,20 @@ def test_wikitext_missing_file_names_it(tmp_path):
   write_wikitext(tmp_path / "wt")
   os.remove(tmp_path / "wt" / "wiki.valid.tokens")
   with pytest.raises(UserError, match="wiki.valid.tokens is missing"):
-    corpus.load_splits(
+    load_splits(
         data_config(source="wikitext", path=str(tmp_path / "wt")))
 
 
 def test_wikitext_missing_folder(tmp_path):
   with pytest.raises(UserError, match="not a folder.*--config.data.path"):
-    corpus.load_splits(
+    load_splits(
         data_config(source="wikitext", path=str(tmp_path / "nowhere")))
 
 
 def test_text_file_split_by_fractions(tmp_path):
   lines = [f"line {i}" for i in range(20)]
   (tmp_path / "a.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-  splits = corpus.load_splits(data_config(
+  splits = load_splits(data_config(
       source="text", path=str(tmp_path / "a.txt"), valid_fraction=0.1,
       test_fraction=0.25))
   # 20 lines: test = last 5, valid = the 2 before them, train = the first 13.
@@ -118,21 +128,21 @@ def test_text_folder_and_comma_list_concatenate_in_order(tmp_path):
   config = data_config(source="text", path=str(tmp_path), valid_fraction=0.0,
                        test_fraction=0.0)
   expected = {"train": "a1\na2\nb1\nb2\n", "valid": "", "test": ""}
-  assert corpus.load_splits(config) == expected
+  assert load_splits(config) == expected
   config.path = f"{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}"
-  assert corpus.load_splits(config) == expected
+  assert load_splits(config) == expected
 
 
 def test_text_missing_path(tmp_path):
   missing = str(tmp_path / "missing.txt")
   with pytest.raises(UserError, match="does not exist.*--config.data.path"):
-    corpus.load_splits(data_config(source="text", path=missing))
+    load_splits(data_config(source="text", path=missing))
 
 
 def test_empty_corpus(tmp_path):
   (tmp_path / "empty.txt").write_text("\n\n", encoding="utf-8")
   with pytest.raises(UserError, match="train split.*is empty"):
-    corpus.load_splits(
+    load_splits(
         data_config(source="text", path=str(tmp_path / "empty.txt")))
 
 
@@ -141,24 +151,34 @@ def test_non_utf8_names_file_and_offset(tmp_path):
   path.write_bytes("caf".encode() + "é\n".encode("latin-1"))
   with pytest.raises(UserError, match=r"latin1.txt is not UTF-8.*offset 3.*"
                                       r"iconv") as info:
-    corpus.load_splits(data_config(source="text", path=str(path)))
+    load_splits(data_config(source="text", path=str(path)))
   assert "\n" not in str(info.value)
 
 
 def test_bad_source_and_fractions():
   with pytest.raises(UserError, match="data.source .tfds. is unknown"):
-    corpus.load_splits(data_config(source="tfds"))
+    load_splits(data_config(source="tfds"))
   with pytest.raises(UserError, match="sum to less than 1"):
-    corpus.load_splits(data_config(valid_fraction=0.6, test_fraction=0.5))
+    load_splits(data_config(valid_fraction=0.6, test_fraction=0.5))
 
 
 def test_fingerprint_tracks_files(tmp_path):
   path = tmp_path / "a.txt"
   path.write_text("one\n", encoding="utf-8")
   config = data_config(source="text", path=str(path))
-  before = corpus.source_fingerprint(config)
-  assert corpus.source_fingerprint(config) == before
+  before = source_fingerprint(config)
+  assert source_fingerprint(config) == before
   path.write_text("one two\n", encoding="utf-8")  # new size
-  assert corpus.source_fingerprint(config) != before
-  assert (corpus.source_fingerprint(data_config())
-          != corpus.source_fingerprint(data_config(valid_fraction=0.1)))
+  assert source_fingerprint(config) != before
+  assert (source_fingerprint(data_config())
+          != source_fingerprint(data_config(valid_fraction=0.1)))
+
+
+def test_sources_are_frozen_and_picked_by_name():
+  assert sorted(sources.SOURCES) == ["embedded", "hf", "text", "wikitext"]
+  source = pipeline.make_source(data_config(source="text", path="a.txt"))
+  assert source == sources.TextSource("a.txt", 0.05, 0.05)
+  with pytest.raises(Exception):  # frozen: options cannot drift after checks
+    source.path = "b.txt"
+  assert [s.needs_path for s in sources.SOURCES.values()] == [
+      False, True, True, False]

@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from zebra_jax.data import corpus, pipeline
+from zebra_jax.data import id_cache, pipeline, sources, splits
 from zebra_jax.errors import UserError
 
 
@@ -38,16 +38,16 @@ def test_prepare_data_writes_and_reuses_cache(tmp_path, text_file, monkeypatch):
   manifest = json.loads((tmp_path / "run/data/manifest.json").read_text())
   assert manifest["num_tokens"]["train"] == 30
   assert manifest["tokenizer_fingerprint"] == tok.fingerprint()
-  assert os.path.isfile(tmp_path / "run/tokenizer/tokenizer.json")
+  assert os.path.isfile(tmp_path / "run/tokenizer/tokenizer.zebra.json")
 
   def no_reading(_):
     raise AssertionError("the corpus was read although the cache matched")
 
-  monkeypatch.setattr(corpus, "load_splits", no_reading)
+  monkeypatch.setattr(sources.TextSource, "open", no_reading)
   tok2, ids2 = pipeline.prepare_data(config, workdir)
   assert tok2 == tok
   assert isinstance(ids2["train"], np.memmap)
-  for name in corpus.SPLITS:
+  for name in splits.SPLITS:
     np.testing.assert_array_equal(ids2[name], ids[name])
 
 
@@ -206,7 +206,7 @@ def test_big_corpus_caches_once_and_is_reused(tmp_path, monkeypatch):
   synthetic_wikitext(tmp_path / "wt", BIG_TOKENS)
   config = make_config(tmp_path / "wt", source="wikitext")
   workdir = str(tmp_path / "run")
-  monkeypatch.setattr(corpus, "CHUNK_BYTES", 1 << 22)  # ~10 pieces
+  monkeypatch.setattr(splits, "CHUNK_BYTES", 1 << 22)  # ~10 pieces
   tok, ids = pipeline.prepare_data(config, workdir)
   assert isinstance(ids["train"], np.memmap)
   # 20 words + <eos> per line.
@@ -220,7 +220,7 @@ def test_big_corpus_caches_once_and_is_reused(tmp_path, monkeypatch):
   def no_reading(_):
     raise AssertionError("the corpus was read although the cache matched")
 
-  monkeypatch.setattr(corpus, "open_splits", no_reading)
+  monkeypatch.setattr(sources, "open_splits", no_reading)
   tok2, ids2 = pipeline.prepare_data(config, workdir)
   assert tok2 == tok
   np.testing.assert_array_equal(ids2["train"][-1000:], ids["train"][-1000:])
@@ -235,7 +235,7 @@ def test_streamed_npy_header_is_patched(tmp_path):
 
   arrays = [np.arange(5, dtype=np.int32), np.arange(0, dtype=np.int32),
             np.arange(7, dtype=np.int64)]
-  assert pipeline._stream_npy(path, arrays, NoProgress()) == 12
+  assert id_cache.stream_npy(path, arrays, NoProgress()) == 12
   loaded = np.load(path, mmap_mode="r")
   assert loaded.dtype == np.int32
   assert loaded.tolist() == list(range(5)) + list(range(7))
@@ -255,18 +255,18 @@ def test_bpe_prepare_data_and_settings_check(tmp_path, text_file):
 
 
 def test_file_split_pieces_cut_after_newlines(tmp_path, monkeypatch):
-  monkeypatch.setattr(corpus, "CHUNK_BYTES", 8)
+  monkeypatch.setattr(splits, "CHUNK_BYTES", 8)
   path = tmp_path / "f.txt"
   text = "\ufeffab\r\ncdefghijklmnop\nq\n\nr é s\nno end"
   path.write_bytes(text.encode("utf-8"))
-  split = corpus.file_split("train", str(path))
+  split = splits.file_split("train", str(path))
   pieces = list(split.chunks())
   assert "".join(pieces) == text[1:].replace("\r\n", "\n")
   assert all(p.endswith("\n") for p in pieces[:-1]) and len(pieces) > 3
   assert split.size == os.path.getsize(path) and split.unit == "B"
   path.write_bytes(b"ok\nfine line\n\xff bad\n")
   with pytest.raises(UserError, match="byte offset 13"):
-    list(corpus.file_split("train", str(path)).chunks())
+    list(splits.file_split("train", str(path)).chunks())
 
 
 def test_data_bench_quick_smoke(capsys):

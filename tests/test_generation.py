@@ -153,9 +153,9 @@ def test_bpe_continuations_keep_their_own_spaces_and_whole_characters():
   a second space; a character whose bytes span two chunks is never streamed
   as U+FFFD."""
   pytest.importorskip("tokenizers")
-  from zebra_jax.data.bpe import BPETokenizer
+  from zebra_jax.data.tokenizers import BPESpec, BPETokenizer
   tok = BPETokenizer.build(["hello world, the world is big. wörld é\n" * 50],
-                           300)
+                           BPESpec(bpe_vocab_size=300))
   gen = types.SimpleNamespace(tokenizer=tok)
   ids = tok.encode_prompt("hello world")
   assert sample.Generator._continuation(gen, "hello", ids[1:]) == " world"

@@ -10,7 +10,8 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from zebra_jax.data import corpus, pipeline  # pylint: disable=g-import-not-at-top
+from zebra_jax.data import pipeline, sources  # pylint: disable=g-import-not-at-top
+from zebra_jax.data.splits import SPLITS  # pylint: disable=g-import-not-at-top
 from zebra_jax.errors import UserError
 
 # WikiText rows: non-empty lines keep their "\n", blank lines are "".
@@ -29,6 +30,14 @@ def hf_config(path="", **overrides) -> ml_collections.ConfigDict:
            test_fraction=0.05)
   d.update(overrides)
   return ml_collections.ConfigDict(d)
+
+
+def load_splits(data_config) -> dict[str, str]:
+  return sources.load_splits(pipeline.make_source(data_config))
+
+
+def source_fingerprint(data_config) -> str:
+  return pipeline.make_source(data_config).fingerprint()
 
 
 def write_parquet(folder, subfolder="wikitext-103-v1"):
@@ -51,15 +60,15 @@ def offline(monkeypatch, tmp_path):
 def test_local_parquet_rows_become_lines(tmp_path, subfolder):
   path = write_parquet(tmp_path / "wt", subfolder)
   config = hf_config(path, hf_cache_dir=str(tmp_path / "cache"))
-  assert corpus.load_splits(config) == TEXTS
-  assert corpus.open_splits(config)["train"].unit == "rows"
+  assert load_splits(config) == TEXTS
+  assert pipeline.make_source(config).open()["train"].unit == "rows"
 
 
 def test_save_to_disk_folder(tmp_path):
   dd = datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v})
                              for k, v in ROWS.items()})
   dd.save_to_disk(str(tmp_path / "saved"))
-  assert corpus.load_splits(hf_config(tmp_path / "saved")) == TEXTS
+  assert load_splits(hf_config(tmp_path / "saved")) == TEXTS
 
 
 def test_matches_the_wikitext_folder_token_for_token(tmp_path):
@@ -77,26 +86,26 @@ def test_matches_the_wikitext_folder_token_for_token(tmp_path):
   tok_a, ids_a = pipeline.prepare_data(wt, str(tmp_path / "run_a"))
   tok_b, ids_b = pipeline.prepare_data(hf, str(tmp_path / "run_b"))
   assert tok_a == tok_b
-  for name in corpus.SPLITS:
+  for name in SPLITS:
     np.testing.assert_array_equal(ids_a[name], ids_b[name])
   assert ids_b["train"][-3:].tolist() == [tok_b.token_to_id["the"],
                                           tok_b.token_to_id["cat"],
                                           tok_b.eos_id]
   # Reuse: the manifest matches the stat of the parquet files.
-  assert corpus.source_fingerprint(hf.data) == corpus.source_fingerprint(
+  assert source_fingerprint(hf.data) == source_fingerprint(
       hf.data)
 
 
 def test_fingerprint_tracks_config_and_files(tmp_path):
   path = write_parquet(tmp_path / "wt")
-  before = corpus.source_fingerprint(hf_config(path))
-  assert before != corpus.source_fingerprint(
+  before = source_fingerprint(hf_config(path))
+  assert before != source_fingerprint(
       hf_config(path, hf_config="wikitext-2-v1"))
-  assert (corpus.source_fingerprint(hf_config())
-          != corpus.source_fingerprint(hf_config(hf_config="wikitext-2-v1")))
+  assert (source_fingerprint(hf_config())
+          != source_fingerprint(hf_config(hf_config="wikitext-2-v1")))
   datasets.Dataset.from_dict({"text": ["changed\n"] * 3}).to_parquet(
       str(path / "wikitext-103-v1" / "test-00000-of-00001.parquet"))
-  assert corpus.source_fingerprint(hf_config(path)) != before
+  assert source_fingerprint(hf_config(path)) != before
 
 
 def test_unreachable_hub_names_offline_alternatives(monkeypatch):
@@ -106,7 +115,7 @@ def test_unreachable_hub_names_offline_alternatives(monkeypatch):
 
   monkeypatch.setattr(datasets, "load_dataset", no_network)
   with pytest.raises(UserError) as info:
-    corpus.load_splits(hf_config())
+    load_splits(hf_config())
   message = str(info.value)
   for hint in ("Couldn't reach", "HF_HUB_OFFLINE=1", "hf_cache_dir",
                "data.source=wikitext", "data.path"):
@@ -125,7 +134,7 @@ def test_hub_call_passes_name_config_and_cache(monkeypatch, tmp_path):
   monkeypatch.setattr(datasets, "load_dataset", fake_load)
   config = hf_config(hf_config="wikitext-2-raw-v1",
                      hf_cache_dir=str(tmp_path / "c"))
-  assert corpus.load_splits(config) == TEXTS
+  assert load_splits(config) == TEXTS
   assert calls == [("Salesforce/wikitext", "wikitext-2-raw-v1",
                     str(tmp_path / "c"))]
 
@@ -133,16 +142,16 @@ def test_hub_call_passes_name_config_and_cache(monkeypatch, tmp_path):
 def test_bad_local_folders(tmp_path):
   (tmp_path / "empty").mkdir()
   with pytest.raises(UserError, match="holds no dataset.*train-\\*.parquet"):
-    corpus.load_splits(hf_config(tmp_path / "empty"))
+    load_splits(hf_config(tmp_path / "empty"))
   with pytest.raises(UserError, match="is not a folder"):
-    corpus.load_splits(hf_config(tmp_path / "missing"))
+    load_splits(hf_config(tmp_path / "missing"))
   target = tmp_path / "cols" / "wikitext-103-v1"
   target.mkdir(parents=True)
   for split in ROWS:
     datasets.Dataset.from_dict({"body": ["x\n"]}).to_parquet(
         str(target / f"{split}-0.parquet"))
   with pytest.raises(UserError, match="columns \\['body'\\], not 'text'"):
-    corpus.load_splits(hf_config(tmp_path / "cols"))
+    load_splits(hf_config(tmp_path / "cols"))
 
 
 def test_missing_datasets_package_says_what_to_install(monkeypatch):
@@ -155,5 +164,5 @@ def test_missing_datasets_package_says_what_to_install(monkeypatch):
 
   monkeypatch.setattr(builtins, "__import__", no_datasets)
   with pytest.raises(UserError, match=r"pip install 'zebra_jax\[data\]'"):
-    corpus.load_splits(hf_config())
+    load_splits(hf_config())
   assert os.environ["HF_HUB_OFFLINE"] == "1"

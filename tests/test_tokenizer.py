@@ -1,4 +1,5 @@
-"""Char and word tokenizers: vocab rules, round trips, prompts, save/load."""
+"""Char, word and BPE tokenizers: vocab rules, round trips, prompts,
+save/load, and the protocol every caller relies on."""
 
 import json
 
@@ -7,8 +8,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from zebra_jax.data import tokenizer as tokenizer_lib
-from zebra_jax.data.tokenizer import CharTokenizer, WordTokenizer
+from zebra_jax.data import pipeline, tokenizers
+from zebra_jax.data.tokenizers import (BPESpec, CharSpec, CharTokenizer,
+                                       WordSpec, WordTokenizer, word)
 from zebra_jax.errors import UserError
 
 # Counts: the 4, cat 3, sat 2, <eos> 3 (one per line, the empty one too),
@@ -25,12 +27,12 @@ def test_word_vocab_order_and_specials():
 
 
 def test_word_min_freq_and_max_vocab_size():
-  assert WordTokenizer.build(TRAIN, min_freq=2).vocab == [
+  assert WordTokenizer.build(TRAIN, WordSpec(min_freq=2)).vocab == [
       "<unk>", "<eos>", "the", "cat", "sat"]
-  assert WordTokenizer.build(TRAIN, max_vocab_size=4).vocab == [
+  assert WordTokenizer.build(TRAIN, WordSpec(max_vocab_size=4)).vocab == [
       "<unk>", "<eos>", "the", "cat"]
   with pytest.raises(UserError, match="max_vocab_size=2"):
-    WordTokenizer.build(TRAIN, max_vocab_size=2)
+    WordTokenizer.build(TRAIN, WordSpec(max_vocab_size=2))
 
 
 def test_word_encode_eos_per_line_and_unk():
@@ -89,18 +91,33 @@ def test_char_prompt_unknown_chars_raise():
 def test_save_load_equality(tmp_path, kind):
   config = ml_collections.ConfigDict(
       dict(tokenizer=kind, min_freq=1, max_vocab_size=0))
-  tok = tokenizer_lib.make_tokenizer(config, TRAIN + "ünïcode\n")
+  tok = tokenizers.build(pipeline.tokenizer_spec(config), TRAIN + "ünïcode\n")
+  assert tok.spec == {"char": CharSpec, "word": WordSpec}[kind]()
   tok.save(str(tmp_path))
-  loaded = tokenizer_lib.load_tokenizer(str(tmp_path))
+  loaded = tokenizers.load(str(tmp_path))
   assert type(loaded) is type(tok) and loaded == tok
   assert loaded.fingerprint() == tok.fingerprint()
   assert loaded.encode(TRAIN).tolist() == tok.encode(TRAIN).tolist()
-  spec = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
+  # Not the HF tokenizers format, so not under its file name.
+  assert not (tmp_path / "tokenizer.json").exists()
+  spec = json.loads((tmp_path / "tokenizer.zebra.json").read_text(
+      encoding="utf-8"))
   assert spec["kind"] == kind and spec["vocab"] == tok.vocab
 
 
+@pytest.mark.parametrize("kind", ["char", "word"])
+def test_reads_folders_saved_before_the_record(tmp_path, kind):
+  """Older workdirs kept the char/word record in a file named tokenizer.json."""
+  tok = tokenizers.TOKENIZERS[kind].build(TRAIN)
+  (tmp_path / "tokenizer.json").write_text(json.dumps(
+      {"kind": kind, "min_freq": 1, "max_vocab_size": 0, "vocab": tok.vocab}),
+      encoding="utf-8")
+  assert tokenizers.has_saved(str(tmp_path))
+  assert tokenizers.load(str(tmp_path)) == tok
+
+
 def test_fingerprint_depends_on_vocab_and_kind():
-  a, b = WordTokenizer.build(TRAIN), WordTokenizer.build(TRAIN, min_freq=2)
+  a, b = WordTokenizer.build(TRAIN), WordTokenizer.build(TRAIN, WordSpec(min_freq=2))
   assert a.fingerprint() == WordTokenizer.build(TRAIN).fingerprint()
   assert a.fingerprint() != b.fingerprint()
   assert a.fingerprint() != CharTokenizer.build(TRAIN).fingerprint()
@@ -108,17 +125,21 @@ def test_fingerprint_depends_on_vocab_and_kind():
 
 def test_load_missing_or_corrupt(tmp_path):
   with pytest.raises(UserError, match="no tokenizer: train first"):
-    tokenizer_lib.load_tokenizer(str(tmp_path))
-  (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    tokenizers.load(str(tmp_path))
+  (tmp_path / "tokenizer.zebra.json").write_text("{not json", encoding="utf-8")
   with pytest.raises(UserError, match="corrupt"):
-    tokenizer_lib.load_tokenizer(str(tmp_path))
+    tokenizers.load(str(tmp_path))
+  (tmp_path / "tokenizer.zebra.json").write_text('{"kind": "char"}',
+                                                 encoding="utf-8")
+  with pytest.raises(UserError, match="corrupt.*KeyError"):
+    tokenizers.load(str(tmp_path))
 
 
 def test_make_tokenizer_unknown_kind():
   config = ml_collections.ConfigDict(
       dict(tokenizer="sentencepiece", min_freq=1, max_vocab_size=0))
   with pytest.raises(UserError, match="data.tokenizer .sentencepiece. is unknown"):
-    tokenizer_lib.make_tokenizer(config, TRAIN)
+    pipeline.tokenizer_spec(config)
 
 
 def test_char_encode_is_fast_on_a_megabyte():
@@ -144,7 +165,7 @@ def test_word_pieces_equal_whole_text():
 
 def test_word_encode_in_worker_processes(monkeypatch):
   """The spawn pool gives the same ids, in order, as encoding in-process."""
-  monkeypatch.setattr(tokenizer_lib, "num_workers", lambda: 2)
+  monkeypatch.setattr(word, "num_workers", lambda: 2)
   tok = WordTokenizer.build(TRAIN)
   pieces = [f"the cat {i} sat\n" * 3 for i in range(6)]
   pooled = np.concatenate(list(tok.encode_chunks(pieces)))
@@ -162,8 +183,8 @@ def bpe_config(size=300):
 
 def test_bpe_trains_saves_reloads_and_round_trips(tmp_path):
   pytest.importorskip("tokenizers")
-  tok = tokenizer_lib.make_tokenizer(bpe_config(), [BPE_TEXT[:500],
-                                                    BPE_TEXT[500:]])
+  tok = tokenizers.build(pipeline.tokenizer_spec(bpe_config()),
+                         [BPE_TEXT[:500], BPE_TEXT[500:]])
   assert tok.kind == "bpe" and 256 < tok.vocab_size <= 300
   ids = tok.encode(BPE_TEXT)
   assert ids.dtype == np.int32 and len(ids) < len(BPE_TEXT.encode()) / 2
@@ -174,10 +195,35 @@ def test_bpe_trains_saves_reloads_and_round_trips(tmp_path):
   tok.save(str(tmp_path))
   spec = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
   assert spec["model"]["type"] == "BPE"  # the HF tokenizers format
-  loaded = tokenizer_lib.load_tokenizer(str(tmp_path))
+  loaded = tokenizers.load(str(tmp_path))
   assert loaded == tok and loaded.fingerprint() == tok.fingerprint()
-  assert loaded.settings() == {"tokenizer": "bpe", "bpe_vocab_size": 300}
-  assert loaded.settings() == tokenizer_lib.config_settings(bpe_config())
+  assert loaded.spec == BPESpec(bpe_vocab_size=300)
+  assert loaded.spec == pipeline.tokenizer_spec(bpe_config())
   assert loaded.encode(BPE_TEXT).tolist() == ids.tolist()
   with pytest.raises(UserError, match="bpe_vocab_size=100"):
-    tokenizer_lib.make_tokenizer(bpe_config(100), BPE_TEXT)
+    tokenizers.build(pipeline.tokenizer_spec(bpe_config(100)), BPE_TEXT)
+  # A folder from before the record: HF file + bpe_settings.json.
+  (tmp_path / "tokenizer.zebra.json").unlink()
+  (tmp_path / "bpe_settings.json").write_text(
+      '{"tokenizer": "bpe", "bpe_vocab_size": 300}', encoding="utf-8")
+  assert tokenizers.load(str(tmp_path)) == tok
+
+
+def test_protocol_capabilities_and_token_text():
+  """What callers branch on instead of a kind name."""
+  pytest.importorskip("tokenizers")
+  char, wordtok = CharTokenizer.build(TRAIN), WordTokenizer.build(TRAIN)
+  bpe = tokenizers.build(BPESpec(bpe_vocab_size=300), BPE_TEXT)
+  for tok in (char, wordtok, bpe):
+    assert isinstance(tok, tokenizers.Tokenizer)  # runtime_checkable
+  assert (char.char_level, wordtok.char_level, bpe.char_level) == (
+      True, False, False)
+  assert (char.spaces_in_tokens, wordtok.spaces_in_tokens,
+          bpe.spaces_in_tokens) == (True, False, True)
+  assert [char.token_text(i) for i in char.encode("the c")] == list("the c")
+  assert [wordtok.token_text(i) for i in wordtok.encode("the cat")] == [
+      "the", "cat", "<eos>"]
+  ids = bpe.encode("The zebra's stripes")
+  assert "".join(bpe.token_text(i) for i in ids) == "The zebra's stripes"
+  assert sorted(tokenizers.TOKENIZERS) == ["bpe", "char", "word"]
+  assert CharSpec() != WordSpec() and WordSpec() == WordSpec(1, 0)

@@ -1,4 +1,4 @@
-"""Byte-level BPE (`data.tokenizer=bpe`) on the Rust HF `tokenizers` library.
+"""`data.tokenizer=bpe`: byte-level BPE on the Rust HF `tokenizers` library.
 
 GPT-2 style: text -> UTF-8 bytes -> merges learned on the TRAIN split, so
 every string encodes (no `<unk>`) and `decode(encode(text)) == text` exactly,
@@ -6,21 +6,31 @@ newlines included. Trained and encoded over pieces of a few hundred lines;
 `encode_batch` spreads a piece's lines over Rust threads.
 
 Saved as `tokenizer.json` in the HF format (loadable by `tokenizers` and
-`transformers` as is) plus `bpe_settings.json` holding the vocab size asked
-for, which can exceed the size reached on a small corpus.
+`transformers` as is) plus the record `tokenizer.zebra.json` holding the
+vocab size asked for, which can exceed the size reached on a small corpus.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
-from typing import Iterable, Iterator
+from typing import ClassVar, Iterable, Iterator
 
 import numpy as np
 
+from zebra_jax.data.tokenizers import saved
 from zebra_jax.errors import UserError
 
-_FILE, _SETTINGS = "tokenizer.json", "bpe_settings.json"
 _LINES_PER_PIECE = 256  # a batch item: whole lines, ~30 KB of WikiText
+
+
+@dataclasses.dataclass(frozen=True)
+class BPESpec:
+  kind: ClassVar[str] = "bpe"
+  bpe_vocab_size: int = 32000  # 256 bytes + merges
+
+  def describe(self) -> str:
+    return f"tokenizer={self.kind} bpe_vocab_size={self.bpe_vocab_size}"
 
 
 def _tokenizers():
@@ -34,51 +44,50 @@ def _tokenizers():
   return tokenizers
 
 
-def _line_groups(pieces: Iterable[str]) -> Iterator[list[str]]:
-  """Each piece -> lists of whole lines (each keeping its "\\n")."""
+def _items(pieces: Iterable[str]) -> Iterator[str]:
+  """Batch items: groups of whole lines joined, the same for train and encode."""
   for piece in pieces:
     lines = piece.splitlines(keepends=True)
     for i in range(0, len(lines), _LINES_PER_PIECE):
-      yield lines[i:i + _LINES_PER_PIECE]
-
-
-def _items(pieces: Iterable[str]) -> Iterator[str]:
-  """Batch items: groups of whole lines joined, the same for train and encode."""
-  for group in _line_groups(pieces):
-    yield "".join(group)
+      yield "".join(lines[i:i + _LINES_PER_PIECE])
 
 
 class BPETokenizer:
-  """Byte-level BPE with the interface of tokenizer.WordTokenizer."""
+  """Byte-level BPE behind the `Tokenizer` protocol."""
 
-  kind = "bpe"
+  Spec: ClassVar[type] = BPESpec
+  char_level: ClassVar[bool] = False
+  spaces_in_tokens: ClassVar[bool] = True  # " world" is one token
 
-  def __init__(self, hf_tokenizer, vocab_size_asked: int):
+  def __init__(self, hf_tokenizer, spec: BPESpec):
     self._tok = hf_tokenizer
-    self.bpe_vocab_size = int(vocab_size_asked)
+    self.spec = spec
 
   @classmethod
-  def build(cls, pieces: Iterable[str], vocab_size: int):
-    """Learns `vocab_size` tokens (256 bytes + merges) from the train text."""
+  def build(cls, train_text, spec: BPESpec = BPESpec()):
+    """Learns `spec.bpe_vocab_size` tokens (256 bytes + merges) from the
+    train text (a str or an iterable of pieces)."""
     tk = _tokenizers()
-    if vocab_size < 257:
-      raise UserError(f"data.bpe_vocab_size={vocab_size} leaves no merges "
-                      "beyond the 256 bytes: use e.g. 32000")
+    if spec.bpe_vocab_size < 257:
+      raise UserError(f"data.bpe_vocab_size={spec.bpe_vocab_size} leaves no "
+                      "merges beyond the 256 bytes: use e.g. 32000")
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
-        vocab_size=int(vocab_size), show_progress=False,
+        vocab_size=int(spec.bpe_vocab_size), show_progress=False,
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    pieces = [train_text] if isinstance(train_text, str) else train_text
     tok.train_from_iterator(_items(pieces), trainer)
-    return cls(tok, vocab_size)
+    return cls(tok, spec)
+
+  @property
+  def kind(self) -> str:
+    return self.spec.kind
 
   @property
   def vocab_size(self) -> int:
     return self._tok.get_vocab_size()
-
-  def settings(self) -> dict:
-    return {"tokenizer": self.kind, "bpe_vocab_size": self.bpe_vocab_size}
 
   def fingerprint(self) -> str:
     """Hash of the whole HF tokenizer file: merges, vocab, pre-tokenizer."""
@@ -103,33 +112,32 @@ class BPETokenizer:
     return self._tok.decode(np.asarray(ids).reshape(-1).tolist(),
                             skip_special_tokens=False)
 
+  def token_text(self, i: int) -> str:
+    """The text one token stands for (" world"); a token holding part of a
+    UTF-8 character shows as U+FFFD."""
+    return self.decode([i])
+
   def save(self, directory: str) -> None:
-    """tokenizer.json (HF format) + bpe_settings.json, each tmp + rename."""
-    os.makedirs(directory, exist_ok=True)
-    for name, text in ((_SETTINGS, json.dumps(self.settings())),
-                       (_FILE, self._tok.to_str())):
-      path = os.path.join(directory, name)
-      tmp = f"{path}.{os.getpid()}.tmp"
-      with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-      os.replace(tmp, path)
+    """tokenizer.json (HF format) + the record, each tmp + rename."""
+    saved.write_text(directory, saved.HF_FILE, self._tok.to_str())
+    saved.write_record(directory, {"kind": self.kind,
+                                   **dataclasses.asdict(self.spec)})
 
   @classmethod
-  def load_file(cls, directory: str, spec: dict):
-    """From the parsed tokenizer.json `spec`; settings default to its size."""
+  def load(cls, directory: str, record: dict):
+    """From `directory/tokenizer.json`; the record gives the size asked for
+    (absent for an HF tokenizer.json copied in by hand: its own size)."""
+    path = os.path.join(directory, saved.HF_FILE)
+    with open(path, encoding="utf-8") as f:
+      spec = json.load(f)
     if spec.get("model", {}).get("type") != "BPE":
-      raise ValueError("tokenizer.json is an HF tokenizer, but not BPE")
+      raise ValueError(f"{path} is an HF tokenizer, but not BPE")
     tok = _tokenizers().Tokenizer.from_str(json.dumps(spec))
-    asked = tok.get_vocab_size()
-    try:
-      with open(os.path.join(directory, _SETTINGS), encoding="utf-8") as f:
-        asked = int(json.load(f)["bpe_vocab_size"])
-    except FileNotFoundError:
-      pass  # an HF tokenizer.json copied in by hand
-    return cls(tok, asked)
+    asked = int(record.get("bpe_vocab_size", tok.get_vocab_size()))
+    return cls(tok, BPESpec(bpe_vocab_size=asked))
 
   def __eq__(self, other) -> bool:
-    return (type(self) is type(other)
+    return (type(self) is type(other) and self.spec == other.spec
             and self.fingerprint() == other.fingerprint())
 
   def __repr__(self) -> str:

@@ -18,10 +18,12 @@ Where the data comes from, first match wins:
 `datasets` is optional (`pip install zebra_jax[data]`): imported here only.
 """
 
+import dataclasses
 import glob
 import os
+from typing import ClassVar
 
-from zebra_jax.data import corpus
+from zebra_jax.data import splits as splits_lib
 from zebra_jax.errors import UserError
 
 # Our split names -> the names datasets use (WikiText says "validation").
@@ -32,23 +34,35 @@ _EXTENSIONS = (("parquet", "parquet"), ("arrow", "arrow"))
 _TEXT_COLUMN = "text"
 
 
-def load(data_config) -> dict[str, corpus.Split]:
-  """{"train"|"valid"|"test": Split} streaming the dataset's text column."""
-  dataset = _open(data_config)
-  return {name: _dataset_split(name, _pick_split(dataset, name, data_config))
-          for name in corpus.SPLITS}
 
+@dataclasses.dataclass(frozen=True)
+class HFSource:
+  """A `datasets` DatasetDict's text column, a row a line."""
 
-def describe(data_config) -> dict:
-  """What identifies the text, for `corpus.source_fingerprint` (no reading)."""
-  desc = {"hf_name": data_config.hf_name, "hf_config": data_config.hf_config,
-          "path": data_config.path}
-  if data_config.path:
-    folder = _local_folder(data_config)
-    files = sorted(f for f in glob.glob(os.path.join(folder, "**", "*"),
-                                        recursive=True) if os.path.isfile(f))
-    desc["files"] = corpus.file_stats(files)
-  return desc
+  name: ClassVar[str] = "hf"
+  needs_path: ClassVar[bool] = False
+
+  path: str
+  hf_name: str
+  hf_config: str
+  hf_cache_dir: str
+
+  def fingerprint(self) -> str:
+    """What identifies the text: the names, and the local files' stats."""
+    desc = {"source": self.name, "hf_name": self.hf_name,
+            "hf_config": self.hf_config, "path": self.path}
+    if self.path:
+      folder = _local_folder(self)
+      files = sorted(f for f in glob.glob(os.path.join(folder, "**", "*"),
+                                          recursive=True) if os.path.isfile(f))
+      desc["files"] = splits_lib.file_stats(files)
+    return splits_lib.fingerprint(desc)
+
+  def open(self) -> dict[str, splits_lib.Split]:
+    """{"train"|"valid"|"test": Split} streaming the dataset's text column."""
+    dataset = _open(self)
+    return {name: _dataset_split(name, _pick_split(dataset, name, self))
+            for name in splits_lib.SPLITS}
 
 
 def _import_datasets():
@@ -59,19 +73,19 @@ def _import_datasets():
         "data.source=hf needs the `datasets` package: pip install "
         "'zebra_jax[data]' (or pip install datasets), or use "
         "data.source=wikitext with a local WikiText folder") from None
-  datasets.disable_progress_bars()  # ours (data.py) is the one to watch
+  datasets.disable_progress_bars()  # ours (the id cache's) is the one to watch
   return datasets
 
 
-def _open(data_config):
+def _open(source):
   """The DatasetDict named by the config; network trouble -> UserError."""
   datasets = _import_datasets()
-  if data_config.path:
-    return _open_local(datasets, data_config)
-  name, config = data_config.hf_name, data_config.hf_config or None
+  if source.path:
+    return _open_local(datasets, source)
+  name, config = source.hf_name, source.hf_config or None
   try:
     return datasets.load_dataset(name, config,
-                                 cache_dir=data_config.hf_cache_dir or None)
+                                 cache_dir=source.hf_cache_dir or None)
   except (ConnectionError, TimeoutError, OSError) as e:
     raise UserError(
         f"could not load {name!r} ({config}) from the Hugging Face hub: "
@@ -86,8 +100,8 @@ def _open(data_config):
                     "data.hf_config") from e
 
 
-def _open_local(datasets, data_config):
-  folder = _local_folder(data_config)
+def _open_local(datasets, source):
+  folder = _local_folder(source)
   if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
     return datasets.load_from_disk(folder)
   for builder, ext in _EXTENSIONS:
@@ -101,7 +115,7 @@ def _open_local(datasets, data_config):
           break
     if files:
       return datasets.load_dataset(builder, data_files=files,
-                                   cache_dir=data_config.hf_cache_dir or None)
+                                   cache_dir=source.hf_cache_dir or None)
   raise UserError(
       f"data.path {folder!r} holds no dataset: for data.source=hf it must "
       "hold save_to_disk output (dataset_dict.json) or train-*.parquet, "
@@ -109,17 +123,17 @@ def _open_local(datasets, data_config):
       "data.path empty to use the hub")
 
 
-def _local_folder(data_config) -> str:
+def _local_folder(source) -> str:
   """data.path, or its hf_config subfolder when it has one (hub layout)."""
-  path = data_config.path
+  path = source.path
   if not os.path.isdir(path):
     raise UserError(f"data.path {path!r} is not a folder: for data.source=hf "
                     "point it at a local dataset folder, or leave it empty")
-  sub = os.path.join(path, data_config.hf_config or "")
-  return sub if data_config.hf_config and os.path.isdir(sub) else path
+  sub = os.path.join(path, source.hf_config or "")
+  return sub if source.hf_config and os.path.isdir(sub) else path
 
 
-def _pick_split(dataset, name: str, data_config):
+def _pick_split(dataset, name: str, source):
   for hf_name in _HF_SPLITS[name]:
     if hf_name in dataset:
       split = dataset[hf_name]
@@ -130,18 +144,18 @@ def _pick_split(dataset, name: str, data_config):
             "reads a 'text' column, one line per row")
       return split
   raise UserError(
-      f"the dataset ({data_config.hf_name or data_config.path}) has splits "
+      f"the dataset ({source.hf_name or source.path}) has splits "
       f"{list(dataset)}, none of {list(_HF_SPLITS[name])}: data.source=hf "
       "needs train, validation and test splits")
 
 
-def _dataset_split(name: str, split) -> corpus.Split:
+def _dataset_split(name: str, split) -> splits_lib.Split:
   """Rows -> lines: each row ends with exactly one "\\n" ("" is a blank line)."""
   def read():
     for batch in split.iter(batch_size=_ROWS_PER_PIECE):
       rows = batch[_TEXT_COLUMN]
       yield "".join(r if r.endswith("\n") else r + "\n" for r in rows), len(rows)
-  return corpus.Split(name, split.num_rows, "rows", read)
+  return splits_lib.Split(name, split.num_rows, "rows", read)
 
 
 def _first_line(error: Exception) -> str:
