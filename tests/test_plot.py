@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -39,8 +41,20 @@ def test_cli_writes_png_overlaying_workdirs(tmp_path):
   _write_run(str(tmp_path / "s1"), ms_per_batch=200, final_loss=1.5)
   _write_run(str(tmp_path / "s8"), ms_per_batch=120, final_loss=1.6)
   out = str(tmp_path / "plots" / "s1_vs_s8.png")
-  plot.main([str(tmp_path / "s1"), str(tmp_path / "s8"), f"--out={out}"])
+  subprocess.run([sys.executable, "-m", "zebra_jax.tools.plot",
+                  str(tmp_path / "s1"), str(tmp_path / "s8"), f"--out={out}"],
+                 check=True, cwd=tmp_path)  # not the repository: installed use
   _assert_png(out)
+
+
+def test_cli_missing_workdir_is_one_error_line(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "zebra_jax.tools.plot",
+                        str(tmp_path / "none")], capture_output=True, text=True,
+                       cwd=tmp_path)
+  assert out.returncode == 2
+  assert out.stderr.splitlines() == [
+      f"error: {tmp_path}/none/metrics.jsonl does not exist: train in "
+      f"{tmp_path}/none first, or pass a workdir that has metrics.jsonl"]
 
 
 def test_run_defaults_to_first_workdir(tmp_path):

@@ -13,7 +13,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zebra_jax.cli import arguments
+from zebra_jax.cli import arguments, entry
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import distributed  # defines the multi-process flags
 
@@ -180,27 +180,14 @@ def _dispatch(mode: str, cfg, workdir: str) -> None:
 
 
 def _parse_flags(argv: list[str]):
-  """absl's parser after `arguments.resolve`; bad input is one clear line."""
-  asks_help = any(a.lstrip("-").startswith(("help", "h", "?")) and
-                  a.startswith("-") and "=" not in a for a in argv[1:])
-  try:
-    argv = argv if asks_help else arguments.resolve(argv)
-  except UserError as e:
-    _usage_error(str(e))
+  """The forgiving defaults (arguments.resolve), then absl's parser."""
   if arguments.flag_value(argv, "mode") == "bench":
     from zebra_jax.tools import bench  # pylint: disable=unused-import  # its flags
-  try:
-    return flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    _usage_error(arguments.config_field_error(argv) or " ".join(str(e).split()))
-
-
-def _usage_error(message: str) -> None:
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(2)
+  return entry.parse_flags(argv, arguments.resolve)
 
 
 def run():
+  """The `zebra-jax` console script and python -m zebra_jax.main."""
   app.run(main, flags_parser=_parse_flags)
 
 

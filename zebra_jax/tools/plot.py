@@ -1,7 +1,7 @@
 """Loss and perplexity curves from metrics.jsonl, several workdirs overlaid.
 
   python -m zebra_jax.tools.plot runs/s1 runs/s8 --out=runs/s1_vs_s8.png
-  python -m zebra_jax.main --config=configs/demo.py --workdir=runs/s8 --mode=plot
+  zebra-jax --mode=plot --workdir=runs/s8 --compare=runs/s1
 
 The figure has a row per quantity (loss, ppl) and a column per x axis (step,
 wall-clock seconds): stripes trade speed for quality, so a comparison is only
@@ -14,9 +14,11 @@ Only matplotlib's file backend (Agg) is used, so it runs on headless machines.
 import dataclasses
 import json
 import os
-import sys
 from typing import Sequence
 
+from absl import flags
+
+from zebra_jax.cli import entry
 from zebra_jax.errors import UserError
 
 # (record key, axis label); ppl spans orders of magnitude early on: log scale.
@@ -160,21 +162,11 @@ def run(workdirs: Sequence[str], out: str | None = None) -> str:
   return out
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-  import argparse
-  parser = argparse.ArgumentParser(
-      prog="python -m zebra_jax.tools.plot", description=__doc__.split("\n")[0])
-  parser.add_argument("workdirs", nargs="+", help="run folders with "
-                      "metrics.jsonl; one colour each")
-  parser.add_argument("--out", default=None, help="PNG path (default "
-                      "FIRST_WORKDIR/curves.png)")
-  args = parser.parse_args(argv)
-  try:
-    run(args.workdirs, args.out)
-  except UserError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(2)
+def main(argv: Sequence[str]) -> None:
+  """absl entry point: the positional arguments are the workdirs."""
+  run(argv[1:], flags.FLAGS.out)
 
 
 if __name__ == "__main__":
-  main()
+  flags.DEFINE_string("out", None, "PNG path (default FIRST_WORKDIR/curves.png).")
+  entry.run_tool(main)
