@@ -52,6 +52,26 @@ def test_embedded_is_big_english_text(embedded_twice):
   assert 0.01 < len(splits["test"]) / total < 0.15
 
 
+def test_embedded_is_prose_without_indentation(embedded_twice):
+  text = "".join(embedded_twice[0].values())
+  assert "  " not in text  # no space runs: indentation taught only blanks
+  assert ">>>" not in text and "::=" not in text
+  paragraphs = [p for p in text.split("\n") if p]
+  assert not any(p[0].isspace() for p in paragraphs)
+  # Most of what is left is words of letters.
+  words = text.split()
+  assert sum(w.strip(".,;:()'\"").isalpha() for w in words) > 0.75 * len(words)
+
+
+def test_prose_keeps_paragraphs_and_drops_code():
+  doc = ("Title\n=====\n\nA paragraph of real prose that is\nwrapped over"
+         "   two lines.\n\n    code = 1\n    more()\n\n>>> 1 + 1\n2\n\n"
+         "f(a, b)\n\nA second paragraph, also long enough to keep.")
+  assert embedded.prose(doc) == (
+      "A paragraph of real prose that is wrapped over two lines.\n\n"
+      "A second paragraph, also long enough to keep.")
+
+
 def test_embedded_is_deterministic_and_cached(embedded_twice):
   first, second, cached, _ = embedded_twice
   assert first == second

@@ -1,7 +1,13 @@
 """`data.source=embedded`: English documentation that ships with every Python.
 
-The pydoc topics plus standard-library docstrings (~2 MB). It needs no
-network, so the quickstart and the tests always have a corpus.
+The pydoc topics plus standard-library docstrings, kept to their prose
+(~1.3 MB). It needs no network, so the quickstart and the tests always have a
+corpus.
+
+Only prose paragraphs are kept, each on one line with single spaces: code
+blocks, doctests, grammar productions, tables and headings go. Left in, their
+indentation taught a small character model that runs of spaces are the most
+likely text, and its samples were mostly blank.
 """
 
 import ast
@@ -9,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sys
 import sysconfig
 import textwrap
@@ -21,7 +28,10 @@ from absl import logging
 from zebra_jax.data import splits as splits_lib
 
 # Bump when the embedded corpus text changes, so old caches are not reused.
-_FORMAT = 1
+_FORMAT = 2
+_RULE = re.compile(r"^[\s*=~\-^#+]+$")  # reST heading underlines
+_MIN_PARAGRAPH_WORDS = 6  # shorter paragraphs are names and signatures
+_MIN_LETTER_SHARE = 0.85  # below it: option tables, lists of symbols
 _MIN_DOCSTRING_CHARS = 40  # shorter ones are mostly "Return self." noise
 # Stdlib folders that hold tests, GUIs or vendored code rather than prose.
 _SKIP_DIRS = frozenset({
@@ -81,7 +91,9 @@ def embedded_documents() -> list[tuple[str, str]]:
   except (OSError, ValueError):
     pass  # No cache yet (or a broken one): build it.
   start = time.perf_counter()
-  documents = _topic_documents() + _docstring_documents(_stdlib_dir())
+  documents = [(name, prose(text)) for name, text in
+               _topic_documents() + _docstring_documents(_stdlib_dir())]
+  documents = [(name, text) for name, text in documents if text]
   logging.info("built the embedded corpus (%d documents) in %.1f s",
                len(documents), time.perf_counter() - start)
   try:  # The cache is an optimisation: a read-only home must still work.
@@ -93,6 +105,30 @@ def embedded_documents() -> list[tuple[str, str]]:
   except OSError as e:
     logging.warning("could not cache the embedded corpus at %s: %s", cache, e)
   return documents
+
+
+def prose(text: str) -> str:
+  """The prose paragraphs of a docstring or help topic, one line each.
+
+  A paragraph with an indented line (code, grammar, a table, quoted output),
+  a heading rule or a doctest is dropped, and so is one that is mostly not
+  letters; the rest are unwrapped and their space runs collapsed.
+  """
+  keep = []
+  for paragraph in re.split(r"\n\s*\n", text):
+    lines = [line for line in paragraph.split("\n") if line.strip()]
+    if not lines or any(line[:1].isspace() for line in lines):
+      continue
+    if (any(_RULE.match(line) for line in lines) or ">>>" in paragraph
+        or "::=" in paragraph):
+      continue
+    words = " ".join(lines).split()
+    flat = " ".join(words)
+    letters = sum(ch.isalpha() or ch == " " for ch in flat)
+    if len(words) >= _MIN_PARAGRAPH_WORDS and (
+        letters >= _MIN_LETTER_SHARE * len(flat)):
+      keep.append(flat)
+  return "\n\n".join(keep)
 
 
 def _topic_documents() -> list[tuple[str, str]]:
