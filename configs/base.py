@@ -39,6 +39,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       hidden_size=256,
       num_layers=2,
       num_stripes=4,            # hidden_size % num_stripes == 0; 1 = classic LSTM
+      stripe_input="dense",     # dense: every stripe reads the whole layer input | grouped: its own 1/S slice (every matmul / S; stripes shuffled between layers)
       dropout_embed=0.0,        # on the embeddings
       dropout_hidden=0.1,       # between layers
       dropout_output=0.1,       # before the softmax head

@@ -102,7 +102,7 @@ def test_one_stripe_backward_matches_torch_lstm():
 
   def jax_loss(x_proj, h0, c0, w_h, w_x, bias):
     ys, h, c = recurrence.zebra_layer(x_proj, w_x, bias, h0, c0, w_h)
-    return (ys[:, 0] * weights).sum() + (h * c).sum()
+    return (ys[0] * weights).sum() + (h * c).sum()  # ys [S=1, T, B, G]
   grads = jax.grad(jax_loss, argnums=(0, 1, 2, 3, 4, 5))(
       x_proj, h0, c0, w_h, w_x, bias)
   np.testing.assert_allclose(grads[0], tx.grad.numpy(), atol=1e-5)

@@ -1,10 +1,13 @@
 """ZebraLSTM: an LSTM whose hidden state is cut into independent stripes.
 
 A layer of hidden size H has S stripes of width G = H / S. The input projection
-is dense (every stripe reads the whole input) and is computed for the whole
-window as one matmul outside the time loop; only the block-diagonal recurrence
-h_s -> 4G gates of stripe s runs inside `lax.scan`. S = 1 is exactly the classic
-LSTM (PyTorch `nn.LSTM`, gate order i, f, g, o, with its two biases summed).
+is computed for the whole window outside the time loop; only the
+block-diagonal recurrence h_s -> 4G gates of stripe s runs inside `lax.scan`.
+model.stripe_input says how a stripe reads the layer input: "dense" (the whole
+input) or "grouped" (its own 1/S slice, so every matmul of the layer shrinks by
+S; a fixed stripe shuffle between layers lets stripes meet). S = 1 is exactly
+the classic LSTM (PyTorch `nn.LSTM`, gate order i, f, g, o, with its two
+biases summed), under either.
 The layer's arithmetic and its hand-written backward pass live in
 `recurrence.py`.
 
@@ -54,22 +57,33 @@ def dropout(x, rate: float, rng):
 
 
 class ZebraLSTMLayer(nnx.Module):
-  """One striped LSTM layer: dense input projection, block-diagonal recurrence."""
+  """One striped LSTM layer: a dense or grouped input projection, and a
+  block-diagonal recurrence."""
 
   def __init__(self, in_features: int, hidden_size: int, num_stripes: int, *,
                rngs: nnx.Rngs, dtype=jnp.float32, unroll: int = 1,
-               remat: bool = False, custom_vjp: bool = True):
+               remat: bool = False, custom_vjp: bool = True,
+               grouped: bool = False):
     s, g = num_stripes, hidden_size // num_stripes
-    self.num_stripes, self.width = s, g
+    if grouped and in_features % s:
+      raise ValueError(f"a grouped layer needs in_features={in_features} "
+                       f"divisible by num_stripes={s}")
+    self.num_stripes, self.width, self.grouped = s, g, grouped
     self.dtype, self.unroll, self.remat = dtype, unroll, remat
     # remat: the backward pass keeps only (h, c) and recomputes the gates.
     # custom_vjp=False: JAX's autodiff of the scan (a reference for tests and
     # the benchmark; it ignores remat).
     self.custom_vjp = custom_vjp
-    bound = 1.0 / hidden_size ** 0.5  # PyTorch nn.LSTM's uniform init range
-    # w_x: [in, stripe, 4G]; gate-major inside each stripe: [i | f | g | o].
+    # PyTorch nn.LSTM's uniform init range, 1/sqrt(H). A grouped unit reads
+    # S times fewer inputs and recurrent units, so 1/sqrt(H/S) keeps its
+    # pre-activation's variance (and S = 1 grouped draws the dense weights).
+    bound = 1.0 / (g if grouped else hidden_size) ** 0.5
+    # Gate-major inside each stripe: [i | f | g | o].
+    # dense w_x [in, S, 4G]: every stripe reads the whole input;
+    # grouped w_x [S, in/S, 4G]: stripe s reads inputs s*in/S .. (s+1)*in/S.
+    shape = (s, in_features // s, 4 * g) if grouped else (in_features, s, 4 * g)
     self.w_x = nnx.Param(jax.random.uniform(
-        rngs.params(), (in_features, s, 4 * g), jnp.float32, -bound, bound))
+        rngs.params(), shape, jnp.float32, -bound, bound))
     self.w_h = nnx.Param(_orthogonal_stripes(rngs.params(), s, g))  # [S, G, 4G]
     bias = jnp.zeros((s, 4, g), jnp.float32).at[:, 1].set(1.0)  # forget bias 1
     self.b = nnx.Param(bias.reshape(s, 4 * g))
@@ -84,18 +98,34 @@ class ZebraLSTMLayer(nnx.Module):
       outputs [batch, time, hidden] in the compute dtype, and the new (h, c).
     """
     s, g, dt = self.num_stripes, self.width, self.dtype
-    b, t, _ = inputs.shape
+    b, t, n_in = inputs.shape
+    if self.grouped:  # stripe-major [S, T, B, in/S]: stripe s's own slice
+      inputs = inputs.reshape(b, t, s, n_in // s).transpose(2, 1, 0, 3)
+    else:  # time-major [T, B, in]
+      inputs = inputs.transpose(1, 0, 2)
     to_stripes = lambda a: a.reshape(b, s, g).transpose(1, 0, 2)  # [S, B, G]
-    args = (inputs.astype(dt).transpose(1, 0, 2),  # time-major [T, B, I]
-            self.w_x[...].astype(dt), self.b[...],
+    args = (inputs.astype(dt), self.w_x[...].astype(dt), self.b[...],
             to_stripes(carry[0]), to_stripes(carry[1]), self.w_h[...].astype(dt))
     if self.custom_vjp:
       ys, h, c = recurrence.zebra_layer(*args, self.unroll, self.remat)
     else:
       ys, h, c = recurrence.zebra_layer_autodiff(*args, self.unroll)
-    outputs = ys.transpose(2, 0, 1, 3).reshape(b, t, s * g)  # [B, T, H]
+    outputs = ys.transpose(2, 1, 0, 3).reshape(b, t, s * g)  # [B, T, H]
     from_stripes = lambda a: a.transpose(1, 0, 2).reshape(b, s * g)
     return outputs, (from_stripes(h), from_stripes(c))
+
+
+def stripe_shuffle(x: jax.Array, num_stripes: int) -> jax.Array:
+  """A fixed channel permutation, [..., H] -> [..., H], free of FLOPs.
+
+  ShuffleNet's channel shuffle: units viewed as [S, G] are read out as
+  [G, S], so unit g of stripe s lands at position g*S + s. Stripe s' of the
+  next grouped layer then reads G/S units from every stripe (when S divides
+  G): stripes that never meet inside a layer meet across layers.
+  """
+  *lead, h = x.shape
+  s = num_stripes
+  return x.reshape(*lead, s, h // s).swapaxes(-1, -2).reshape(*lead, h)
 
 
 class ZebraLM(nnx.Module):
@@ -127,9 +157,16 @@ class ZebraLM(nnx.Module):
           rngs.params(), (cfg.vocab_size, cfg.embed_size), jnp.float32,
           -0.1, 0.1))
     sizes = [cfg.embed_size] + [cfg.hidden_size] * cfg.num_layers
+    s = cfg.num_stripes
+    # grouped: every layer reads its input in stripes, the first one too when
+    # embed_size divides by S (else it reads the embedding densely); the
+    # layers after the first read the previous one's outputs shuffled.
+    self.shuffle_stripes = stripe_input(cfg) == "grouped" and s > 1
     self.layers = nnx.List([
-        ZebraLSTMLayer(sizes[i], cfg.hidden_size, cfg.num_stripes, rngs=rngs,
-                       dtype=dt, unroll=cfg.unroll, remat=cfg.remat)
+        ZebraLSTMLayer(sizes[i], cfg.hidden_size, s, rngs=rngs,
+                       dtype=dt, unroll=cfg.unroll, remat=cfg.remat,
+                       grouped=(stripe_input(cfg) == "grouped"
+                                and sizes[i] % s == 0))
         for i in range(cfg.num_layers)])
     if self.head == "adaptive":
       self.tied = hasattr(self, "adaptive_input")
@@ -169,6 +206,8 @@ class ZebraLM(nnx.Module):
     new_carry = []
     for i, layer in enumerate(self.layers):
       with jax.named_scope(f"zebra_lstm_{i}"):
+        if i > 0 and self.shuffle_stripes:
+          x = stripe_shuffle(x, layer.num_stripes)
         x, layer_carry = layer(x, carry[i])
         new_carry.append(layer_carry)
         last = i == len(self.layers) - 1
@@ -238,6 +277,12 @@ def head_kind(cfg: ml_collections.ConfigDict) -> str:
   """The head type, full or adaptive. Configs written before the adaptive
   head existed (old workdirs, hand-built benchmark configs) mean full."""
   return cfg.get("head", "full")
+
+
+def stripe_input(cfg: ml_collections.ConfigDict) -> str:
+  """How a stripe reads its layer's input, dense or grouped. Configs written
+  before grouped layers existed mean dense."""
+  return cfg.get("stripe_input", "dense")
 
 
 def init_carry(cfg: ml_collections.ConfigDict, batch_size: int) -> Carry:

@@ -21,10 +21,22 @@ What the backward pass keeps from the forward pass:
                two large, efficient matmuls instead of a second sequential
                forward pass (what `jax.checkpoint` around the scan would do).
 
-Shapes: inputs [T, B, I] and w_x [I, S, 4G] in the compute dtype, bias
-[S, 4G] float32, h and c [S, B, G] float32 (stripe-major), w_h [S, G, 4G] in
-the compute dtype; outputs are time-major [T, S, B, G] in the compute dtype.
-Gates are ordered [i | f | g | o] inside each stripe, as in PyTorch.
+Two ways a stripe reads its input (the inputs' rank says which):
+  dense    inputs [T, B, I] time-major, w_x [I, S, 4G]: every stripe reads
+           the whole input.
+  grouped  inputs [S, T, B, I/S] stripe-major, w_x [S, I/S, 4G]: stripe s
+           reads only its own slice (the G-LSTM of Kuchaiev & Ginsburg,
+           2017); every matmul of the layer is a batch of S matmuls, each
+           S times smaller than the dense one.
+
+Shapes: bias [S, 4G] float32, h and c [S, B, G] float32, inputs, w_x
+and w_h [S, G, 4G] in the compute dtype. Every window-sized tensor (projected
+inputs, saved states, outputs [S, T, B, G] in the compute dtype, gate
+derivatives) is stripe-major [S, T, B, ...]: the layout in which the
+batched matmuls before and after the time loop read and write their
+operands, so none of them is transposed; a time step reads and writes S
+contiguous [B, ...] blocks. Gates are ordered [i | f | g | o] inside each
+stripe, as in PyTorch.
 """
 
 import functools
@@ -57,32 +69,63 @@ _cell = jax.vmap(_stripe_cell)  # all stripes: one batched matmul [S, B, G] x [S
 
 
 def _project(inputs, w_x, bias):
-  """inputs W_x + b for the whole window: [T, B, I] -> [T, S, B, 4G] float32.
+  """inputs W_x + b for the whole window -> [S, T, B, 4G] float32.
 
-  Time-major inputs make the matmul's output (and, in the backward pass,
-  both operands of dW_x) the layout the scan reads: no transposes at S = 1.
+  dense [T, B, I] x [I, S, 4G]; grouped [S, T, B, I/S] x [S, I/S, 4G], a
+  batched matmul whose batch axis leads both operands and the result.
   """
-  x_proj = jnp.einsum("tbi,isk->tsbk", inputs, w_x,
-                      preferred_element_type=jnp.float32)
-  return x_proj + bias[None, :, None, :]
+  spec = "tbi,isk->stbk" if inputs.ndim == 3 else "stbi,sik->stbk"
+  x_proj = jnp.einsum(spec, inputs, w_x, preferred_element_type=jnp.float32)
+  return x_proj + bias[:, None, None, :]
+
+
+def _scan_time(step, carry, xs, reverse=False, unroll=1):
+  """`lax.scan` over axis 1 of stripe-major [S, T, ...] arrays.
+
+  step(carry, xs[:, t]) -> (carry, out_t [S, ...]); the outs come back
+  stacked as [S, T, ...]. Reading and writing the window in place (dynamic
+  slices of S contiguous blocks) keeps it in the matmuls' layout: scanning
+  over a leading time axis would need the window transposed on the way in
+  and out.
+  """
+  num_steps = jax.tree.leaves(xs)[0].shape[1]
+  at = lambda t: jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, t, 1, keepdims=False), xs)
+  out_shapes = jax.eval_shape(step, carry, at(0))[1]
+  buffers = jax.tree.map(
+      lambda o: jnp.zeros((o.shape[0], num_steps, *o.shape[1:]), o.dtype),
+      out_shapes)
+
+  def body(state, t):
+    carry, buffers = state
+    carry, out = step(carry, at(t))
+    buffers = jax.tree.map(
+        lambda buf, o: jax.lax.dynamic_update_index_in_dim(buf, o, t, 1),
+        buffers, out)
+    return (carry, buffers), None
+
+  (carry, buffers), _ = jax.lax.scan(
+      body, (carry, buffers), jnp.arange(num_steps), reverse=reverse,
+      unroll=unroll)
+  return carry, buffers
 
 
 def _forward(x_proj, h0, c0, w_h, unroll, keep):
   """Runs the window. keep: None, "states" (c_t, h_{t-1}) or "gates" (the
-  activated gates too): what the backward pass will need, stacked over t."""
+  activated gates too): what the backward pass will need, [S, T, ...]."""
   def step(hc, x_t):
     h, c = hc
     gates, c_new, h_new = _cell(x_t, h, c, w_h)
     saved = {None: (), "states": (c_new, h), "gates": (c_new, h, gates)}[keep]
     return (h_new, c_new), (h_new.astype(w_h.dtype), saved)
 
-  (h, c), (ys, saved) = jax.lax.scan(step, (h0, c0), x_proj, unroll=unroll)
+  (h, c), (ys, saved) = _scan_time(step, (h0, c0), x_proj, unroll=unroll)
   return ys, h, c, saved
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):
-  """(outputs [T, S, B, G] in w_h's dtype, final h, final c)."""
+  """(outputs [S, T, B, G] in w_h's dtype, final h, final c)."""
   del remat  # only changes what the backward pass keeps
   return zebra_layer_autodiff(inputs, w_x, bias, h0, c0, w_h, unroll)
 
@@ -109,7 +152,7 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
     cs, h_prev = saved
     h_prev = h_prev + tie
     gates = _activate(_project(inputs, w_x + tie.astype(w_x.dtype), bias)
-                      + jnp.einsum("tsbg,sgk->tsbk", h_prev.astype(dt), w_h,
+                      + jnp.einsum("stbg,sgk->stbk", h_prev.astype(dt), w_h,
                                    preferred_element_type=jnp.float32))
   else:
     cs, h_prev, gates = saved
@@ -119,7 +162,7 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
   # for the whole window at once: large, vectorised, multi-threaded passes.
   # The reverse loop is then only multiply-adds and one matmul per step.
   i, f, g, o = jnp.split(gates, 4, axis=-1)
-  c_prev = jnp.concatenate([c0[None], cs[:-1]], axis=0)
+  c_prev = jnp.concatenate([c0[:, None], cs[:, :-1]], axis=1)
   tanh_c = jnp.tanh(cs)
   dc_dh = o * (1.0 - tanh_c * tanh_c)                # dc_t / dh_t
   dz_dc = jnp.concatenate([g * i * (1.0 - i),         # d pre-activation i
@@ -139,16 +182,20 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
                          preferred_element_type=jnp.float32)
     return (dh_prev, dc * f_t), dz
 
-  (dh0, dc0), dz = jax.lax.scan(
+  (dh0, dc0), dz = _scan_time(
       step, (d_h_last.astype(jnp.float32), d_c_last.astype(jnp.float32)),
       (d_ys, dc_dh, dz_dc, dz_dh, f), reverse=True, unroll=unroll)
   dz_dt = dz.astype(dt)
   matmul = lambda spec, a, b: jnp.einsum(spec, a, b,
                                          preferred_element_type=jnp.float32)
-  d_w_h = matmul("tsbg,tsbk->sgk", h_prev.astype(dt), dz_dt)
-  d_w_x = matmul("tbi,tsbk->isk", inputs, dz_dt)
-  d_inputs = matmul("tsbk,isk->tbi", dz_dt, w_x)
-  d_bias = dz.sum(axis=(0, 2))
+  d_w_h = matmul("stbg,stbk->sgk", h_prev.astype(dt), dz_dt)
+  if inputs.ndim == 3:  # dense
+    d_w_x = matmul("tbi,stbk->isk", inputs, dz_dt)
+    d_inputs = matmul("stbk,isk->tbi", dz_dt, w_x)
+  else:  # grouped: batched over stripes, like the forward projection
+    d_w_x = matmul("stbi,stbk->sik", inputs, dz_dt)
+    d_inputs = matmul("stbk,sik->stbi", dz_dt, w_x)
+  d_bias = dz.sum(axis=(1, 2))
   return (d_inputs.astype(inputs.dtype), d_w_x.astype(w_x.dtype),
           d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
 

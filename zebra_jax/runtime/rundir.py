@@ -18,10 +18,11 @@ from zebra_jax.runtime import config_checks
 
 # Fields that change the parameters' shapes or meaning: a workdir is tied to them.
 _ARCHITECTURE = ("embed_size", "hidden_size", "num_layers", "num_stripes",
-                 "tie_embeddings", "vocab_size", "head")
+                 "stripe_input", "tie_embeddings", "vocab_size", "head")
 _ADAPTIVE = ("adaptive_cutoffs", "adaptive_div_val", "adaptive_tie")  # if used
-# What a config.json written before the adaptive head means: the full head.
-_LEGACY_MODEL = dict(head="full")
+# What a config.json written before the adaptive head and grouped stripes
+# means: the full head, dense stripes.
+_LEGACY_MODEL = dict(head="full", stripe_input="dense")
 
 
 def config_path(workdir: str) -> str:
