@@ -35,7 +35,7 @@ def test_train_eval_sample_in_process(tmp_path):
   train_losses = [r["loss"] for r in records if r["kind"] == "train"]
   assert train_losses[-1] < train_losses[0] - 0.5  # visibly learning
   assert os.path.exists(f"{workdir}/config.json")
-  assert os.path.exists(f"{workdir}/tokenizer/tokenizer.json")
+  assert os.path.exists(f"{workdir}/tokenizer/tokenizer.zebra.json")
 
   results = evaluate.run(cfg, workdir)
   vocab = json.load(open(f"{workdir}/config.json"))["model"]["vocab_size"]

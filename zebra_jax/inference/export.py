@@ -16,12 +16,14 @@ a big model's weights do not hit protobuf's 2 GB limit. `carry` is one
 (h, c) pair per layer, each float32 [b, hidden].
 
   export/
-    artifact/    prompt.jax step.jax params.npz tokenizer.json config.json
+    artifact/    prompt.jax step.jax params.npz config.json, the tokenizer
+                 (tokenizer.zebra.json; BPE adds the HF tokenizer.json),
                  manifest.json (shapes, platforms, jax version)
     triton/zebra_lstm/config.pbtxt   Triton Python backend, one instance per GPU
     triton/zebra_lstm/1/model.py     loads ../artifact (copied to 1/artifact)
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -83,7 +85,8 @@ def write_artifact(loaded: loading.Loaded, folder: str,
       f.write(exp.serialize())
   np.savez(os.path.join(folder, "params.npz"),
            **{f"leaf_{i:05d}": x for i, x in enumerate(flat)})
-  loaded.tokenizer.save(folder)  # tokenizer.json
+  loaded.tokenizer.save(folder)
+  check_servable(loaded.tokenizer, folder)
   with open(os.path.join(folder, "config.json"), "w") as f:
     json.dump(loaded.cfg.to_dict(), f, indent=2, sort_keys=True)
   m = loaded.cfg.model
@@ -107,6 +110,27 @@ def write_artifact(loaded: loading.Loaded, folder: str,
   with open(os.path.join(folder, "manifest.json"), "w") as f:
     json.dump(manifest, f, indent=2)
   return manifest
+
+
+def check_servable(tokenizer, folder: str) -> None:
+  """Refuses an artifact whose tokenizer the Triton model (which does not
+  import zebra_jax) cannot read back and decode exactly as `tokenizer` does."""
+  spec = importlib.util.spec_from_file_location(
+      "zebra_triton_model", os.path.join(_TRITON_TEMPLATES, "model.py"))
+  triton_model = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(triton_model)
+  try:
+    served = triton_model.load_tokenizer(folder)
+  except Exception as e:  # pylint: disable=broad-except
+    raise UserError(f"the Triton model cannot load the {tokenizer.kind} "
+                    f"tokenizer ({type(e).__name__}: {e})".splitlines()[0]
+                    + ": export a workdir trained with data.tokenizer one of "
+                    f"{', '.join(triton_model.TOKENIZERS)}") from None
+  probe = list(range(min(tokenizer.vocab_size, 256)))
+  if served.decode(probe) != tokenizer.decode(probe):
+    raise UserError(f"the Triton model decodes the {tokenizer.kind} "
+                    "tokenizer differently from zebra_jax: its model.py and "
+                    "the package disagree; reinstall zebra_jax")
 
 
 def write_triton_repository(artifact: str, repository: str,

@@ -157,7 +157,7 @@ class Generator:
     and byte-level BPE tokens carry their own spaces (" world" is one BPE
     token), so they are joined as they are."""
     text = self.tokenizer.decode(ids)
-    if (self.tokenizer.kind in ("char", "bpe") or not text
+    if (self.tokenizer.spaces_in_tokens or not text
         or prompt[-1:].isspace()):
       return text
     return " " + text

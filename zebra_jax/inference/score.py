@@ -92,8 +92,8 @@ class Scorer:
   def score_text(self, text: str) -> TextScore:
     tokenizer = self.loaded.tokenizer
     ids = tokenizer.encode(text)
-    return TextScore([tokenizer.vocab[i] for i in ids],
-                     self.score_ids(ids), tokenizer.kind == "char")
+    return TextScore([tokenizer.token_text(i) for i in ids],
+                     self.score_ids(ids), tokenizer.char_level)
 
 
 def read_texts(texts, text_files) -> list[tuple[str, str]]:

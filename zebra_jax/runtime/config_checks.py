@@ -4,13 +4,14 @@ import math
 
 import ml_collections
 
+from zebra_jax.data import batching, sources, tokenizers
 from zebra_jax.errors import UserError
 from zebra_jax.model.adaptive_softmax import cluster_bounds
 
 _CHOICES = {
-    "data.source": ("embedded", "wikitext", "text", "hf"),
-    "data.tokenizer": ("char", "word", "bpe"),
-    "data.batching": ("streams", "random"),
+    "data.source": tuple(sources.SOURCES),
+    "data.tokenizer": tuple(tokenizers.TOKENIZERS),
+    "data.batching": tuple(batching.BATCHERS),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.head": ("full", "adaptive"),
     "optim.name": ("adam", "adamw", "sgd", "lamb"),
@@ -122,7 +123,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         f"hidden_size (e.g. {_divisor_hint(m.hidden_size, m.num_stripes)})")
   if m.head == "adaptive":
     _check_cutoffs(m.adaptive_cutoffs)
-  if cfg.data.source not in ("embedded", "hf") and not cfg.data.path:
+  if sources.SOURCES[cfg.data.source].needs_path and not cfg.data.path:
     raise UserError(f"data.source={cfg.data.source!r} needs a path: set "
                     f"--config.data.path to the folder or file(s) to read")
 

@@ -121,7 +121,7 @@ def run(cfg, workdir: str, splits_to_eval=("valid", "test"),
   mesh = mesh or parallel.make_mesh()
   evaluator = Evaluator(loaded.graphdef, mesh, loaded.cfg.model,
                         cfg.eval.batch_size, cfg.eval.seq_len)
-  char_level = loaded.tokenizer.kind == "char"
+  char_level = loaded.tokenizer.char_level
   log = writer.MetricWriter(workdir, tensorboard=False)
   results = {}
   for split in splits_to_eval:

@@ -1,9 +1,18 @@
 """Triton Python-backend model for a zebra_jax export (copied by --mode=export).
 
-Needs only numpy and jax (with jaxlib for the serving platform) and the
-`artifact/` folder next to this file: two `jax.export` functions, the weights,
-the tokenizer vocabulary. No zebra_jax, Flax or config code runs here, so the
-serving image does not have to match the training code.
+Needs only numpy and jax (with jaxlib for the serving platform), plus the HF
+`tokenizers` package for a BPE model, and the `artifact/` folder next to this
+file: two `jax.export` functions, the weights, the tokenizer files. No
+zebra_jax, Flax or config code runs here, and that is deliberate: a Triton
+deployment copies the model repository into the server's own Python
+environment, where installing the training package (Flax, optax, orbax,
+absl, ml_collections, pinned to the trainer's versions) would tie the serving
+image to the training code. The prompt-side tokenizers below are therefore
+self-contained; the export checks that they decode exactly as the package's
+own tokenizer does.
+
+The artifact's `tokenizer.zebra.json` names the kind and, for char and word,
+holds the vocabulary; BPE reads the HF `tokenizer.json` next to it.
 
 Generation: the prompt function consumes each request's prompts (rows of equal
 length as one batch), then the step function runs once per new token with the
@@ -14,11 +23,8 @@ numpy, so every request may use different settings without a recompile.
 import json
 import os
 
-# JAX would otherwise grab 75% of GPU memory per instance at start.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 try:
   import triton_python_backend_utils as pb_utils  # provided by Triton
@@ -26,29 +32,45 @@ except ImportError:  # importable outside Triton (Artifact is useful alone)
   pb_utils = None
 
 UNK, EOS = "<unk>", "<eos>"
+RECORD = "tokenizer.zebra.json"
 
 
-class Tokenizer:
-  """The char / word tokenizer from tokenizer.json, prompt side only."""
+class _VocabTokenizer:
+  """An id -> token list from the record (char and word)."""
 
-  def __init__(self, spec: dict):
-    self.kind, self.vocab = spec["kind"], spec["vocab"]
+  def __init__(self, folder: str, record: dict):
+    del folder  # the record holds the vocabulary
+    self.vocab = record["vocab"]
     self.ids = {t: i for i, t in enumerate(self.vocab)}
     self.unk = self.ids[UNK]
 
+
+class CharTokenizer(_VocabTokenizer):
+  """Every character is a token; unseen ones read as `<unk>`."""
+
+  spaces_in_tokens = True
+
   def encode_prompt(self, text: str) -> list[int]:
-    if self.kind == "char":
-      return [self.ids.get(c, self.unk) for c in text]
+    return [self.ids.get(c, self.unk) for c in text]
+
+  def decode(self, ids) -> str:
+    return "".join("\ufffd" if self.vocab[i] == UNK else self.vocab[i]
+                   for i in ids)
+
+
+class WordTokenizer(_VocabTokenizer):
+  """Whitespace words; `<eos>` ends every line but an open last one."""
+
+  spaces_in_tokens = False
+
+  def encode_prompt(self, text: str) -> list[int]:
     ids = []
-    for line in text.split("\n"):  # <eos> closes every line but an open last
+    for line in text.split("\n"):
       ids += [self.ids.get(w, self.unk) for w in line.split()]
       ids.append(self.ids[EOS])
     return ids[:-1]
 
   def decode(self, ids) -> str:
-    if self.kind == "char":
-      return "".join("\ufffd" if self.vocab[i] == UNK else self.vocab[i]
-                     for i in ids)
     out, line_start = [], True
     for i in ids:
       if self.vocab[i] == EOS:
@@ -59,11 +81,45 @@ class Tokenizer:
       line_start = False
     return "".join(out)
 
-  def join(self, prompt: str, continuation: str) -> str:
-    """Word tokens need a space between prompt and continuation."""
-    if self.kind == "char" or not continuation or prompt[-1:].isspace():
-      return prompt + continuation
-    return prompt + " " + continuation
+
+class BPETokenizer:
+  """Byte-level BPE from the HF `tokenizer.json` (needs `tokenizers`)."""
+
+  spaces_in_tokens = True  # " world" is one token
+
+  def __init__(self, folder: str, record: dict):
+    del record
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    self._tok = tokenizers.Tokenizer.from_file(
+        os.path.join(folder, "tokenizer.json"))
+
+  def encode_prompt(self, text: str) -> list[int]:
+    return self._tok.encode(text).ids
+
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+TOKENIZERS = {"char": CharTokenizer, "word": WordTokenizer,
+              "bpe": BPETokenizer}
+
+
+def load_tokenizer(folder: str):
+  """The tokenizer the record in `folder` names."""
+  with open(os.path.join(folder, RECORD), encoding="utf-8") as f:
+    record = json.load(f)
+  if record.get("kind") not in TOKENIZERS:
+    raise ValueError(f"{RECORD} names tokenizer {record.get('kind')!r}; this "
+                     f"model serves {', '.join(TOKENIZERS)}")
+  return TOKENIZERS[record["kind"]](folder, record)
+
+
+def join(tokenizer, prompt: str, continuation: str) -> str:
+  """Word tokens need a space between prompt and continuation."""
+  if (tokenizer.spaces_in_tokens or not continuation
+      or prompt[-1:].isspace()):
+    return prompt + continuation
+  return prompt + " " + continuation
 
 
 class Artifact:
@@ -75,7 +131,7 @@ class Artifact:
         return f.read()
 
     self.manifest = json.loads(read("manifest.json"))
-    self.tokenizer = Tokenizer(json.loads(read("tokenizer.json")))
+    self.tokenizer = load_tokenizer(folder)
     prompt = jax.export.deserialize(bytearray(read("prompt.jax", "rb")))
     step = jax.export.deserialize(bytearray(read("step.jax", "rb")))
     device = device or jax.devices()[0]
@@ -126,7 +182,7 @@ class Artifact:
       new.append(tokens)
       logits, carry = self.step(carry, tokens)
     new = np.stack(new, 1)                                        # [b, n]
-    return [self.tokenizer.join(p, self.tokenizer.decode(r.tolist()))
+    return [join(self.tokenizer, p, self.tokenizer.decode(r.tolist()))
             for p, r in zip(prompts, new)]
 
 
@@ -155,6 +211,9 @@ class TritonPythonModel:
   """What Triton's Python backend calls: initialize, execute, finalize."""
 
   def initialize(self, args):
+    # Before JAX's first device use: it would otherwise grab 75% of GPU
+    # memory per instance.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     folder = os.path.join(args["model_repository"], args["model_version"],
                           "artifact")
     device = None
