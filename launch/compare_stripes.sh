@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Striped (S = 1, 2, 4, 8) vs a parameter-matched classic LSTM at equal wall-clock.
-#   launch/compare_stripes.sh [OUT] [MINUTES_PER_RUN] [SEEDS] [--config=... --set k=v ...]
+#   launch/compare_stripes.sh [OUT] [MINUTES_PER_RUN] [SEEDS] [--config=... --config.k=v ...]
 #   launch/compare_stripes.sh runs/compare_stripes 1.0 0,1,2       # the README table
 #   launch/compare_stripes.sh runs/gpu 30 0,1,2 --config=configs/wt103.py \
-#       --set data.path=/data/wikitext-103                          # longer, on a GPU
+#       --config.data.path=/data/wikitext-103                       # longer, on a GPU
 # Writes OUT/results.md, OUT/results.json and OUT/valid_ppl_vs_time.png; rerun to resume.
 set -euo pipefail
 out=${1:-runs/compare_stripes}

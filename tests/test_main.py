@@ -18,11 +18,11 @@ from zebra_jax.inference import loading, sample
 from zebra_jax.training import evaluate, loop
 from tests.helpers import REPO, tiny_word_config, write_wikitext
 
-def _cli(*args, timeout=300):
+def _cli(*args, timeout=300, cwd=REPO):
   """Runs python -m zebra_jax.main with the test's 8-device environment."""
   return subprocess.run([sys.executable, "-m", "zebra_jax.main", *args],
                         capture_output=True, text=True, timeout=timeout,
-                        cwd=REPO)
+                        cwd=cwd)
 
 
 def test_train_eval_sample_in_process(tmp_path):
@@ -68,24 +68,27 @@ def test_eval_uses_best_checkpoint_and_matches_training_eval(tmp_path):
 
 
 def test_cli_train_eval_sample_char_level(tmp_path):
+  """Train from anywhere; later modes need only the workdir (runs/NAME)."""
   text = tmp_path / "story.txt"
   text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy "
                           f"dog.\n" for i in range(300)))
-  workdir = str(tmp_path / "run")
-  common = ["--config=configs/demo.py:tiny", f"--workdir={workdir}",
-            "--config.data.source=text", f"--config.data.path={text}"]
-  out = _cli(*common, "--config.train.report_at_end=false")
+  out = _cli(f"--config={REPO}/configs/demo.py:tiny",
+             "--config.data.source=text", f"--config.data.path={text}",
+             "--config.train.report_at_end=false", cwd=tmp_path)
   assert out.returncode == 0, out.stderr
   assert "| epoch 1 step 20 |" in out.stdout and "valid ppl" in out.stdout
-  out = _cli(*common, "--mode=eval")
+  workdir = "--workdir=runs/demo-tiny"  # the default for demo.py:tiny
+  assert (tmp_path / "runs" / "demo-tiny" / "config.json").is_file()
+  out = _cli(workdir, "--mode=eval", cwd=tmp_path)
   assert out.returncode == 0, out.stderr
   assert "| valid at step 20" in out.stdout and "| test at step 20" in out.stdout
-  out = _cli(*common, "--mode=sample", "--prompt=the quick", "--seed=3",
-             "--max_new_tokens=12")
-  again = _cli(*common, "--mode=sample", "--prompt=the quick", "--seed=3",
-               "--max_new_tokens=12")
+  out = _cli(workdir, "--mode=sample", "--prompt=the quick", "--seed=3",
+             "--max_new_tokens=12", cwd=tmp_path)
+  again = _cli(workdir, "--mode=sample", "--prompt=the quick", "--seed=3",
+               "--config.sample.max_new_tokens=12", cwd=tmp_path)
   assert out.returncode == 0, out.stderr
   assert "the quick" in out.stdout and out.stdout == again.stdout
+  assert "temperature 0.8" in out.stdout  # configs/demo.py's, from config.json
 
 
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
@@ -123,7 +126,8 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     (["--config.model.num_stripes=3"], "not divisible by model.num_stripes=3"),
-    (["--config.model.hidden_size=0"], "model.hidden_size=0 must be positive"),
+    (["--config.model.hidden_size=0"],
+     "model.hidden_size=0 must be a positive whole number"),
     (["--config.model.dropout_hidden=1.5"], "outside [0, 1)"),
     (["--config.data.source=wikitext", "--config.data.path=/no/such/dir"],
      "/no/such/dir"),
@@ -135,7 +139,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     (["--config.model.head=adaptive", "--config.model.adaptive_cutoffs=(60,20)"],
      "model.adaptive_cutoffs=(60, 20) must be positive and strictly increasing"),
     (["--config.model.adaptive_div_val=0"],
-     "model.adaptive_div_val=0 must be positive"),
+     "model.adaptive_div_val=0 must be a positive whole number"),
 ])
 def test_bad_config_gives_one_clear_line(tmp_path, override, message):
   out = _cli("--config=configs/demo.py:tiny", f"--workdir={tmp_path}/run",

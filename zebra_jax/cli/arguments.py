@@ -110,7 +110,7 @@ def resolve(argv: list[str]) -> list[str]:
                     f"--config=FILE, whose workdir defaults to runs/NAME)")
   saved = workdir is not None and check_saved_config(workdir, mode)
   if not config and saved:
-    argv.append(f"--config={SAVED_CONFIG}:{workdir}")
+    argv.insert(1, f"--config={SAVED_CONFIG}:{workdir}")  # before overrides
   elif not config and mode not in _CONFIGLESS_MODES:
     raise UserError(f"workdir {workdir} has no config.json: train first with "
                     f"--mode=train --config=FILE --workdir={workdir}, or pass "

@@ -1,6 +1,7 @@
 """Fault injection: break a small training run in every way we promise to survive.
 
-  python -m zebra_jax.tools.chaos [--workdir=/tmp/chaos] [--steps=40]
+  python -m zebra_jax.tools.chaos [--workdir=/tmp/chaos] [--steps=40] \
+      [--config=configs/demo.py:tiny] [--config.x=y ...]
 
 Trains a tiny model once without interruption, then again while, in turn,
 sending SIGTERM mid-run, SIGKILLing mid-save, corrupting the newest checkpoint
@@ -10,7 +11,6 @@ uninterrupted run's bit for bit and prints a table: fault, recovered, steps lost
 Exits non-zero if any fault was not recovered.
 """
 
-import argparse
 import glob
 import json
 import os
@@ -21,7 +21,11 @@ import sys
 import tempfile
 import time
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from absl import flags
+from ml_collections import config_flags
+
+from zebra_jax.cli import entry
+from zebra_jax.errors import UserError
 
 
 def _write_corpus(path: str) -> None:
@@ -32,13 +36,23 @@ def _write_corpus(path: str) -> None:
       f.write(" ".join(words[i % 17:i % 17 + 7]) + " .\n")
 
 
-def _command(workdir: str, corpus: str, steps: int) -> list[str]:
-  return [sys.executable, "-m", "zebra_jax.main", "--config=configs/demo.py:tiny",
+def _command(config: list[str], workdir: str, corpus: str,
+             steps: int) -> list[str]:
+  """config: --config=FILE and the --config.x=y overrides chaos was given."""
+  return [sys.executable, "-m", "zebra_jax.main", *config,
           f"--workdir={workdir}", "--config.data.source=text",
           f"--config.data.path={corpus}", f"--config.train.num_steps={steps}",
           "--config.train.log_every=1", "--config.train.eval_every=100000",
           "--config.checkpoint.every_steps=5", "--config.checkpoint.keep_latest=3",
           "--config.train.report_at_end=false"]
+
+
+def _config_args(argv: list[str]) -> list[str]:
+  """--config (absolute, so runs may start anywhere) and its overrides."""
+  path, _, variant = flags.FLAGS["config"].config_filename.partition(":")
+  spec = os.path.abspath(path) + (f":{variant}" if variant else "")
+  return [f"--config={spec}"] + [a for a in argv if a.startswith(
+      ("--config.", "--noconfig."))]
 
 
 def _steps(workdir: str) -> list[int]:
@@ -76,7 +90,7 @@ def _wait_for(predicate, timeout: float = 180.0) -> bool:
 def _partial_run(cmd, workdir: str, until_step: int):
   """Starts a run, lets it log until_step, then SIGTERMs it: (code, out, err)."""
   since = _metrics_size(workdir)  # only this run's own progress counts
-  proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE,
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   _wait_for(lambda: _last_logged_step(workdir, since) >= until_step
             or proc.poll() is not None)
@@ -87,16 +101,15 @@ def _partial_run(cmd, workdir: str, until_step: int):
 
 
 def _run(cmd, **kw):
-  return subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True,
+  return subprocess.run(cmd, capture_output=True, text=True,
                         timeout=600, **kw)
 
 
-def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--workdir", default=None)
-  parser.add_argument("--steps", type=int, default=40)
-  args = parser.parse_args()
-  root = args.workdir or tempfile.mkdtemp(prefix="zebra_chaos_")
+def main(argv: list[str]) -> int:
+  if flags.FLAGS.config is None:
+    raise UserError("pass --config=FILE, e.g. --config=configs/demo.py:tiny")
+  config, steps = _config_args(argv), flags.FLAGS.steps
+  root = flags.FLAGS.workdir or tempfile.mkdtemp(prefix="zebra_chaos_")
   os.makedirs(root, exist_ok=True)
   corpus = os.path.join(root, "corpus.txt")
   _write_corpus(corpus)
@@ -108,11 +121,11 @@ def main() -> int:
                               chaos], capture_output=True).returncode == 0
   rows, notes = [], []
   try:
-    out = _run(_command(reference, corpus, args.steps))
+    out = _run(_command(config, reference, corpus, steps))
     if out.returncode:
       print(out.stderr, file=sys.stderr)
       return 1
-    cmd = _command(chaos, corpus, args.steps)
+    cmd = _command(config, chaos, corpus, steps)
 
     # 1. SIGTERM mid-run: a checkpoint at the current step, exit 0.
     code, out, err = _partial_run(cmd, chaos, until_step=7)
@@ -123,7 +136,7 @@ def main() -> int:
     # 2. SIGKILL while an async save is being written; the next run resumes
     #    from the newest complete step.
     since = _metrics_size(chaos)
-    proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     tmp_glob = os.path.join(chaos, "checkpoints", "*.orbax-checkpoint-tmp*")
     in_save = _wait_for(lambda: glob.glob(tmp_glob)
@@ -191,27 +204,34 @@ def main() -> int:
   return 0 if all(ok for _, ok, _, _ in rows) else 1
 
 
+def _final_state(workdir: str):
+  """The newest checkpoint's whole train state, as host arrays."""
+  import jax
+  from zebra_jax.cli import saved_config
+  from zebra_jax.runtime import checkpoint, parallel
+  from zebra_jax.training import train_state
+  cfg = saved_config.get_config(workdir)
+  ckpt = checkpoint.Checkpointer(workdir, create=False)
+  _, target = train_state.abstract_state(cfg, parallel.make_mesh())
+  return jax.device_get(ckpt.restore(ckpt.latest_step(), target)[0])
+
+
 def _same_final_params(reference: str, chaos: str) -> bool:
   """Bitwise comparison of the two runs' final train states."""
-  code = (
-      "import json,sys,jax,numpy as np\n"
-      "from configs import demo\n"
-      "from zebra_jax import checkpoint,parallel,train_state\n"
-      "def load(w):\n"
-      "  cfg=demo.get_config('tiny'); saved=json.load(open(w+'/config.json'))\n"
-      "  cfg.model.vocab_size=saved['model']['vocab_size']\n"
-      "  cfg.train.num_steps=saved['train']['num_steps']\n"
-      "  ck=checkpoint.Checkpointer(w,create=False)\n"
-      "  _,t=train_state.abstract_state(cfg,parallel.make_mesh())\n"
-      "  return jax.device_get(ck.restore(ck.latest_step(),t)[0])\n"
-      "a,b=load(sys.argv[1]),load(sys.argv[2])\n"
-      "ok=all(np.array_equal(x,y) for x,y in zip(jax.tree.leaves(a),"
-      "jax.tree.leaves(b)))\n"
-      "sys.exit(0 if ok else 1)\n")
-  out = subprocess.run([sys.executable, "-c", code, reference, chaos],
-                       cwd=_REPO, capture_output=True, text=True, timeout=300)
-  return out.returncode == 0
+  import jax
+  import numpy as np
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
+  a, b = _final_state(reference), _final_state(chaos)
+  return all(np.array_equal(x, y)
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  config_flags.DEFINE_config_file(
+      "config", entry.default_config("demo.py:tiny"),
+      "Config file[:variant] of the runs; --config.x=y overrides apply.")
+  flags.DEFINE_string("workdir", None, "Where the runs go (default: a new "
+                      "temporary folder).")
+  flags.DEFINE_integer("steps", 40, "Training steps of each run.")
+  entry.run_tool(main)

@@ -2,7 +2,8 @@
 
   launch/compare_stripes.sh runs/compare 1.5 0,1,2      # OUT MINUTES SEEDS
   python -m zebra_jax.tools.experiments --out=runs/compare --budget_minutes=1.5 \
-      --seeds=0,1,2 --stripes=1,2,4,8 --config=configs/demo.py
+      --seeds=0,1,2 --stripes=1,2,4,8 --config=configs/demo.py \
+      --config.optim.learning_rate=1e-3                 # any field, as in main
 
 Every setting trains the same config for the same wall-clock budget
 (train.time_budget_minutes), then its best checkpoint is scored on the whole
@@ -35,7 +36,11 @@ import time
 from typing import Sequence
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
+from zebra_jax.cli import entry
+from zebra_jax.errors import UserError
 from zebra_jax.tools import experiments_report
 
 # The calibration run: windows of steps after the first (which compiles), and
@@ -264,66 +269,38 @@ def run(cfg, out: str, budget_minutes: float = 1.5,
   return experiments_report.write(out, records, meta)
 
 
-def _load_config(spec: str) -> ml_collections.ConfigDict:
-  """configs/demo.py or configs/demo.py:tiny -> its get_config(variant)."""
-  import importlib.util
-  path, _, variant = spec.partition(":")
-  module_spec = importlib.util.spec_from_file_location("_exp_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(variant)
-
-
-def _parse_override(cfg, item: str) -> None:
-  """--set model.dropout_hidden=0.2: a literal when it parses, else a string."""
-  import ast
-  key, _, value = item.partition("=")
-  try:
-    value = ast.literal_eval(value)
-  except (ValueError, SyntaxError):
-    pass
-  node, *path = key.split(".")[::-1]
-  target = cfg
-  for part in reversed(path):
-    target = target[part]
-  target[node] = value
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-  import argparse
-  p = argparse.ArgumentParser(prog="python -m zebra_jax.tools.experiments",
-                              description=__doc__.split("\n")[0])
-  p.add_argument("--config", default="configs/demo.py",
-                 help="config file[:variant]")
-  p.add_argument("--out", default="runs/compare_stripes",
-                 help="results and run folders go here")
-  p.add_argument("--budget_minutes", type=float, default=1.5,
-                 help="wall-clock budget per run")
-  p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-  p.add_argument("--stripes", default="1,2,4,8",
-                 help="comma-separated num_stripes values")
-  p.add_argument("--no_classic", action="store_true",
-                 help="skip the parameter-matched classic LSTM")
-  p.add_argument("--margin", type=float, default=1.2,
-                 help="planned steps = steps/s x budget x margin")
-  p.add_argument("--eval_points", type=int, default=5,
-                 help="in-loop valid evaluations per run")
-  p.add_argument("--curve_eval_batches", type=int, default=10,
-                 help="valid windows per in-loop evaluation (0 = all)")
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="config override, e.g. --set optim.learning_rate=1e-3")
-  args = p.parse_args(argv)
+def main(argv: Sequence[str]) -> None:
+  del argv  # everything comes from flags
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
-  cfg = _load_config(args.config)
-  for item in args.set:
-    _parse_override(cfg, item)
-  ints = lambda s: [int(x) for x in s.split(",") if x]
-  results = run(cfg, args.out, args.budget_minutes, ints(args.seeds),
-                ints(args.stripes), not args.no_classic, args.margin,
-                args.eval_points, args.curve_eval_batches)
+  f = flags.FLAGS
+  if f.config is None:
+    raise UserError("pass --config=FILE, e.g. --config=configs/demo.py")
+  ints = lambda values: [int(x) for x in values]
+  results = run(f.config, f.out, f.budget_minutes, ints(f.seeds),
+                ints(f.stripes), not f.no_classic, f.margin, f.eval_points,
+                f.curve_eval_batches)
   print(results["markdown"], flush=True)
 
 
+def _define_flags() -> None:
+  config_flags.DEFINE_config_file(
+      "config", entry.default_config("demo.py"), "Config file[:variant]; "
+      "override fields with --config.x=y (default: configs/demo.py).")
+  flags.DEFINE_string("out", "runs/compare_stripes",
+                      "Results and run folders go here.")
+  flags.DEFINE_float("budget_minutes", 1.5, "Wall-clock budget per run.")
+  flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
+  flags.DEFINE_list("stripes", ["1", "2", "4", "8"], "num_stripes values.")
+  flags.DEFINE_bool("no_classic", False,
+                    "Skip the parameter-matched classic LSTM.")
+  flags.DEFINE_float("margin", 1.2,
+                     "Planned steps = steps/s x budget x margin.")
+  flags.DEFINE_integer("eval_points", 5, "In-loop valid evaluations per run.")
+  flags.DEFINE_integer("curve_eval_batches", 10,
+                       "Valid windows per in-loop evaluation (0 = all).")
+
+
 if __name__ == "__main__":
-  main()
+  _define_flags()
+  entry.run_tool(main)

@@ -1,0 +1,202 @@
+"""Bad config values and bad command lines: one `error:` line, exit 2.
+
+The table goes through config_checks.validate (fast, in-process); a few
+subprocesses check what only the command line can get wrong.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from configs import base, demo, wt103
+from zebra_jax.errors import UserError
+from zebra_jax.runtime import config_checks
+from tests.helpers import REPO
+
+NAN = math.nan
+POSITIVE_INTS = (
+    "data.batch_size", "data.seq_len", "data.bpe_vocab_size",
+    "model.embed_size", "model.hidden_size", "model.num_layers",
+    "model.num_stripes", "model.unroll", "model.adaptive_div_val",
+    "model.adaptive_chunk_rows", "train.num_steps", "train.log_every",
+    "train.eval_every", "train.grad_accum_steps", "train.max_consecutive_skips",
+    "train.loss_scale.growth_interval", "eval.batch_size", "eval.seq_len",
+    "checkpoint.every_steps", "checkpoint.keep_latest", "sample.max_new_tokens",
+    "sample.num_samples", "sample.chunk", "serve.max_body_bytes",
+    "serve.max_new_tokens", "serve.max_prompt_tokens", "serve.max_rows",
+    "serve.max_score_tokens")
+NON_NEGATIVE_INTS = (
+    "data.min_freq", "data.max_vocab_size", "model.vocab_size",
+    "optim.warmup_steps", "train.eval_max_batches", "checkpoint.keep_best",
+    "profile.start_step", "profile.num_steps", "sample.top_k")
+POSITIVE_NUMBERS = ("optim.learning_rate", "optim.eps",
+                    "train.loss_scale.initial_scale",
+                    "train.loss_scale.min_scale", "sample.repetition_penalty")
+NON_NEGATIVE_NUMBERS = ("optim.weight_decay", "optim.clip_norm",
+                        "train.time_budget_minutes", "sample.temperature")
+BOOLS = ("model.tie_embeddings", "model.adaptive_tie", "model.remat",
+         "train.report_at_end", "train.sample_at_eval", "sample.stream")
+TEXTS = ("data.path", "data.hf_name", "data.hf_config", "data.hf_cache_dir",
+         "sample.prompt", "sample.stop")
+
+# (field, bad value, what the one line says about it)
+CASES = (
+    [(f, v, "must be a positive whole number") for f in POSITIVE_INTS
+     for v in (0, -3, 2.5, NAN, "8", True)]
+    + [(f, v, "must be a whole number >= 0") for f in NON_NEGATIVE_INTS
+       for v in (-1, 1.5, NAN, "0")]
+    + [(f, v, "must be a whole number") for f in ("seed", "sample.seed")
+       for v in (1.5, "0", None)]
+    + [(f, v, "must be positive") for f in POSITIVE_NUMBERS
+       for v in (0, -1e-3, NAN, math.inf, "1e-3")]
+    + [(f, v, "must be a number >= 0") for f in NON_NEGATIVE_NUMBERS
+       for v in (-0.5, NAN, "1")]
+    + [(f, v, "is outside [0, 1)") for f in (
+        "model.dropout_embed", "model.dropout_hidden", "model.dropout_output",
+        "optim.momentum", "optim.b1", "optim.b2") for v in (1.0, -0.1, NAN)]
+    + [("optim.min_lr_ratio", v, "is outside [0, 1]") for v in (1.5, -0.1, NAN)]
+    + [("train.loss_scale.backoff_factor", v, "is outside (0, 1)")
+       for v in (0.0, 1.0, NAN)]
+    + [("train.loss_scale.growth_factor", v, "must be above 1")
+       for v in (1.0, 0.5, NAN)]
+    + [(f, v, "is outside (0, 0.5)") for f in (
+        "data.valid_fraction", "data.test_fraction") for v in (0.0, 0.5, NAN)]
+    + [("sample.top_p", v, "is outside (0, 1]") for v in (0.0, 1.5, NAN)]
+    + [(f, v, "must be true or false") for f in BOOLS for v in (1, "yes")]
+    + [(f, v, "must be text") for f in TEXTS for v in (0, None)]
+    + [("data.source", "web", "is not one of"),
+       ("data.tokenizer", "sentencepiece", "is not one of"),
+       ("data.batching", "shuffled", "is not one of"),
+       ("model.dtype", "float64", "is not one of"),
+       ("model.head", "hierarchical", "is not one of"),
+       ("optim.name", "adagrad", "is not one of"),
+       ("model.num_stripes", 3, "not divisible by model.num_stripes=3"),
+       ("model.adaptive_cutoffs", (60, 20), "strictly increasing"),
+       ("model.adaptive_cutoffs", (0.5,), "is not a tuple of word ids")]
+)
+
+
+def _with(cfg, dotted: str, value) -> ml_collections.ConfigDict:
+  """cfg with one field replaced, type checks bypassed (as JSON could)."""
+  tree = cfg.to_dict()
+  *path, leaf = dotted.split(".")
+  node = tree
+  for part in path:
+    node = node[part]
+  assert leaf in node, dotted  # the table names real fields
+  node[leaf] = value
+  return ml_collections.ConfigDict(tree)
+
+
+def _tiny():
+  cfg = demo.get_config("tiny")
+  cfg.model.head = "adaptive"  # so the cutoffs are checked too
+  return cfg
+
+
+@pytest.mark.parametrize("field, value, message", CASES,
+                         ids=[f"{f}={v!r}" for f, v, _ in CASES])
+def test_bad_value_is_one_line_naming_field_and_fix(field, value, message):
+  with pytest.raises(UserError) as raised:
+    config_checks.validate(_with(_tiny(), field, value))
+  text = str(raised.value)
+  assert "\n" not in text and message in text, text
+  assert field in text  # the field, then the fix:
+  assert "e.g." in text or "pick one of" in text, text
+
+
+def test_shipped_configs_and_edge_values_pass():
+  for cfg in (base.get_config(), demo.get_config(), demo.get_config("tiny"),
+              wt103.get_config("tiny")):
+    if cfg.data.source == "wikitext":
+      cfg.data.path = "/data/wikitext-103"
+    config_checks.validate(cfg)
+  for field, value in (("model.dropout_hidden", 0.0), ("sample.top_p", 1.0),
+                       ("optim.min_lr_ratio", 1.0), ("optim.clip_norm", 0.0),
+                       ("sample.temperature", 0.0), ("sample.top_k", 0),
+                       ("optim.learning_rate", 1), ("seed", -7)):
+    config_checks.validate(_with(_tiny(), field, value))
+
+
+def _leaves(tree, prefix=""):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _leaves(value, f"{prefix}{key}.")
+    else:
+      yield f"{prefix}{key}"
+
+
+def test_every_base_field_is_checked():
+  """A field added to configs/base.py must be added to the checks too."""
+  checked = {f for f, _, _ in CASES} | {"model.adaptive_cutoffs"}
+  assert set(_leaves(base.get_config().to_dict())) == checked
+
+
+def test_configs_load_by_path_from_another_directory(tmp_path):
+  """ml_collections loads config files by path: base must not need sys.path."""
+  code = ("from absl import flags; from ml_collections import config_flags; "
+          "c = config_flags.DEFINE_config_file('config'); "
+          f"flags.FLAGS(['x', '--config={REPO}/configs/wt103.py:tiny']); "
+          "print(c.value.model.head, c.value.sample.chunk)")
+  out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                       capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ""})
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split() == ["adaptive", "32"]
+
+
+def _cli(cwd, *args):
+  return subprocess.run([sys.executable, "-m", "zebra_jax.main", *args],
+                        capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def _one_error_line(out) -> str:
+  assert out.returncode == 2, out.stderr
+  assert "Traceback" not in out.stderr, out.stderr
+  (line,) = out.stderr.strip().splitlines()
+  assert line.startswith("error: ")
+  return line
+
+
+def test_cli_mistyped_config_path(tmp_path):
+  line = _one_error_line(_cli(REPO, "--config=configs/nope.py",
+                              f"--workdir={tmp_path}"))
+  assert "no such file 'configs/nope.py'" in line
+  assert "base.py, demo.py, wt103.py" in line  # what exists instead
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_cli_damaged_config_json(tmp_path, mode):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  whole = json.dumps(demo.get_config("tiny").to_dict(), indent=2)
+  (workdir / "config.json").write_text(whole[:len(whole) // 2])  # disk full
+  config = (["--config=configs/demo.py:tiny"] if mode == "train" else [])
+  line = _one_error_line(_cli(REPO, *config, f"--mode={mode}",
+                              f"--workdir={workdir}"))
+  assert f"{workdir}/config.json is damaged" in line
+  assert ("delete it to resume" if mode == "train" else "restore it") in line
+
+
+def test_cli_grad_accum_steps_zero(tmp_path):
+  line = _one_error_line(_cli(
+      REPO, "--config=configs/demo.py:tiny", f"--workdir={tmp_path}/run",
+      "--config.train.grad_accum_steps=0"))
+  assert ("--config.train.grad_accum_steps=0 must be a positive whole number"
+          in line)
+
+
+def test_cli_workdir_config_without_config_flag(tmp_path):
+  """--config left out: the workdir's config.json, overrides applied to it."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text(
+      json.dumps(demo.get_config("tiny").to_dict()))
+  line = _one_error_line(_cli(tmp_path, "--mode=sample", "--workdir=run",
+                              "--config.sample.top_p=0"))
+  assert "top_p=0" in line  # the override reached sample.Options.check
