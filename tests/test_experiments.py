@@ -65,10 +65,11 @@ def _compare_cli(out):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   subprocess.run(
       [sys.executable, "-m", "zebra_jax.tools.experiments",
-       "--config=configs/demo.py:tiny", f"--out={out}", "--budget_minutes=0.02",
-       "--seeds=0", "--stripes=1,2", "--no_classic", "--eval_points=2",
-       "--curve_eval_batches=2"],
-      check=True, env=env, cwd=_ROOT, stdout=subprocess.DEVNULL)
+       f"--config={_ROOT}/configs/demo.py:tiny", f"--out={out}",
+       "--budget_minutes=0.02", "--seeds=0", "--stripes=1,2", "--no_classic",
+       "--eval_points=2", "--curve_eval_batches=2"],
+      check=True, env=env, cwd=os.path.dirname(out),  # any directory
+      stdout=subprocess.DEVNULL)
   with open(os.path.join(out, "results.json")) as f:
     return json.load(f)
 

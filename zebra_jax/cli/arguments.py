@@ -46,10 +46,15 @@ def load_config_file(spec: str):
   path, _, variant = spec.partition(":")
   if not os.path.isfile(path):
     folder = os.path.dirname(path) or "."
-    known = sorted(f for f in os.listdir(folder) if f.endswith(".py")
-                   and not f.startswith("_")) if os.path.isdir(folder) else []
-    hint = (f"configs in {folder}: {', '.join(known)}" if known else
-            "e.g. --config=configs/demo.py, run from the repository root")
+    known = _config_files(folder)
+    if known:
+      hint = f"configs in {folder}: {', '.join(known)}"
+    else:
+      from zebra_jax.cli import saved_config
+      folder = os.path.relpath(saved_config.CONFIGS_DIR)
+      hint = (f"e.g. --config={os.path.join(folder, 'demo.py')}"
+              if _config_files(folder) else "pass a config file that defines "
+              "get_config(), e.g. configs/demo.py of the source tree")
     raise UserError(f"--config={spec}: no such file {path!r}; {hint}")
   try:
     module_spec = importlib.util.spec_from_file_location("_zebra_config", path)
@@ -60,6 +65,21 @@ def load_config_file(spec: str):
     message = " ".join(str(e).split()) or type(e).__name__
     raise UserError(f"--config={spec} does not load: {type(e).__name__}: "
                     f"{message}") from None
+
+
+def _config_files(folder: str) -> list[str]:
+  """The .py files in folder that define get_config (config files)."""
+  if not os.path.isdir(folder):
+    return []
+  found = []
+  for name in sorted(os.listdir(folder)):
+    try:
+      if name.endswith(".py") and "def get_config(" in open(
+          os.path.join(folder, name), errors="replace").read(100_000):
+        found.append(name)
+    except OSError:
+      continue
+  return found
 
 
 def default_workdir(spec: str) -> str:
