@@ -44,7 +44,8 @@ def tiny_config(kind, corpus):
                   bpe_vocab_size=300, seq_len=8)
   cfg.model.update(embed_size=16, hidden_size=16, num_layers=1)
   # A few steps, one checkpoint, no mid-run eval: the test stays fast.
-  cfg.train.update(num_steps=3, eval_every=1000, eval_max_batches=2)
+  cfg.train.update(num_steps=3, eval_every=1000, eval_max_batches=2,
+                   sample_at_eval=False)
   cfg.checkpoint.every_steps = 3
   cfg.eval.update(batch_size=8, seq_len=8)
   cfg.sample.update(prompt=PROMPT, max_new_tokens=6, temperature=0.0)
