@@ -24,6 +24,9 @@ from zebra_jax.model import lm, metrics
 from zebra_jax.runtime import parallel, writer
 
 
+_WINDOWS_IN_FLIGHT = 8  # enough to hide dispatch, few enough to never stall
+
+
 def eval_step(params, carry, inputs, targets, *, graphdef):
   """One window without dropout: (new carry, metric sums)."""
   sums, carry = lm.token_sums(graphdef, params, inputs, targets, carry)
@@ -71,16 +74,28 @@ class Evaluator:
     starts = list(range(0, rows.shape[1] - 1, self.seq_len))
     if max_batches:
       starts = starts[:max_batches]
-    sums, start_time = [], time.perf_counter()
+    keys = ("loss_sum", "correct", "count")
+    total = dict.fromkeys(keys, 0.0)
+    pending, start_time = [], time.perf_counter()
+
+    def collect():  # adds the pending windows' sums on the host, in float64
+      host = jax.device_get(pending)
+      for k in keys:
+        total[k] += float(np.sum([h[k] for h in host], dtype=np.float64))
+      pending.clear()
+
     for start in starts:
       end = min(start + self.seq_len, rows.shape[1] - 1)
       inputs = parallel.global_batch(self.mesh, rows[:, start:end])
       targets = parallel.global_batch(self.mesh, rows[:, start + 1:end + 1])
       carry, s = self._step(params, carry, inputs, targets)
-      sums.append(s)  # Stays on device: no host sync per window.
-    host = jax.device_get(sums)
-    total = {k: float(np.sum([h[k] for h in host], dtype=np.float64))
-             for k in ("loss_sum", "correct", "count")}
+      pending.append(s)  # stays on device: no host sync per window
+      # A bounded number of windows in flight: queueing a whole split's
+      # collectives at once can outrun XLA's all-reduce rendezvous timeout
+      # on several devices per process.
+      if len(pending) == _WINDOWS_IN_FLIGHT:
+        collect()
+    collect()
     out = metrics.summarize(total["loss_sum"], total["correct"], total["count"])
     out["bpc"] = out["loss"] / math.log(2)  # bits per token; per char if char
     out["seconds"] = time.perf_counter() - start_time
