@@ -56,6 +56,8 @@ def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
     assert r["tokens"] == steps * shape["batch"] * shape["seq_len"], name
     assert r["load_before"] >= 0 and r["load_after"] >= 0, name
     assert math.isfinite(r["final_loss"]), name
+  # Both sides read the same train ids: the loop from its own workdir.
+  assert len({r["train_ids_sha1"] for r in rows.values()}) == 1
   jax_row = rows["jax_S2_dense"]
   log_every = train_bench.log_interval(warmup, steps)
   assert len(jax_row["logged_tok_per_s"]) == steps // log_every

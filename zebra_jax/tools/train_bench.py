@@ -3,7 +3,8 @@
   python -m zebra_jax.tools.train_bench                  # shape A, S = 1 and 8
   python -m zebra_jax.tools.train_bench --shape=word     # 16k-word vocabulary
   python -m zebra_jax.tools.train_bench --stripes=8 --stripe_input=grouped
-  python -m zebra_jax.tools.train_bench --quick --json=/tmp/tb.json  # seconds
+  python -m zebra_jax.tools.train_bench --quick --json=/tmp/tb.json  # tiny,
+      # a few steps, torch on 1 thread only: a smoke test
 
 What a user compares: tokens per second of a whole training run, data
 pipeline, optimizer and logging included, not of an isolated step.
@@ -26,23 +27,26 @@ log line compiles the learning-rate lookup it prints (after its window
 closed, so the loop's own tok/s for the next window counts it; the timed
 part does not).
 
-PyTorch side: embedding, nn.LSTM, the head tied to the embedding (or not, as
-the config says) with a bias, the same dropouts, cross-entropy, global-norm
-clipping and Adam (or AdamW/SGD) with the JAX run's learning rate for every
-step (linear warm-up, cosine decay). Truncated BPTT: the carried (h, c) is
-detached after each window and reset where the loop resets it. The batches
-come from the same batcher over the same token ids, and the loop fetches
-the mean loss at the same log steps. It runs warmup + steps steps; the timed
-part is the same `steps` steps after the same warm-up. On CPU it runs once on
-1 thread and once on every core, and the faster is the reference (on small
-shared machines one thread often wins). nn.LSTM is the classic LSTM, so
-every stripe setting is compared with the same torch rows.
+PyTorch side: embedding, nn.LSTM, the full softmax head tied to the embedding
+(or not, as the config says) with a bias, the same dropouts, cross-entropy,
+global-norm clipping and Adam (or AdamW/SGD) with the JAX run's learning rate
+for every step (linear warm-up, cosine decay). Truncated BPTT: the carried
+(h, c) is detached after each window and reset where the loop resets it. The
+batches come from the same batcher over the same token ids (each row reports
+a hash of the train ids it read), and the loop fetches the mean loss at the
+same log steps (the JAX loop also writes metrics.jsonl and TensorBoard
+there). It runs warmup + steps steps; the timed part is the same `steps`
+steps after the same warm-up. On CPU it runs once on 1 thread and once on
+every core, and the faster is the reference (on small shared machines one
+thread often wins). nn.LSTM is the classic LSTM, so every stripe setting is
+compared with the same torch rows.
 
 Each row reports the 1-minute load average before and after it: a loaded
 machine slows every row, so compare ratios from one run.
 """
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -96,7 +100,7 @@ def train_config(base: ml_collections.ConfigDict, shape: dict, stripes: int,
     cfg.data.update(max_vocab_size=shape["max_vocab_size"], min_freq=1)
   cfg.model.update(vocab_size=0, embed_size=shape["hidden"],
                    hidden_size=shape["hidden"], num_layers=shape["layers"],
-                   num_stripes=stripes, head="full", tie_embeddings=True)
+                   num_stripes=stripes, head="full")
   if "stripe_input" in cfg.model:
     cfg.model.stripe_input = stripe_input
   elif stripe_input != "dense":
@@ -109,6 +113,12 @@ def train_config(base: ml_collections.ConfigDict, shape: dict, stripes: int,
   cfg.checkpoint.every_steps = num_steps + 1
   cfg.profile.num_steps = 0
   return cfg
+
+
+def ids_fingerprint(ids: np.ndarray) -> str:
+  """A short hash of a token id array: equal on both sides = same data."""
+  return hashlib.sha1(np.ascontiguousarray(ids, np.int32).tobytes()).hexdigest(
+  )[:16]
 
 
 def _row(name: str, side: str, seconds: float, steps: int, tokens: int,
@@ -140,6 +150,7 @@ def time_jax_loop(cfg: ml_collections.ConfigDict, warmup: int,
     loop.run(cfg, workdir)
     load_after = os.getloadavg()[0]
     records = _train_records(workdir)
+    data = ids_fingerprint(pipeline.prepare_data(cfg, workdir)[1]["train"])
   start, stop = records.get(warmup), records.get(warmup + steps)
   if start is None or stop is None:
     raise RuntimeError(f"no train records at steps {warmup} and "
@@ -149,7 +160,7 @@ def time_jax_loop(cfg: ml_collections.ConfigDict, warmup: int,
   counted = stop["step"] - start["step"]
   return _row(name, "jax", stop["time"] - start["time"], counted,
               counted * tokens_per_step, load_before, load_after,
-              stripes=cfg.model.num_stripes,
+              stripes=cfg.model.num_stripes, train_ids_sha1=data,
               logged_tok_per_s=[r["tok_per_s"] for r in timed],
               final_loss=stop["loss"])
 
@@ -260,7 +271,8 @@ def time_torch_loop(torch, cfg: ml_collections.ConfigDict, ids: np.ndarray,
   seconds = time.perf_counter() - start
   name = f"torch_{threads}t" if threads else "torch_cuda"
   return _row(name, "torch", seconds, steps, tokens, load_before,
-              os.getloadavg()[0], threads=threads, final_loss=logged[-1])
+              os.getloadavg()[0], threads=threads, final_loss=logged[-1],
+              train_ids_sha1=ids_fingerprint(ids))
 
 
 def train_ids(cfg: ml_collections.ConfigDict) -> tuple[int, np.ndarray]:
