@@ -56,3 +56,55 @@ def test_enabled_false_wins_over_a_tty(monkeypatch):
   bar.update(5, loss=1.0)
   bar.close()
   assert tty.getvalue() == ""
+
+
+class _Clock:
+  """Seconds that advance only when the test says so."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def test_lines_off_a_tty_every_few_seconds_with_rate_and_eta():
+  out, clock = io.StringIO(), _Clock()
+  bar = progress.Progress(1_000_000, desc="tokenizing train", unit="tok",
+                          file=out, lines_every_s=10, clock=clock)
+  assert not bar.enabled  # no bar: a plain file
+  for second in range(1, 31):  # 25,000 tokens a second for 30 s
+    clock.now = float(second)
+    bar.update(25_000 * second)
+  bar.close()
+  lines = out.getvalue().splitlines()
+  assert lines == [
+      "tokenizing train: 250,000/1,000,000 tok (25%) | 25,000 tok/s | ETA 30s",
+      "tokenizing train: 500,000/1,000,000 tok (50%) | 25,000 tok/s | ETA 20s",
+      "tokenizing train: 750,000/1,000,000 tok (75%) | 25,000 tok/s | ETA 10s",
+      "tokenizing train: 750,000 tok in 30s (25,000 tok/s)"]
+
+
+def test_no_lines_for_a_short_phase_other_processes_or_by_default():
+  for kwargs in ({"lines_every_s": 10},                    # done in 3 s
+                 {"lines_every_s": 10, "enabled": False},  # process_index > 0
+                 {}):                                      # training: silent
+    out, clock = io.StringIO(), _Clock()
+    bar = progress.Progress(100, file=out, clock=clock, **kwargs)
+    for second in range(1, 4 if len(kwargs) == 1 else 60):
+      clock.now = float(second)
+      bar.update(second)
+    bar.close()
+    assert out.getvalue() == "", kwargs
+
+
+def test_lines_count_only_the_work_left_after_a_resume():
+  out, clock = io.StringIO(), _Clock()
+  bar = progress.Progress(4000, initial_step=1000, unit="step", desc="train",
+                          file=out, lines_every_s=5, clock=clock)
+  clock.now = 5.0
+  bar.update(1500)  # 100 steps/s since the resume, 2500 to go
+  assert out.getvalue() == ("train: 1,500/4,000 step (38%) | 100 step/s | "
+                            "ETA 25s\n")
+  assert progress._duration(5000) == "1h23m"
+  assert progress._duration(83) == "1m23s"

@@ -10,7 +10,9 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from zebra_jax.errors import UserError
@@ -45,12 +47,13 @@ def test_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
   loop.run(_config(data), straight)
 
-  real = preemption.StopRequest.should_stop
-  monkeypatch.setattr(preemption.StopRequest, "should_stop",
-                      lambda self, step: step == 6 or real(self, step))
+  real = preemption.StopRequest.poll
+  monkeypatch.setattr(preemption.StopRequest, "poll",
+                      lambda self, step, out_of_time=False:
+                      "SIGTERM" if step == 6 else real(self, step, out_of_time))
   first = loop.run(_config(data), resumed)
   assert first["preempted"] and first["steps"] == 6
-  monkeypatch.setattr(preemption.StopRequest, "should_stop", real)
+  monkeypatch.setattr(preemption.StopRequest, "poll", real)
   second = loop.run(_config(data), resumed)
   assert second["steps"] == 12 and not second["preempted"]
 
@@ -154,16 +157,92 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, damage):
   assert checkpoint.Checkpointer(workdir).all_steps() == [6, 12]
 
 
-def test_digest_catches_what_orbax_misses(tmp_path):
+def _flip_a_bit_orbax_reads(workdir, step, target, process=None):
+  """Flips one bit inside an array data file of a step where orbax restores
+  without complaint but some value changes: what only a checksum can catch.
+
+  Returns the path and offset. Near the start of a file sit headers that
+  orbax checks, so offsets are tried from the middle of the largest file on.
+  """
+  files = _array_files(workdir, step)
+  if process is not None:
+    files = [f for f in files if f"ocdbt.process_{process}/" in f]
+  path = max(files, key=os.path.getsize)
+  original = open(path, "rb").read()
+  raw = ocp.CheckpointManager(f"{workdir}/checkpoints", item_names=("state",))
+  args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
+  clean = jax.device_get(raw.restore(step, args=args).state)
+  for offset in range(len(original) // 2, len(original), 37):
+    damaged = bytearray(original)
+    damaged[offset] ^= 0x10
+    with open(path, "r+b") as f:
+      f.write(damaged)
+    try:
+      read = jax.device_get(ocp.CheckpointManager(
+          f"{workdir}/checkpoints", item_names=("state",)).restore(
+              step, args=args).state)
+    except Exception:  # orbax noticed: not the damage this is about
+      continue
+    if any(not np.array_equal(a, b) for a, b in
+           zip(jax.tree.leaves(clean), jax.tree.leaves(read))):
+      return path, offset
+  with open(path, "r+b") as f:
+    f.write(original)
+  raise AssertionError(f"no bit in {path} changes data that orbax reads back")
+
+
+def test_checksum_catches_a_bit_flip_that_orbax_restores(tmp_path):
+  cfg, workdir = _two_checkpoints(tmp_path)
+  _, target = train_state.abstract_state(cfg, parallel.make_mesh())
+  state, meta = checkpoint.Checkpointer(workdir).restore(12, target)  # intact
+  _flip_a_bit_orbax_reads(workdir, 12, target)  # orbax: no error, new values
+  with pytest.raises(checkpoint.CorruptCheckpoint, match="does not match"):
+    checkpoint.Checkpointer(workdir).restore(12, target)
+  messages = []
+  step, _, _ = checkpoint.Checkpointer(workdir).restore_latest(
+      target, messages.append)
+  assert step == 6 and "does not match its checksum" in messages[0]
+
+
+def test_checksum_is_strict_about_missing_entries(tmp_path):
   cfg, workdir = _two_checkpoints(tmp_path)
   _, target = train_state.abstract_state(cfg, parallel.make_mesh())
   state, meta = checkpoint.Checkpointer(workdir).restore(12, target)
-  checkpoint.verify(state, meta["digests"])  # intact: passes
-  tampered = dict(meta["digests"])
-  key = next(iter(tampered))
-  tampered[key] = tampered[key][:-1] + ("0" if tampered[key][-1] != "0" else "1")
-  with pytest.raises(checkpoint.CorruptCheckpoint, match="does not match"):
-    checkpoint.verify(state, tampered)
+  actual, failed = checkpoint.checksums(state)
+  assert failed == [] and actual == meta["checksums"]
+  missing = dict(meta, checksums=dict(list(meta["checksums"].items())[1:]))
+  with pytest.raises(checkpoint.CorruptCheckpoint, match="has no checksum"):
+    checkpoint.verify(actual, missing)
+  old = {k: v for k, v in meta.items() if k != "checksums"}
+  notes = []
+  checkpoint.verify(actual, old, notes.append)  # written before checksums
+  assert "predates checksums" in notes[0]
+
+
+def test_checksum_ignores_layout_and_sees_every_bit():
+  rng = np.random.default_rng(0)
+  tree = {"w": rng.standard_normal((16, 6)).astype(np.float32),
+          "b": rng.integers(0, 9, (16,)).astype(np.int32),
+          "s": np.float32(3.5), "h": jnp.ones((16, 4), jnp.bfloat16)}
+  sums = []
+  for n in (1, 2, 8):
+    mesh = parallel.make_mesh(jax.devices()[:n])
+    placed = {k: jax.device_put(v, parallel.batch_sharded(mesh)
+                                if k != "s" else parallel.replicated(mesh))
+              for k, v in tree.items()}
+    sums.append(checkpoint.checksums(placed)[0])
+  assert sums[0] == sums[1] == sums[2]  # 1, 2 or 8 shards: one checksum
+  w = tree["w"].copy()
+  bits = w.view(np.uint32)
+  for index, bit in [((0, 0), 0), ((7, 3), 31), ((15, 5), 17)]:
+    bits[index] ^= np.uint32(1 << bit)
+    flipped = checkpoint.checksums(dict(tree, w=w))[0]
+    assert flipped["['w']"] != sums[0]["['w']"]
+    bits[index] ^= np.uint32(1 << bit)
+  swapped = tree["w"].copy()
+  swapped[[0, 1]] = swapped[[1, 0]]  # same values, other places
+  assert checkpoint.checksums(dict(tree, w=swapped))[0]["['w']"] != \
+      sums[0]["['w']"]
 
 
 def test_killed_save_leaves_a_temp_dir_that_is_ignored(tmp_path):
@@ -177,6 +256,9 @@ def test_killed_save_leaves_a_temp_dir_that_is_ignored(tmp_path):
   _, target = train_state.abstract_state(cfg, parallel.make_mesh())
   step, _, _ = ckpt.restore_latest(target, print)
   assert step == 12
+  ckpt.close()
+  # Opening the checkpoints removed the leftover: no disk leaks across kills.
+  assert sorted(os.listdir(f"{workdir}/checkpoints")) == ["12", "6"]
 
 
 def test_all_checkpoints_unusable_is_one_clear_error(tmp_path):

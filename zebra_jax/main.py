@@ -112,6 +112,9 @@ def main(argv):
   cfg, workdir = _CONFIG.value, _WORKDIR.value
   if cfg is not None:
     cfg = _sample_overrides(cfg)
+  if workdir and _MODE.value not in ("plot", "bench"):
+    from zebra_jax.runtime import compile_cache
+    compile_cache.enable(workdir)  # before the first compile
   try:
     _dispatch(_MODE.value, cfg, workdir)
   except UserError as e:

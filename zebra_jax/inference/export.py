@@ -56,7 +56,7 @@ def _functions(graphdef, treedef):
 
 def export_functions(loaded: loading.Loaded, platforms=("cpu",)):
   """(prompt Exported, step Exported, flat float32 params as numpy)."""
-  leaves, treedef = jax.tree.flatten(loaded.params)
+  leaves, treedef = jax.tree.flatten(loading.local_replica(loaded.params))
   flat = [np.asarray(jax.device_get(x)) for x in leaves]
   prompt, step = _functions(loaded.graphdef, treedef)
   b, t = jax.export.symbolic_shape("b, t")

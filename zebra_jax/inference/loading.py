@@ -8,6 +8,7 @@ disk, so a model loads in a third of the memory and from any batch size.
 import dataclasses
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -50,3 +51,18 @@ def load_for_inference(cfg: ml_collections.ConfigDict, workdir: str,
       step, parallel.replicated_like(parallel.make_mesh(), abstract_params))
   ckpt.close()
   return Loaded(merged, tokenizer, splits, graphdef, params, step)
+
+
+def local_replica(params: Any) -> Any:
+  """This process's copy of replicated params, on its first local device.
+
+  A multi-process run restores params on the global mesh, where no process
+  holds every device's copy (device_put and device_get refuse such arrays);
+  each process then takes a copy it holds. Single-device work (sampling,
+  scoring, export) needs nothing more.
+  """
+  def local(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      x = x.addressable_data(0)  # replicated: any local copy is the whole
+    return jax.device_put(x, jax.local_devices()[0])
+  return jax.tree.map(local, params)

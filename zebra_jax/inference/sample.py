@@ -68,7 +68,7 @@ class Generator:
   def __init__(self, loaded: loading.Loaded):
     self.loaded, self.tokenizer = loaded, loaded.tokenizer
     # One device: replicated params would repeat every step on every device.
-    self.params = jax.device_put(loaded.params, jax.local_devices()[0])
+    self.params = loading.local_replica(loaded.params)
     self._consume = jax.jit(functools.partial(_consume_prompt,
                                               graphdef=loaded.graphdef))
     self.step_fn = functools.partial(lm.decode_step, graphdef=loaded.graphdef)

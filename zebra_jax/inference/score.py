@@ -65,7 +65,7 @@ class Scorer:
       raise UserError(f"eval.seq_len={seq_len} must be positive: set "
                       "--config.eval.seq_len to e.g. 128")
     # Batch 1 needs one device; replicated params would repeat the work.
-    self.params = jax.device_put(loaded.params, jax.local_devices()[0])
+    self.params = loading.local_replica(loaded.params)
     self._window = jax.jit(functools.partial(window_logprobs,
                                              graphdef=loaded.graphdef))
 

@@ -2,23 +2,36 @@
 
 Each step directory holds two items: `state` (params, optimizer state, loss
 scale, step, RNG and the LSTM carry, as arrays) and `meta` (JSON: data
-position, best validation loss, and a CRC32 digest of every array).
+position, best validation loss, and a checksum of every array).
 Preservation keeps the latest `keep_latest` steps plus the best `keep_best` by
 validation loss (orbax's legacy `max_to_keep` with `best_fn` would delete the
 latest step and break resuming).
 
 Orbax writes to a temporary directory and renames it when complete, so a
-killed save leaves no half-written step; but it cannot tell a flipped byte in
-an array file from data. The digests can: `restore_latest` verifies them and
+killed save leaves no half-written step; but it cannot tell a flipped bit in
+an array file from data. The checksums can: `restore_latest` verifies them and
 falls back to the newest step that restores intact, moving corrupt steps aside
-(`<step>.corrupt`) instead of deleting anything.
+(`<step>.corrupt-<time>`) instead of deleting anything.
+
+Checksums and multi-process runs: each array's checksum is a position-weighted
+sum of its elements' bit patterns (mod 2^64). Sums over disjoint pieces add
+up, so each process sums the shards it is the first replica of, and one
+all-gather adds them: replicated parameters are read once, sharded carries by
+the process that holds each piece, and the result does not depend on how many
+devices or processes saved or restore it. Every weight is odd, so any single
+flipped bit changes the sum. All processes see the same gathered checksums
+and the same verdict, so they fall back to the same step together.
+
+Strictness: a checkpoint whose meta has `checksums` must cover every array
+restored; a missing entry is corruption. A checkpoint without them was written
+by an earlier version (before checksums, or with the whole-array CRC32
+`digests` of single-process runs): it restores unverified, with a log line.
 """
 
 import contextlib
 import logging
 import os
 import time
-import zlib
 from typing import Any, Callable
 
 import jax
@@ -50,30 +63,116 @@ logging.getLogger("absl").addFilter(_QuietOrbax())
 
 
 class CorruptCheckpoint(Exception):
-  """A restored array does not match the digest written with it."""
+  """A restored array does not match the checksum written with it."""
 
 
 def _valid_loss(metrics: dict[str, Any]) -> float:
   return metrics["valid_loss"]
 
 
-def digests(state: Any) -> dict[str, str]:
-  """CRC32 of every array this process holds in full, keyed by its tree path."""
-  out = {}
-  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-      continue  # another host holds part of it; orbax checks its shape
-    array = np.ascontiguousarray(jax.device_get(leaf))
-    out[jax.tree_util.keystr(path)] = (
-        f"{array.dtype}{list(array.shape)}:{zlib.crc32(array.data):08x}")
+_MASK = (1 << 64) - 1
+_MULTIPLIER = np.uint64(2 * 0x9E3779B97F4A7C15 & _MASK)  # weights 2*i*K + 1
+_ROWS_PER_CHUNK_ELEMENTS = 1 << 20  # bounds the uint64 temporaries
+
+
+def _weighted_sum(data: np.ndarray, index: tuple, shape: tuple) -> int:
+  """sum_i bits(x_i) * (2 * i * K + 1) mod 2^64 over one piece of an array.
+
+  i is the element's flat index in the whole array of `shape`; `index` (one
+  slice per axis) places the piece `data` in it.
+  """
+  data = np.ascontiguousarray(data)
+  bits = data.view(np.dtype(f"u{data.dtype.itemsize}"))
+  if not shape:  # a scalar: flat index 0, weight 1
+    return int(bits.reshape(-1)[0]) & _MASK
+  strides = np.cumprod((shape[1:] + (1,))[::-1])[::-1]  # elements per step
+  starts = [s.start or 0 for s in index] if index else [0] * len(shape)
+  rest = np.zeros(data.shape[1:], np.uint64)  # flat offset within a row
+  for axis in range(1, len(shape)):
+    span = np.arange(starts[axis], starts[axis] + data.shape[axis],
+                     dtype=np.uint64) * np.uint64(strides[axis])
+    rest = rest + span.reshape((-1,) + (1,) * (len(shape) - 1 - axis))
+  rows = max(1, _ROWS_PER_CHUNK_ELEMENTS // max(1, rest.size))
+  total = 0
+  for r in range(0, data.shape[0], rows):
+    first = np.arange(starts[0] + r, starts[0] + min(r + rows, data.shape[0]),
+                      dtype=np.uint64) * np.uint64(strides[0])
+    flat = first.reshape((-1,) + (1,) * (len(shape) - 1)) + rest
+    weights = flat * _MULTIPLIER + np.uint64(1)
+    piece = bits[r:r + rows].astype(np.uint64)
+    total += int(np.sum(piece * weights, dtype=np.uint64))
+  return total & _MASK
+
+
+def _local_sums(tree: Any, leaves: list) -> np.ndarray:
+  """uint32 [n_leaves, 4]: (sum lo, sum hi, elements lo, elements hi) of the
+  pieces of each array that this process is the first replica of."""
+  out = np.zeros((len(leaves), 4), np.uint32)
+  if tree is None:
+    return out
+  for row, leaf in enumerate(jax.tree.leaves(tree)):
+    total, count = 0, 0
+    if isinstance(leaf, jax.Array):
+      for shard in leaf.addressable_shards:
+        if shard.replica_id == 0:
+          data = np.asarray(shard.data)
+          total += _weighted_sum(data, shard.index, leaf.shape)
+          count += data.size
+    elif jax.process_index() == 0:  # a host value: the same in every process
+      data = np.asarray(leaf)
+      total, count = _weighted_sum(data, (), data.shape), data.size
+    total &= _MASK
+    out[row] = (total & 0xFFFFFFFF, total >> 32, count & 0xFFFFFFFF,
+                count >> 32)
   return out
 
 
-def verify(state: Any, expected: dict[str, str]) -> None:
-  """Raises CorruptCheckpoint naming the first array whose digest differs."""
-  for key, digest in digests(state).items():
-    if key in expected and expected[key] != digest:
-      raise CorruptCheckpoint(f"array {key} does not match its digest")
+def checksums(tree: Any, like: Any = None, prefix: str = "",
+              ok: bool = True) -> tuple[dict[str, str], list[int]]:
+  """({tree path: "dtype[shape]:sum"}, processes that were not `ok`).
+
+  Collective with several processes: all of them call it with trees of the
+  same structure. A process that could not read `tree` passes ok=False (and
+  tree=None, `like` giving the structure); the others learn which one failed.
+  """
+  like = tree if like is None else like
+  leaves = jax.tree_util.tree_leaves_with_path(like)
+  local = _local_sums(tree if ok else None, leaves)
+  local = np.concatenate([local, np.full((1, 4), int(ok), np.uint32)])
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    gathered = np.asarray(multihost_utils.process_allgather(local))
+  else:
+    gathered = local[None]
+  failed = [p for p in range(gathered.shape[0]) if not gathered[p, -1, 0]]
+  out = {}
+  for row, (path, leaf) in enumerate(leaves):
+    parts = gathered[:, row].astype(np.uint64)
+    total = sum(int(lo) | int(hi) << 32 for lo, hi, _, _ in parts) & _MASK
+    count = sum(int(lo) | int(hi) << 32 for _, _, lo, hi in parts)
+    size = int(np.prod(leaf.shape))
+    if not failed and count != size:  # a piece nobody summed: a bug, not data
+      raise RuntimeError(f"checksum of {jax.tree_util.keystr(path)} covered "
+                         f"{count} of {size} elements")
+    out[prefix + jax.tree_util.keystr(path)] = (
+        f"{np.dtype(leaf.dtype)}{list(leaf.shape)}:{total:016x}")
+  return out, failed
+
+
+def verify(actual: dict[str, str], meta: dict[str, Any],
+           log: Callable[[str], None] | None = None) -> None:
+  """Raises CorruptCheckpoint naming the first array whose checksum differs
+  or is missing; see the module docstring for checkpoints without any."""
+  expected = meta.get("checksums")
+  if expected is None:
+    if log is not None:
+      log("this checkpoint predates checksums: restored without verifying it")
+    return
+  for key, value in actual.items():
+    if key not in expected:
+      raise CorruptCheckpoint(f"array {key} has no checksum in the checkpoint")
+    if expected[key] != value:
+      raise CorruptCheckpoint(f"array {key} does not match its checksum")
 
 
 class Checkpointer:
@@ -118,7 +217,7 @@ class Checkpointer:
     checkpoint is untouched because orbax only renames complete steps.
     """
     metrics = {"valid_loss": float(valid_loss)} if valid_loss is not None else None
-    meta = dict(meta, digests=digests(state))
+    meta = dict(meta, checksums=checksums(state)[0])  # all processes call it
     with self._reporting_write_errors(self._pending_step):
       self._manager.check_for_errors()  # did the previous async save fail?
     with self._reporting_write_errors(step):
@@ -128,14 +227,19 @@ class Checkpointer:
           metrics=metrics, force=True)
     self._pending_step = step
 
-  def restore(self, step: int, target_state: Any) -> tuple[Any, dict[str, Any]]:
-    """Restores into target_state's shapes/dtypes/shardings and verifies it."""
-    restored = self._manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target_state),
-                                      meta=ocp.args.JsonRestore()))
-    meta = dict(restored.meta)
-    verify(restored.state, meta.get("digests", {}))
-    return restored.state, meta
+  def restore(self, step: int, target_state: Any,
+              log: Callable[[str], None] | None = None
+              ) -> tuple[Any, dict[str, Any]]:
+    """Restores into target_state's shapes/dtypes/shardings and verifies it.
+
+    Every process gets the same outcome: a step that one process cannot read
+    or verify raises in all of them.
+    """
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(target_state),
+                              meta=ocp.args.JsonRestore())
+    state, meta = self._agreed_restore(step, args, lambda r: r.state,
+                                       target_state, "", log)
+    return state, meta
 
   def restore_params(self, step: int, target_params: Any) -> Any:
     """Restores only the `params` field of a saved state, verified.
@@ -144,17 +248,30 @@ class Checkpointer:
     third of the memory of a full restore under Adam.
     """
     target = {"params": target_params}
-    restored = self._manager.restore(
-        step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                item=target, partial_restore=True,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
-            meta=ocp.args.JsonRestore()))
-    params = restored.state["params"]
-    expected = dict(restored.meta).get("digests", {})
-    verify(params, {k[len(".params"):]: v for k, v in expected.items()
-                    if k.startswith(".params")})
+    args = ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+            item=target, partial_restore=True,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
+        meta=ocp.args.JsonRestore())
+    params, _ = self._agreed_restore(step, args, lambda r: r.state["params"],
+                                     target_params, ".params", None)
     return params
+
+  def _agreed_restore(self, step, args, pick, like, prefix, log):
+    """Reads a step, then checksums it in one collective that also tells
+    every process whether any other failed to read it."""
+    try:
+      restored = self._manager.restore(step, args=args)
+      tree, meta, error = pick(restored), dict(restored.meta), None
+    except Exception as e:  # truncated files, wrong structure
+      tree, meta, error = None, None, e
+    actual, failed = checksums(tree, like, prefix, ok=error is None)
+    if error is not None:
+      raise error
+    if failed:
+      raise CorruptCheckpoint(f"process {failed[0]} could not read it")
+    verify(actual, meta, log)
+    return tree, meta
 
   def restore_latest(self, target_state: Any,
                      log: Callable[[str], None] = print):
@@ -168,7 +285,7 @@ class Checkpointer:
     broken, first_error = [], None
     for step in reversed(self.all_steps()):
       try:
-        state, meta = self.restore(step, target_state)
+        state, meta = self.restore(step, target_state, log)
       except Exception as e:  # truncated files, bad digests, wrong structure
         reason = str(e).strip().splitlines()[0][:200] if str(e) else type(e).__name__
         log(f"checkpoint at step {step} is unusable ({reason}); trying an "
@@ -186,13 +303,17 @@ class Checkpointer:
     return None
 
   def _quarantine(self, step: int, log: Callable[[str], None]) -> None:
-    if jax.process_index() != 0:
-      return
-    src = os.path.join(self.directory, str(step))
-    dst = f"{src}.corrupt-{int(time.time())}"
-    os.rename(src, dst)
+    """Process 0 renames the step; then every process re-lists the folder,
+    so that all of them may save that step number again."""
+    if jax.process_index() == 0:
+      src = os.path.join(self.directory, str(step))
+      dst = f"{src}.corrupt-{int(time.time())}"
+      os.rename(src, dst)
+      log(f"moved the unusable checkpoint to {dst}")
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"zebra_jax quarantine {step}")
     self._manager.reload()
-    log(f"moved the unusable checkpoint to {dst}")
 
   def wait(self) -> None:
     with self._reporting_write_errors(self._pending_step):

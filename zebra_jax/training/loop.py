@@ -26,6 +26,9 @@ from zebra_jax.training import evaluate, loss_scale, optim, preemption
 from zebra_jax.training.train_state import init_state, TrainState
 
 
+_POLL_EVERY = 10  # steps between agreed stop checks with several processes
+
+
 def _to_micro(x, k):
   """[B, ...] -> [k, B/k, ...]: micro-batch j holds rows j, j+k, j+2k, ...
 
@@ -170,6 +173,10 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
   profiler = profiling.StepProfiler(workdir, cfg.profile.start_step,
                                    cfg.profile.num_steps)
   eval_sampler = _make_eval_sampler(cfg, tokenizer, splits, graphdef)
+  # One process polls its own flags every step; several agree on a stop in a
+  # collective, every few steps (a host sync each step would stall dispatch).
+  polls_every_step = jax.process_count() == 1
+  poll_every = max(1, min(cfg.train.log_every, _POLL_EVERY))
   bar = progress.Progress(cfg.train.num_steps, initial_step=step,
                           enabled=None if jax.process_index() == 0 else False)
   log.record("start", step, {})  # wall-clock origin for plots
@@ -196,6 +203,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
           window, first = _Window(), False
         if step % cfg.train.log_every == 0 and window.sums:
           per_step, elapsed = window.flush()
+          # The sums are all-reduced, so every process sees the same skips
+          # and stops at the same step.
           bad_run = _consecutive_skips(per_step, bad_run)
           if bad_run >= cfg.train.max_consecutive_skips:
             raise UserError(
@@ -222,13 +231,20 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
           bar.update(step, tok_s=len(per_step) * tokens_per_step / elapsed,
                      loss=summary["loss"])
         stop = step >= cfg.train.num_steps
-        if stop_request.should_stop(step):
-          log.info(f"received {stop_request.signal_name}: saving a checkpoint at "
-                   f"step {step} and stopping; rerun the same command to resume")
-          stop = preempted = True
-        elif budget_s and time.perf_counter() - started > budget_s:
-          log.info(f"time budget of {cfg.train.time_budget_minutes} min reached")
-          stop = True
+        if polls_every_step or step % poll_every == 0:  # same steps everywhere
+          out_of_time = bool(budget_s) and (
+              time.perf_counter() - started > budget_s)
+          reason = stop_request.poll(step, out_of_time)
+          if reason == "time budget":
+            log.info(f"time budget of {cfg.train.time_budget_minutes} min "
+                     f"reached at step {step}")
+            stop = True
+          elif reason is not None:
+            who = (f" (process {', '.join(map(str, stop_request.senders))})"
+                   if jax.process_count() > 1 else "")
+            log.info(f"received {reason}{who}: saving a checkpoint at step "
+                     f"{step} and stopping; rerun the same command to resume")
+            stop = preempted = True
         valid = None
         if step % cfg.train.eval_every == 0 or (stop and not preempted):
           valid = evaluator.run(state.params, splits["valid"],
