@@ -18,6 +18,17 @@ for ((i = 0; i < nproc; i++)); do
       --process_id="$i" "$@" &
   pids+=($!)
 done
+# A signal to this script reaches every process (Ctrl-C reaches them anyway):
+# they agree on a step, save there and exit 0; rerun to resume.
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+trap 'kill -INT "${pids[@]}" 2>/dev/null' INT
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+for pid in "${pids[@]}"; do
+  # A trapped signal ends `wait` early (status > 128): wait until it exits.
+  while :; do
+    wait "$pid" && rc=0 || rc=$?
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  ((rc == 0)) || status=$rc
+done
 exit $status
