@@ -14,6 +14,7 @@ _CHOICES = {
     "data.batching": tuple(batching.BATCHERS),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.head": ("full", "adaptive"),
+    "model.stripe_input": ("dense", "grouped"),
     "optim.name": ("adam", "adamw", "sgd", "lamb"),
 }
 # Every numeric, boolean and text field, by what it may hold.
