@@ -1,0 +1,211 @@
+"""Several JAX processes on this machine (jax.distributed over 127.0.0.1, each
+with emulated CPU devices), as under SLURM: stops agreed by every process,
+preemption from a signal to one process, checksums over every process's
+shards, and train + eval on 1, 2, 4 and 8 devices with whole-split
+evaluation. Every process has a timeout, so a hang fails instead of stalling.
+"""
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import demo
+from zebra_jax.runtime import checkpoint, parallel
+from zebra_jax.training import train_state
+from tests.helpers import REPO
+from tests.test_reliability import _flip_a_bit_orbax_reads
+
+TIMEOUT = 240  # seconds per run (a few on an idle machine): a hang fails
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """A small text file (its valid split is a few eval windows) and a compile
+  cache shared by every run in this module."""
+  base = tmp_path_factory.mktemp("mp")
+  story = base / "story.txt"
+  story.write_text("".join(f"line {i}: the quick brown fox jumps over the "
+                           f"lazy dog.\n" for i in range(200)))
+  return str(story), str(base / "xla_cache")
+
+
+def _args(corpus, workdir, *extra):
+  story, _ = corpus
+  return ["-m", "zebra_jax.main", "--config=configs/demo.py:tiny",
+          f"--workdir={workdir}", "--config.data.source=text",
+          f"--config.data.path={story}", "--config.sample.prompt=the ",
+          *extra]
+
+
+def _env(corpus, devices):
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+              ZEBRA_COMPILATION_CACHE=corpus[1])
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start(corpus, workdir, *extra, processes=2, devices=2):
+  port = _free_port()
+  return [subprocess.Popen(
+      [sys.executable, *_args(corpus, workdir, *extra),
+       f"--coordinator_address=127.0.0.1:{port}",
+       f"--num_processes={processes}", f"--process_id={i}"],
+      env=_env(corpus, devices), cwd=REPO, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for i in range(processes)]
+
+
+def _finish(procs, timeout=TIMEOUT):
+  """(stdout, stderr) of each process; kills them all if any hangs."""
+  deadline, outs = time.time() + timeout, []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=max(1, deadline - time.time())))
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    for p in procs:
+      p.communicate()
+    pytest.fail(f"processes still running after {timeout} s (a hang)")
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  return outs
+
+
+def _run(corpus, workdir, *extra, processes=2, devices=2):
+  return _finish(_start(corpus, workdir, *extra, processes=processes,
+                        devices=devices))
+
+
+def _steps(workdir):
+  return checkpoint.Checkpointer(workdir, create=False).all_steps()
+
+
+def _wait_for_training(workdir, procs):
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + TIMEOUT
+  while time.time() < deadline:
+    if os.path.exists(metrics) and '"train"' in open(metrics).read():
+      return
+    if any(p.poll() is not None for p in procs):
+      break
+    time.sleep(0.1)
+  _finish(procs, timeout=1)
+  pytest.fail("no training step was logged")
+
+
+def _saved_by_both(workdir, step):
+  """Both processes wrote their carry shards into the step: it was a
+  collective save, so both were at that step."""
+  state = f"{workdir}/checkpoints/{step}/state"
+  return all(glob.glob(f"{state}/ocdbt.process_{i}") for i in (0, 1))
+
+
+def test_time_budget_stops_every_process_at_one_step_then_eval(corpus,
+                                                                tmp_path):
+  workdir = str(tmp_path / "run")
+  (out, _), _ = _run(corpus, workdir, "--config.train.num_steps=100000",
+                     "--config.train.time_budget_minutes=0.05",
+                     "--config.train.log_every=5",
+                     "--config.train.eval_every=100000",
+                     "--config.checkpoint.every_steps=100000")
+  reached = [l for l in out.splitlines() if "time budget of" in l]
+  assert len(reached) == 1, out
+  step = int(reached[0].rsplit("step ", 1)[1])
+  assert step % 5 == 0  # an agreed poll step
+  assert _steps(workdir) == [step] and _saved_by_both(workdir, step)
+  # Then, as after any finished run: whole-split eval and a sample (process 0
+  # prints them; both processes take part).
+  assert "| end of training" in out and "test ppl" in out
+  assert "----- sample 1/1" in out
+  (again, _), _ = _run(corpus, workdir, "--mode=eval")
+  assert "valid ppl" in again and "test ppl" in again
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_one_process_stops_all_at_one_saved_step(corpus, tmp_path,
+                                                           sig):
+  workdir = str(tmp_path / "run")
+  common = ["--config.train.log_every=2", "--config.train.eval_every=100000",
+            "--config.checkpoint.every_steps=100000",
+            "--config.train.report_at_end=false",
+            "--config.model.dropout_hidden=0.1"]
+  procs = _start(corpus, workdir, "--config.train.num_steps=100000", *common)
+  _wait_for_training(workdir, procs)
+  procs[1].send_signal(sig)  # not the one that logs
+  (out, _), _ = _finish(procs)
+  assert f"received {sig.name} (process 1)" in out
+  [saved] = _steps(workdir)
+  assert saved % 2 == 0 and _saved_by_both(workdir, saved)
+  if sig == signal.SIGINT:
+    return  # the same path; one resume check is enough
+  # A rerun resumes at that step and continues as an uninterrupted run would.
+  end = saved + 4
+  (resumed, _), _ = _run(corpus, workdir, f"--config.train.num_steps={end}",
+                         *common)
+  assert f"resuming from checkpoint at step {saved}" in resumed
+  straight = str(tmp_path / "straight")
+  _run(corpus, straight, f"--config.train.num_steps={end}", *common)
+  cfg = demo.get_config("tiny")
+  cfg.model.vocab_size = json.load(open(f"{workdir}/config.json"))["model"][
+      "vocab_size"]
+  _, target = train_state.abstract_state(cfg, parallel.make_mesh())
+  a, _ = checkpoint.Checkpointer(workdir).restore(end, target)
+  b, _ = checkpoint.Checkpointer(straight).restore(end, target)
+  for x, y in zip(jax.tree.leaves(jax.device_get(a)),
+                  jax.tree.leaves(jax.device_get(b))):
+    np.testing.assert_array_equal(x, y)  # bitwise
+
+
+def test_bit_flip_in_one_process_shard_falls_back_everywhere(corpus, tmp_path):
+  workdir = str(tmp_path / "run")
+  common = ["--config.train.eval_every=100000",
+            "--config.checkpoint.every_steps=6",
+            "--config.checkpoint.keep_latest=3",
+            "--config.train.report_at_end=false"]
+  _run(corpus, workdir, "--config.train.num_steps=12", *common)
+  assert _steps(workdir) == [6, 12]
+  cfg = demo.get_config("tiny")
+  cfg.model.vocab_size = json.load(open(f"{workdir}/config.json"))["model"][
+      "vocab_size"]
+  _, target = train_state.abstract_state(cfg, parallel.make_mesh())
+  # A file that process 1 wrote (orbax spreads the replicated arrays' writes
+  # over the processes); orbax reads the flipped bit back without complaint.
+  _flip_a_bit_orbax_reads(workdir, 12, target, process=1)
+  (out, _), _ = _run(corpus, workdir, "--config.train.num_steps=14", *common)
+  assert ("checkpoint at step 12 is unusable (array ." in out
+          and "does not match its checksum" in out), out
+  assert "resuming from checkpoint at step 6" in out
+  assert glob.glob(f"{workdir}/checkpoints/12.corrupt-*")
+  assert _steps(workdir) == [6, 12, 14]
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_train_and_eval_finish_on_any_device_count(corpus, tmp_path, devices):
+  workdir = str(tmp_path / "run")
+  env = _env(corpus, devices)
+  train = subprocess.run(
+      [sys.executable, *_args(corpus, workdir, "--config.train.num_steps=20")],
+      env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+  assert train.returncode == 0, train.stderr[-3000:]
+  assert f"{devices} cpu device(s)" in train.stdout
+  assert "test ppl" in train.stdout and "----- sample 1/1" in train.stdout
+  if devices == 8:  # --mode=eval: the same whole-split evaluation
+    ev = subprocess.run(
+        [sys.executable, *_args(corpus, workdir, "--mode=eval")], env=env,
+        cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert "valid ppl" in ev.stdout and "test ppl" in ev.stdout
