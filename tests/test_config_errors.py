@@ -74,6 +74,8 @@ CASES = (
        ("data.batching", "shuffled", "is not one of"),
        ("model.dtype", "float64", "is not one of"),
        ("model.head", "hierarchical", "is not one of"),
+       ("model.stripe_input", "sparse", "is not one of"),
+       ("model.recurrence", "cuda", "is not one of"),
        ("optim.name", "adagrad", "is not one of"),
        ("model.num_stripes", 3, "not divisible by model.num_stripes=3"),
        ("model.adaptive_cutoffs", (60, 20), "strictly increasing"),
@@ -134,7 +136,9 @@ def _leaves(tree, prefix=""):
 def test_every_base_field_is_checked():
   """A field added to configs/base.py must be added to the checks too."""
   checked = {f for f, _, _ in CASES} | {"model.adaptive_cutoffs"}
-  assert set(_leaves(base.get_config().to_dict())) == checked
+  fields = set(_leaves(base.get_config().to_dict()))
+  assert not fields - checked, f"no check or test row: {fields - checked}"
+  assert not checked - fields, f"not in configs/base.py: {checked - fields}"
 
 
 def test_configs_load_by_path_from_another_directory(tmp_path):
