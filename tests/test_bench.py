@@ -26,18 +26,31 @@ def test_quick_bench_writes_every_row(tmp_path):
   result = json.loads(path.read_text())
 
   rows = {r["name"]: r for r in result["rows"]}
-  want = {"core_S1", "core_S4", "core_S1_autodiff", "core_S4_autodiff",
-          "lm_S1", "eval_S1", "gen_S1_b1", "gen_S1_b4"}
+  want = {"core_S1", "core_S4", "core_S1_remat", "core_S4_grouped",
+          "core_S1_autodiff", "core_S4_autodiff",
+          "lm_S1", "lm_S4_grouped", "eval_S1", "eval_S4_grouped",
+          "gen_S1_b1", "gen_S1_b4", "gen_S4_grouped_b1", "gen_S4_grouped_b4",
+          "word_S1", "word_S4_grouped", "word_S1_adaptive",
+          "word_S4_grouped_adaptive"}
   if importlib.util.find_spec("torch") is not None:
-    want |= {"torch_core_1t", "torch_lm_1t", "torch_eval_1t"}
+    want |= {"torch_core_1t", "torch_lm_1t", "torch_eval_1t",
+             "torch_word_1t", "torch_word_adaptive_1t"}
   else:
     assert any("torch not installed" in n for n in result["notes"])
   assert want <= set(rows), sorted(rows)
-  assert result["matmul_peak_gflops"] > 0
+  # The peak is the best of its shapes, the steps' own among them.
+  by_shape = result["matmul_gflops_by_shape"]
+  assert {"input projection", "recurrence S=4", "grouped projection S=4",
+          "head"} <= set(by_shape)
+  assert result["matmul_peak_gflops"] == pytest.approx(max(by_shape.values()))
+  # Grouped rows count S times fewer projection FLOPs per token than dense.
+  core_flops = {n: r["gflops"] * r["ms_per_step"] for n, r in rows.items()}
+  assert core_flops["core_S4_grouped"] < core_flops["core_S4"]
   for name, r in rows.items():
     for key in ("tokens_per_s", "ms_per_step", "gflops", "frac_of_peak"):
       assert r[key] > 0, (name, key, r[key])
-    if name.startswith(("core", "lm", "eval")) and "torch_core_1t" in rows:
+    if name.startswith(("core", "lm", "eval", "word")) and (
+        "torch_core_1t" in rows):
       assert r["ratio_to_torch"] > 0, name
     if not name.startswith(("torch", "gen")):
       assert r["xla_bytes"] > 0, name

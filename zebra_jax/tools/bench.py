@@ -7,20 +7,35 @@
 Rows (tokens/s, ms/step, ratio to torch, GFLOP/s and fraction of the matmul
 peak measured in this run, XLA's planned bytes per step):
   core_S{s}   stacked ZebraLSTMLayers + Adam, sum-of-squares loss on outputs
+  core_S1_remat  core_S1 with model.remat (the gates recomputed), beside it
   core_S{s}_autodiff  the same with JAX's autodiff of the scan instead of the
               hand-written backward pass (recurrence.py)
   lm_S{s}     embedding -> layers -> tied head -> cross-entropy, + Adam
   eval_S{s}   the LM forward with carry (evaluate.eval_step)
   gen_S{s}_b{b}  sampling.generate: one token at a time in a jitted scan
-  torch_*_{n}t  nn.LSTM (+ nn.Embedding and a tied head) of the same shape on
-              n threads; ratios are against the faster thread count
+  *_S{s}_grouped  the same with model.stripe_input=grouped: every matmul of
+              a layer split in S blocks, stripes shuffled between layers
+  word_S{s}[_grouped][_adaptive]  the LM train step at the word-level shape
+              (hidden 256, 16,384 words, Zipf-distributed tokens), full or
+              adaptive head: where the softmax, not the recurrence, costs
+  torch_*_{n}t  nn.LSTM (+ nn.Embedding and a tied head, or
+              nn.AdaptiveLogSoftmaxWithLoss) of the same shape on n threads;
+              ratios are against the faster thread count
 Timed functions run interleaved, round after round, and each row reports its
 median: the machine's noise (other jobs) hits every row alike, so on shared
 CPUs compare ratios, not absolute times. Memory: one fresh process per window
 (peak RSS on CPU, peak_bytes_in_use on GPU) and XLA's buffer plan.
 
-FLOPs are counted analytically per token: input projection 2*in*4H, recurrence
-2*H*4H/S, head 2*H*V; x3 for a train step (forward + two backward matmuls).
+FLOPs are the matmuls each step runs, counted analytically per token: input
+projection 2*in*4H (grouped: /S), recurrence 2*H*4H/S, head 2*H*V (adaptive:
+the shortlist, and each tail for the share of tokens it holds). A train step
+runs each three times (forward, weight gradient, input gradient), except the
+first layer's input gradient where nothing needs it: the core rows' inputs
+are data (JAX never computes it; torch's autograd skips it too, the input not
+requiring grad); the LM rows need it for the embedding. Remat's recomputed
+matmuls are not counted (model FLOPs). The peak is the best of several matmul
+shapes in the compute dtype, the steps' own among them; a row above 100% of
+it would mean the peak is wrong, and the output says so.
 """
 
 import functools
@@ -39,6 +54,7 @@ from absl import app, flags
 from flax import nnx
 
 from zebra_jax.inference import sampling
+from zebra_jax.model import adaptive_softmax as asm
 from zebra_jax.model import lm, metrics
 from zebra_jax.runtime import profiling
 from zebra_jax.training import evaluate
@@ -55,35 +71,90 @@ _TRACE = flags.DEFINE_string("trace_dir", None, "jax.profiler trace of one "
 _MEMORY_ROW = flags.DEFINE_string("memory_row", None, "Internal: one "
                                   "'seq_len,remat' row in a fresh process.")
 
+# The word-level shape of the word_* rows: a small LSTM under a large
+# vocabulary, tokens drawn from a Zipf law (ids sorted by frequency).
+_WORD = dict(hidden=256, vocab=16384, cutoffs=(2048, 8192), div_val=4)
 SHAPES = {  # hidden = embed (tied head); vocab 8192 for the LM rows.
     "A": dict(hidden=512, layers=2, batch=32, seq_len=64, vocab=8192,
               dtype="float32", stripes=(1, 2, 4, 8), lm_stripes=(1, 8),
+              grouped_stripes=(2, 4, 8), word=_WORD,
               gen_tokens=256, windows=(64, 256, 1024), budget_gb=8.0),
     "gpu": dict(hidden=1024, layers=2, batch=64, seq_len=64, vocab=8192,
                 dtype="bfloat16", stripes=(1, 2, 4, 8), lm_stripes=(1, 8),
+                grouped_stripes=(2, 4, 8), word=_WORD,
                 gen_tokens=256, windows=(64, 256, 1024), budget_gb=40.0),
     "quick": dict(hidden=32, layers=2, batch=4, seq_len=8, vocab=64,
                   dtype="float32", stripes=(1, 4), lm_stripes=(1,),
+                  grouped_stripes=(4,),
+                  word=dict(hidden=32, vocab=512, cutoffs=(64, 256),
+                            div_val=4),
                   gen_tokens=8, windows=(8, 16), budget_gb=1.0),
 }
 
 
-def model_config(shape: dict, stripes: int, **overrides):
+def word_shape(shape: dict) -> dict:
+  """The shape with the word-level hidden size, vocabulary and head."""
+  return {**shape, **shape["word"], "zipf": True}
+
+
+def model_config(shape: dict, stripes: int, grouped=False, head="full",
+                 **overrides):
   c = dict(vocab_size=shape["vocab"], embed_size=shape["hidden"],
            hidden_size=shape["hidden"], num_layers=shape["layers"],
-           num_stripes=stripes, dropout_embed=0.0, dropout_hidden=0.0,
-           dropout_output=0.0, tie_embeddings=True, dtype=shape["dtype"],
-           unroll=1, remat=False)
+           num_stripes=stripes,
+           stripe_input="grouped" if grouped else "dense", dropout_embed=0.0,
+           dropout_hidden=0.0, dropout_output=0.0, tie_embeddings=True,
+           dtype=shape["dtype"], unroll=1, remat=False, head=head,
+           adaptive_cutoffs=tuple(shape.get("cutoffs", ())),
+           adaptive_div_val=shape.get("div_val", 1), adaptive_tie=True,
+           adaptive_chunk_rows=1024)
   c.update(overrides)
   return ml_collections.ConfigDict(c)
 
 
-def flops_per_token(shape: dict, stripes: int, head: bool) -> float:
-  """Forward multiply-adds x2 per token: dense input projection, striped
-  recurrence (1/S of a dense one), tied head. Embedding lookups are free."""
+def zipf_probs(vocab: int) -> np.ndarray:
+  """p(id) proportional to 1 / (id + 1): word frequencies, ids by rank."""
+  p = 1.0 / np.arange(1, vocab + 1)
+  return p / p.sum()
+
+
+def head_flops(shape: dict, head: str, adaptive_input: bool = True) -> float:
+  """Forward FLOPs per token of the output head (and, adaptive, of the
+  adaptive input's projections), tokens drawn by `zipf_probs`."""
   h, v = shape["hidden"], shape["vocab"]
-  per_layer = 2 * h * 4 * h + 2 * h * 4 * h / stripes
-  return shape["layers"] * per_layer + (2 * h * v if head else 0.0)
+  if head == "full":
+    return 2.0 * h * v
+  bounds = asm.cluster_bounds(v, shape["cutoffs"])
+  widths = asm.cluster_widths(h, len(bounds), shape["div_val"])
+  p = zipf_probs(v)
+  flops = 2.0 * h * (bounds[0][1] + len(bounds) - 1)  # shortlist + clusters
+  for (start, stop), d in zip(bounds[1:], widths[1:]):
+    share = p[start:stop].sum()
+    per_row = 2.0 * h * d + 2.0 * d * (stop - start)  # down-projection, logits
+    per_row += 2.0 * h * d if adaptive_input else 0.0  # input up-projection
+    flops += share * per_row
+  return flops
+
+
+def step_flops(shape: dict, stripes: int, *, grouped: bool = False,
+               head: str | None = None, train: bool = True,
+               input_grad: bool = True, adaptive_input: bool = True) -> float:
+  """FLOPs per token of the matmuls one step runs (see the module docstring).
+
+  head None: no head (core rows). input_grad: whether the first layer's
+  input gradient is computed (an embedding needs it; data does not).
+  """
+  h, n = shape["hidden"], 3 if train else 1
+  flops = 0.0
+  for layer in range(shape["layers"]):
+    split = stripes if grouped and h % stripes == 0 else 1
+    projection = 2.0 * h * 4 * h / split
+    recurrence = 2.0 * h * 4 * h / stripes
+    skipped = train and layer == 0 and not input_grad
+    flops += projection * (n - 1 if skipped else n) + recurrence * n
+  if head is not None:
+    flops += n * head_flops(shape, head, adaptive_input)
+  return flops
 
 
 # ------------------------------------------------------------- JAX steps
@@ -139,16 +210,19 @@ class _Runner:
     jax.block_until_ready(out)
 
 
-def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True):
+def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True,
+                grouped=False):
   """Stacked ZebraLSTMLayers (no embedding/softmax) + Adam on random inputs.
 
   custom_vjp=False differentiates the scan with plain autodiff: the row that
-  shows what the hand-written backward pass (recurrence.py) buys."""
+  shows what the hand-written backward pass (recurrence.py) buys. grouped:
+  block-diagonal input projections, the stripes shuffled between layers as
+  the LM does."""
   b, t, h = shape["batch"], seq_len or shape["seq_len"], shape["hidden"]
   dt = lm.compute_dtype(shape["dtype"])
   graphdef, params = _random_split(lambda: nnx.List([
       lm.ZebraLSTMLayer(h, h, stripes, rngs=nnx.Rngs(i), dtype=dt,
-                           remat=remat, custom_vjp=custom_vjp)
+                        remat=remat, custom_vjp=custom_vjp, grouped=grouped)
       for i in range(shape["layers"])]))
   x = jax.random.normal(jax.random.key(0), (b, t, h), dt)
   zeros = jnp.zeros((b, h), jnp.float32)
@@ -157,6 +231,8 @@ def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True):
     y = x
     for i, layer in enumerate(nnx.merge(graphdef, params)):
       with jax.named_scope(f"zebra_lstm_{i}"):
+        if i > 0 and grouped:
+          y = lm.stripe_shuffle(y, stripes)
         y, _ = layer(y, (zeros, zeros))
     return jnp.sum(jnp.square(y.astype(jnp.float32))) / y.size
 
@@ -167,13 +243,35 @@ def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True):
 
 def _tokens(shape, seq_len=None, seed=0):
   t = seq_len or shape["seq_len"]
+  if shape.get("zipf"):  # the word-level shape: Zipf-distributed ids
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.choice(shape["vocab"], (shape["batch"], t + 1),
+                                  p=zipf_probs(shape["vocab"])), jnp.int32)
   return jax.random.randint(jax.random.key(seed), (shape["batch"], t + 1), 0,
                             shape["vocab"])
 
 
-def lm_runner(shape, stripes, *, seq_len=None, remat=False):
+def word_runner(shape, stripes, *, grouped=False, head="full"):
+  """The LM train step at the word-level shape (word_shape), full or
+  adaptive head, through lm.token_sums as the training loop runs it."""
+  cfg = model_config(shape, stripes, grouped, head)
+  graphdef, params = _create(cfg)
+  carry = lm.init_carry(cfg, shape["batch"])
+
+  def loss_fn(params, tokens, carry):
+    sums, _ = lm.token_sums(graphdef, params, tokens[:, :-1], tokens[:, 1:],
+                            carry, with_accuracy=False)
+    return sums["loss_sum"] / sums["count"]
+
+  tx = optax.adam(1e-3)
+  return _Runner(_adam_step(loss_fn, tx),
+                 (params, tx.init(params), _tokens(shape), carry),
+                 {0: 0, 1: 1})
+
+
+def lm_runner(shape, stripes, *, seq_len=None, remat=False, grouped=False):
   """The full LM train step: embedding, layers, tied head, mean CE, Adam."""
-  cfg = model_config(shape, stripes, remat=remat)
+  cfg = model_config(shape, stripes, grouped, remat=remat)
   graphdef, params = _create(cfg)
   carry = lm.init_carry(cfg, shape["batch"])
   tokens = _tokens(shape, seq_len)
@@ -189,8 +287,8 @@ def lm_runner(shape, stripes, *, seq_len=None, remat=False):
                  (params, tx.init(params), tokens, carry), {0: 0, 1: 1})
 
 
-def eval_runner(shape, stripes):
-  cfg = model_config(shape, stripes)
+def eval_runner(shape, stripes, grouped=False):
+  cfg = model_config(shape, stripes, grouped)
   graphdef, params = _create(cfg)
   tokens = _tokens(shape)
   step = jax.jit(functools.partial(evaluate.eval_step, graphdef=graphdef),
@@ -199,8 +297,8 @@ def eval_runner(shape, stripes):
                         tokens[:, :-1], tokens[:, 1:]), {0: 1})
 
 
-def gen_runner(shape, stripes, batch):
-  cfg = model_config(shape, stripes)
+def gen_runner(shape, stripes, batch, grouped=False):
+  cfg = model_config(shape, stripes, grouped)
   graphdef, params = _create(cfg)
   step_fn = functools.partial(lm.decode_step, graphdef=graphdef)
   carry = lm.init_carry(cfg, batch)
@@ -220,7 +318,13 @@ def torch_runners(shape) -> tuple[dict, str | None]:
 
   {group: {threads: fn}}: on CPU torch runs with 1 thread and with every
   core, because on small shared machines one thread is often faster (its
-  OpenMP threads spin and lose more than XLA's pool to other load)."""
+  OpenMP threads spin and lose more than XLA's pool to other load).
+
+  The core rows' input does not require grad, so autograd skips the first
+  layer's input gradient, as JAX does. In bfloat16 (--shape=gpu) torch's
+  weights and Adam state are bfloat16, while JAX keeps float32 parameters
+  and casts them for the matmuls: the note says so.
+  """
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -231,45 +335,70 @@ def torch_runners(shape) -> tuple[dict, str | None]:
       else os.cpu_count()
   torch.set_num_threads(threads)
   dtype = torch.bfloat16 if shape["dtype"] == "bfloat16" else torch.float32
-  b, t, h, v = shape["batch"], shape["seq_len"], shape["hidden"], shape["vocab"]
-  torch.manual_seed(0)
-  lstm = torch.nn.LSTM(h, h, shape["layers"], batch_first=True)
-  lstm = lstm.to(device, dtype)
-  embed = torch.nn.Embedding(v, h).to(device, dtype)
-  head_b = torch.nn.Parameter(torch.zeros(v, device=device, dtype=dtype))
-  x = torch.randn(b, t, h, device=device, dtype=dtype)
-  tokens = torch.randint(0, v, (b, t + 1), device=device)
   sync = torch.cuda.synchronize if cuda else (lambda: None)
+  torch.manual_seed(0)
 
-  def logits():
-    y, _ = lstm(embed(tokens[:, :-1]))
-    return (y @ embed.weight.T + head_b).float()  # tied head
+  def lm_steps(shape, head="full"):
+    """(train step, eval step) of embedding -> nn.LSTM -> tied full head or
+    nn.AdaptiveLogSoftmaxWithLoss (same cutoffs and div_val, untied)."""
+    b, t, h, v = (shape["batch"], shape["seq_len"], shape["hidden"],
+                  shape["vocab"])
+    lstm = torch.nn.LSTM(h, h, shape["layers"], batch_first=True)
+    lstm = lstm.to(device, dtype)
+    embed = torch.nn.Embedding(v, h).to(device, dtype)
+    tokens = torch.tensor(np.asarray(_tokens(shape)), dtype=torch.long,
+                          device=device)
+    targets = tokens[:, 1:].reshape(-1)
+    if head == "full":
+      head_b = torch.nn.Parameter(torch.zeros(v, device=device, dtype=dtype))
+      extra = [head_b]
 
-  core_opt = torch.optim.Adam(lstm.parameters(), 1e-3)
-  lm_opt = torch.optim.Adam([*lstm.parameters(), *embed.parameters(), head_b],
-                            1e-3)
+      def loss_fn(reduction):
+        y, _ = lstm(embed(tokens[:, :-1]))
+        logits = (y @ embed.weight.T + head_b).float()  # tied head
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, v), targets, reduction=reduction)
+    else:
+      cutoffs = [c for c in shape["cutoffs"] if c < v]
+      adaptive = torch.nn.AdaptiveLogSoftmaxWithLoss(
+          h, v, cutoffs, div_value=float(shape["div_val"])).to(device, dtype)
+      extra = list(adaptive.parameters())
+
+      def loss_fn(reduction):
+        y, _ = lstm(embed(tokens[:, :-1]))
+        loss = adaptive(y.reshape(-1, h), targets).loss  # mean
+        return loss * targets.numel() if reduction == "sum" else loss
+    opt = torch.optim.Adam([*lstm.parameters(), *embed.parameters(), *extra],
+                           1e-3)
+
+    def train():
+      opt.zero_grad(set_to_none=True)
+      loss_fn("mean").backward()
+      opt.step()
+      sync()
+
+    def ev():
+      with torch.no_grad():
+        loss_fn("sum")
+      sync()
+    return train, ev
+
+  b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
+  core_lstm = torch.nn.LSTM(h, h, shape["layers"], batch_first=True)
+  core_lstm = core_lstm.to(device, dtype)
+  x = torch.randn(b, t, h, device=device, dtype=dtype)  # needs no grad
+  core_opt = torch.optim.Adam(core_lstm.parameters(), 1e-3)
 
   def core():
     core_opt.zero_grad(set_to_none=True)
-    y, _ = lstm(x)
+    y, _ = core_lstm(x)
     y.float().square().mean().backward()
     core_opt.step()
     sync()
 
-  def lm():
-    lm_opt.zero_grad(set_to_none=True)
-    loss = torch.nn.functional.cross_entropy(logits().reshape(-1, v),
-                                             tokens[:, 1:].reshape(-1))
-    loss.backward()
-    lm_opt.step()
-    sync()
-
-  def ev():
-    with torch.no_grad():
-      torch.nn.functional.cross_entropy(logits().reshape(-1, v),
-                                        tokens[:, 1:].reshape(-1),
-                                        reduction="sum")
-    sync()
+  lm, ev = lm_steps(shape)
+  word, _ = lm_steps(word_shape(shape))
+  word_adaptive, _ = lm_steps(word_shape(shape), head="adaptive")
 
   def with_threads(fn, n):
     def run():
@@ -278,12 +407,16 @@ def torch_runners(shape) -> tuple[dict, str | None]:
     return run
 
   fns = {}
-  for group, fn in {"core": core, "lm": lm, "eval": ev}.items():
+  for group, fn in {"core": core, "lm": lm, "eval": ev, "word": word,
+                    "word_adaptive": word_adaptive}.items():
     fn()
     fns[group] = {threads: with_threads(fn, threads)
                   for threads in ([threads] if cuda else sorted({1, threads}))}
   where = "cuDNN" if cuda else f"CPU, 1 and {threads} threads, the faster kept"
   note = f"torch {torch.__version__} ({where})"
+  if dtype == torch.bfloat16:
+    note += ("; torch runs pure bfloat16 (weights and Adam state), JAX keeps "
+             "float32 parameters and computes in bfloat16")
   return fns, note
 
 
@@ -303,14 +436,51 @@ def time_interleaved(fns: dict, rounds: int, calls: int = 1) -> dict:
   return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def matmul_peak(n: int, rounds: int) -> float:
-  """FLOP/s of an n x n x n matmul in the compute dtype: the practical peak."""
-  a = jnp.ones((n, n), jnp.float32)
-  mm = jax.jit(lambda a: a @ a)
-  jax.block_until_ready(mm(a))
-  sec = time_interleaved({"mm": lambda: jax.block_until_ready(mm(a))},
-                         rounds)["mm"]
-  return 2 * n ** 3 / sec
+def peak_shapes(shape: dict) -> dict:
+  """Matmul shapes [batch, m, k, n] the peak is measured on: a large square
+  one and the steps' own (input projection, recurrence, head, grouped)."""
+  b, t, h, v = shape["batch"], shape["seq_len"], shape["hidden"], shape["vocab"]
+  n = 256 if shape["hidden"] <= 64 else 2048
+  shapes = {f"square {n}": (1, n, n, n),
+            "input projection": (1, b * t, h, 4 * h),
+            "recurrence S=1": (1, b, h, 4 * h),
+            "head": (1, b * t, h, v)}
+  for s in sorted({*shape["stripes"], *shape["grouped_stripes"]} - {1}):
+    shapes[f"recurrence S={s}"] = (s, b, h // s, 4 * h // s)
+  for s in shape["grouped_stripes"]:
+    shapes[f"grouped projection S={s}"] = (s, b * t, h // s, 4 * h // s)
+  return shapes
+
+
+def matmul_peak(shape: dict, rounds: int) -> tuple[float, dict]:
+  """(FLOP/s, {shape name: GFLOP/s}): the best of `peak_shapes`, each a
+  batched matmul in the compute dtype with float32 accumulation (as the
+  steps run them), repeated inside one compiled loop until it does about a
+  GFLOP, so dispatch costs nothing even for the small recurrent shapes."""
+  dt = lm.compute_dtype(shape["dtype"])
+  fns, flops = {}, {}
+  for name, (s, m, k, n) in peak_shapes(shape).items():
+    reps = max(1, int(1e9 // (2 * s * m * k * n)))
+    if shape["hidden"] <= 64:  # quick: a smoke test
+      reps = min(reps, 4)
+    a = jnp.full((s, m, k), 0.01, dt)
+    w = jnp.full((s, k, n), 0.01, dt)
+
+    @jax.jit
+    def loop(a, w, reps=reps):
+      def body(_, acc):
+        return acc + jnp.einsum("smk,skn->smn", a, w,
+                                preferred_element_type=jnp.float32)
+      return jax.lax.fori_loop(0, reps, body,
+                               jnp.zeros((a.shape[0], a.shape[1],
+                                          w.shape[2]), jnp.float32))
+    jax.block_until_ready(loop(a, w))
+    fns[name] = functools.partial(
+        lambda f, a, w: jax.block_until_ready(f(a, w)), loop, a, w)
+    flops[name] = 2.0 * s * m * k * n * reps
+  sec = time_interleaved(fns, rounds)
+  per_shape = {name: flops[name] / sec[name] / 1e9 for name in fns}
+  return max(per_shape.values()) * 1e9, per_shape
 
 
 def _trace_rows(trace_dir, runners):
@@ -325,31 +495,57 @@ def _trace_rows(trace_dir, runners):
 def speed_rows(shape, rounds, trace_dir=None):
   """Builds every timed row, times them interleaved per group."""
   b, t = shape["batch"], shape["seq_len"]
+  word = word_shape(shape)
   torch_fns, torch_note = torch_runners(shape)
+  first, last = shape["stripes"][0], shape["stripes"][-1]
+  grouped = shape["grouped_stripes"]
+  lm_rows = [(s, False) for s in shape["lm_stripes"]] + [
+      (s, True) for s in grouped]
+  suffix = lambda is_grouped: "_grouped" if is_grouped else ""
+  core_flops = lambda s, g=False: step_flops(shape, s, grouped=g,
+                                             input_grad=False)
+  lm_flops = lambda s, g, train=True: step_flops(shape, s, grouped=g,
+                                                 head="full", train=train)
   groups = {  # group -> {row: (runner, tokens per call, flops per token)}
       "core": {
-          **{f"core_S{s}": (core_runner(shape, s), b * t,
-                            3 * flops_per_token(shape, s, head=False))
+          **{f"core_S{s}": (core_runner(shape, s), b * t, core_flops(s))
              for s in shape["stripes"]},
+          f"core_S{first}_remat": (core_runner(shape, first, remat=True),
+                                   b * t, core_flops(first)),
+          **{f"core_S{s}_grouped": (core_runner(shape, s, grouped=True),
+                                    b * t, core_flops(s, True))
+             for s in grouped},
           **{f"core_S{s}_autodiff": (core_runner(shape, s, custom_vjp=False),
-                                     b * t,
-                                     3 * flops_per_token(shape, s, head=False))
-             for s in (shape["stripes"][0], shape["stripes"][-1])}},
-      "lm": {f"lm_S{s}": (lm_runner(shape, s), b * t,
-                          3 * flops_per_token(shape, s, head=True))
-             for s in shape["lm_stripes"]},
-      "eval": {f"eval_S{s}": (eval_runner(shape, s), b * t,
-                              flops_per_token(shape, s, head=True))
-               for s in shape["lm_stripes"]},
-      "gen": {f"gen_S{s}_b{gb}": (gen_runner(shape, s, gb),
-                                  gb * shape["gen_tokens"],
-                                  flops_per_token(shape, s, head=True))
-              for s in shape["lm_stripes"] for gb in (1, shape["batch"])},
+                                     b * t, core_flops(s))
+             for s in (first, last)}},
+      "lm": {f"lm_S{s}{suffix(g)}": (lm_runner(shape, s, grouped=g), b * t,
+                                     lm_flops(s, g))
+             for s, g in lm_rows},
+      "eval": {f"eval_S{s}{suffix(g)}": (eval_runner(shape, s, g), b * t,
+                                         lm_flops(s, g, train=False))
+               for s, g in lm_rows},
+      "gen": {f"gen_S{s}{suffix(g)}_b{gb}": (gen_runner(shape, s, gb, g),
+                                             gb * shape["gen_tokens"],
+                                             lm_flops(s, g, train=False))
+              for s, g in lm_rows for gb in (1, b)},
   }
+  for head in ("full", "adaptive"):
+    name = "word" if head == "full" else "word_adaptive"
+    groups[name] = {
+        f"word_S{s}{suffix(g)}{'' if head == 'full' else '_adaptive'}": (
+            word_runner(word, s, grouped=g, head=head), b * t,
+            step_flops(word, s, grouped=g, head=head))
+        for s, g in ((1, False), (last, True))}
+  torch_flops = {  # nn.LSTM is the S = 1 dense model
+      "core": core_flops(1), "lm": lm_flops(1, False),
+      "eval": lm_flops(1, False, train=False),
+      "word": step_flops(word, 1, head="full"),
+      "word_adaptive": step_flops(word, 1, head="adaptive",
+                                  adaptive_input=False)}
   if trace_dir:
     _trace_rows(trace_dir, {n: r[0] for g in groups.values()
                             for n, r in g.items()})
-  peak = matmul_peak(256 if shape is SHAPES["quick"] else 2048, rounds)
+  peak, peak_by_shape = matmul_peak(shape, rounds)
   rows = []
   for group, entries in groups.items():
     fns = {n: r[0] for n, r in entries.items()}
@@ -362,14 +558,10 @@ def speed_rows(shape, rounds, trace_dir=None):
     for name, (runner, tokens, flops) in entries.items():
       rows.append(_row(name, group, sec[name], tokens, flops, peak, base,
                        getattr(runner, "compiled", None)))
-    if base is not None:  # nn.LSTM is the S = 1 model
-      torch_flops = {"core": 3 * flops_per_token(shape, 1, head=False),
-                     "lm": 3 * flops_per_token(shape, 1, head=True),
-                     "eval": flops_per_token(shape, 1, head=True)}[group]
-      for name, torch_sec in torch_secs.items():
-        rows.append(_row(name, group, torch_sec, b * t, torch_flops, peak,
-                         base))
-  return rows, peak, torch_note
+    for name, torch_sec in torch_secs.items():
+      rows.append(_row(name, group, torch_sec, b * t, torch_flops[group],
+                       peak, base))
+  return rows, peak, peak_by_shape, torch_note
 
 
 def _row(name, group, sec, tokens, flops, peak, torch_sec, compiled=None):
@@ -431,11 +623,13 @@ def _mb(x):
 def print_table(result) -> None:
   print(f"\n{result['device']} | shape {result['shape']} | matmul peak "
         f"{result['matmul_peak_gflops']:,.0f} GFLOP/s | {result['torch']}")
-  print(f"{'row':<19}{'tok/s':>11}{'ms/step':>10}{'x torch':>9}"
+  print("matmul GFLOP/s by shape: " + ", ".join(
+      f"{k} {v:,.0f}" for k, v in result["matmul_gflops_by_shape"].items()))
+  print(f"{'row':<28}{'tok/s':>11}{'ms/step':>10}{'x torch':>9}"
         f"{'GFLOP/s':>9}{'% peak':>8}{'XLA plan':>11}")
   for r in result["rows"]:
     ratio = "-" if r["ratio_to_torch"] is None else f"{r['ratio_to_torch']:.2f}"
-    print(f"{r['name']:<19}{r['tokens_per_s']:>11,.0f}{r['ms_per_step']:>10.1f}"
+    print(f"{r['name']:<28}{r['tokens_per_s']:>11,.0f}{r['ms_per_step']:>10.1f}"
           f"{ratio:>9}{r['gflops']:>9.1f}{100 * r['frac_of_peak']:>7.0f}%"
           f"{_mb(r['xla_bytes']):>11}")
   if result.get("memory"):
@@ -456,13 +650,20 @@ def run(quick: bool = False, shape_name: str = "A", json_path=None,
   """Runs every row; prints the table; returns (and optionally writes) it."""
   shape = SHAPES["quick" if quick else shape_name]
   rounds = rounds or (3 if quick else 7)
-  rows, peak, torch_note = speed_rows(shape, rounds, trace_dir)
+  rows, peak, peak_by_shape, torch_note = speed_rows(shape, rounds, trace_dir)
   notes = [torch_note] if torch_note else []
+  over = [r["name"] for r in rows if r["frac_of_peak"] > 1.0]
+  if over:  # nothing is clamped: the peak, not the row, is wrong
+    notes.append(f"{', '.join(over)} above the measured matmul peak: the "
+                 "peak underestimates this machine (load changed while "
+                 "timing, or a faster matmul shape exists)")
   result = {"device": f"{jax.devices()[0].device_kind} x1 "
                       f"({os.cpu_count()} CPU cores visible)",
             "shape": "quick" if quick else shape_name,
             "config": {k: v for k, v in shape.items()},
-            "matmul_peak_gflops": peak / 1e9, "torch": torch_note or "-",
+            "matmul_peak_gflops": peak / 1e9,
+            "matmul_gflops_by_shape": peak_by_shape,
+            "torch": torch_note or "-",
             "rows": rows, "notes": notes}
   if memory:
     result["memory"], result["max_window"] = memory_rows(
