@@ -52,6 +52,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       dtype="float32",          # compute dtype: float32 | bfloat16 | float16; parameters stay float32
       unroll=1,                 # lax.scan unroll factor
       remat=False,              # jax.checkpoint the time step (long windows, less memory)
+      recurrence="scan",        # scan (lax.scan) | pallas: one fused kernel per stripe on GPUs (interpret mode elsewhere: slow)
   )
   c.optim = dict(
       name="adam",              # adam | adamw | sgd | lamb

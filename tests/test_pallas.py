@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zebra_jax.model import pallas_recurrence, recurrence
+from configs import base
+from zebra_jax.model import lm, pallas_recurrence, recurrence
 
 T, B, G, IN = 3, 4, 4, 8  # window, batch, stripe width, layer input
 
@@ -197,3 +198,40 @@ def test_lowers_for_gpu_triton(remat):
   assert module.count("__gpu$xla.gpu.triton") == 2
   assert "zebra_stripe_forward" in module
   assert "zebra_stripe_backward" in module
+
+
+@pytest.mark.parametrize("stripe_input", ["dense", "grouped"])
+def test_model_recurrence_pallas_trains_like_scan(stripe_input, caplog):
+  """model.recurrence=pallas reaches every layer of the LM: the loss and
+  every parameter gradient equal model.recurrence=scan's, and off GPUs one
+  warning line says the kernel runs in interpret mode."""
+  def model_config(recurrence_kind):
+    cfg = base.get_config().model
+    cfg.update(vocab_size=16, embed_size=8, hidden_size=8, num_layers=2,
+               num_stripes=2, dropout_hidden=0.0, dropout_output=0.0,
+               stripe_input=stripe_input, recurrence=recurrence_kind)
+    return cfg
+
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, (2, 4)))
+  carry = lm.init_carry(model_config("scan"), 2)
+
+  def loss_and_grads(recurrence_kind):
+    graphdef, params = lm.create(model_config(recurrence_kind), seed=0)
+
+    def loss(params):
+      sums, _ = lm.token_sums(graphdef, params, tokens[:, :-1], tokens[:, 1:],
+                              carry, with_accuracy=False)
+      return sums["loss_sum"] / sums["count"]
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  pallas_recurrence._warned.clear()  # pylint: disable=protected-access
+  with caplog.at_level(logging.WARNING):
+    got = loss_and_grads("pallas")
+  want = loss_and_grads("scan")
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5,
+                               atol=1e-6)
+  # The kernel ran (not the scan): off GPUs it says so, once.
+  lines = [r.getMessage() for r in caplog.records
+           if "interpret mode" in r.getMessage()]
+  assert len(lines) == (0 if jax.devices()[0].platform == "gpu" else 1)

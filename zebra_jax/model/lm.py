@@ -29,6 +29,7 @@ import ml_collections
 from flax import nnx
 
 from zebra_jax.model import adaptive_softmax as asm, metrics, recurrence
+from zebra_jax.model import pallas_recurrence
 
 # One (h, c) pair per layer, each [batch, hidden] float32.
 Carry = tuple[tuple[jax.Array, jax.Array], ...]
@@ -63,7 +64,7 @@ class ZebraLSTMLayer(nnx.Module):
   def __init__(self, in_features: int, hidden_size: int, num_stripes: int, *,
                rngs: nnx.Rngs, dtype=jnp.float32, unroll: int = 1,
                remat: bool = False, custom_vjp: bool = True,
-               grouped: bool = False):
+               grouped: bool = False, kernel: str = "scan"):
     s, g = num_stripes, hidden_size // num_stripes
     if grouped and in_features % s:
       raise ValueError(f"a grouped layer needs in_features={in_features} "
@@ -74,6 +75,7 @@ class ZebraLSTMLayer(nnx.Module):
     # custom_vjp=False: JAX's autodiff of the scan (a reference for tests and
     # the benchmark; it ignores remat).
     self.custom_vjp = custom_vjp
+    self.kernel = kernel  # scan | pallas (pallas_recurrence.py, same math)
     # PyTorch nn.LSTM's uniform init range, 1/sqrt(H). A grouped unit reads
     # S times fewer inputs and recurrent units, so 1/sqrt(H/S) keeps its
     # pre-activation's variance (and S = 1 grouped draws the dense weights).
@@ -107,7 +109,9 @@ class ZebraLSTMLayer(nnx.Module):
     args = (inputs.astype(dt), self.w_x[...].astype(dt), self.b[...],
             to_stripes(carry[0]), to_stripes(carry[1]), self.w_h[...].astype(dt))
     if self.custom_vjp:
-      ys, h, c = recurrence.zebra_layer(*args, self.unroll, self.remat)
+      layer_fn = (pallas_recurrence.zebra_layer if self.kernel == "pallas"
+                  else recurrence.zebra_layer)
+      ys, h, c = layer_fn(*args, self.unroll, self.remat)
     else:
       ys, h, c = recurrence.zebra_layer_autodiff(*args, self.unroll)
     outputs = ys.transpose(2, 1, 0, 3).reshape(b, t, s * g)  # [B, T, H]
@@ -166,7 +170,8 @@ class ZebraLM(nnx.Module):
         ZebraLSTMLayer(sizes[i], cfg.hidden_size, s, rngs=rngs,
                        dtype=dt, unroll=cfg.unroll, remat=cfg.remat,
                        grouped=(stripe_input(cfg) == "grouped"
-                                and sizes[i] % s == 0))
+                                and sizes[i] % s == 0),
+                       kernel=cfg.get("recurrence", "scan"))
         for i in range(cfg.num_layers)])
     if self.head == "adaptive":
       self.tied = hasattr(self, "adaptive_input")

@@ -15,6 +15,7 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.head": ("full", "adaptive"),
     "model.stripe_input": ("dense", "grouped"),
+    "model.recurrence": ("scan", "pallas"),
     "optim.name": ("adam", "adamw", "sgd", "lamb"),
 }
 # Every numeric, boolean and text field, by what it may hold.
