@@ -277,3 +277,22 @@ def test_data_bench_quick_smoke(capsys):
   assert set(results) == {"batcher", "batcher+device_put"}
   assert all(r["tokens_per_s"] > 0 for r in results.values())
   assert "x the step" in capsys.readouterr().out
+
+
+def test_tokenizing_off_a_terminal_prints_progress_lines(tmp_path, capsys,
+                                                         monkeypatch):
+  """In a batch job's log, tokenizing shows its rate and ETA as it goes."""
+  from zebra_jax.data import tokenizers
+  from zebra_jax.data.tokenizers.char import CharSpec
+  monkeypatch.setattr(id_cache, "_LINE_EVERY_S", 0.0)  # a line per piece
+  monkeypatch.setattr(splits, "CHUNK_BYTES", 64)  # several pieces per split
+  text = "".join(f"line {i}: some words to tokenize.\n" for i in range(200))
+  parts = {name: splits.in_memory_split(name, text) for name in splits.SPLITS}
+  tokenizer = tokenizers.build(CharSpec(), parts["train"].chunks())
+  id_cache.IdCache(str(tmp_path)).write(parts, "fp", tokenizer)
+  lines = [l for l in capsys.readouterr().err.splitlines()
+           if l.startswith("tokenizing train:")]
+  assert len(lines) >= 3, lines
+  assert all("tokens/s" in l for l in lines[:-1])
+  assert "ETA" in lines[-2] and lines[-1].endswith(" s")
+  assert f"{len(text):,} tokens in" in lines[-1]  # char: one token a char

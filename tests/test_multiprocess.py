@@ -117,11 +117,17 @@ def _saved_by_both(workdir, step):
 def test_time_budget_stops_every_process_at_one_step_then_eval(corpus,
                                                                 tmp_path):
   workdir = str(tmp_path / "run")
-  (out, _), _ = _run(corpus, workdir, "--config.train.num_steps=100000",
-                     "--config.train.time_budget_minutes=0.05",
-                     "--config.train.log_every=5",
-                     "--config.train.eval_every=100000",
-                     "--config.checkpoint.every_steps=100000")
+  runs = _run(corpus, workdir, "--config.train.num_steps=100000",
+              "--config.train.time_budget_minutes=0.05",
+              "--config.train.log_every=5",
+              "--config.train.eval_every=100000",
+              "--config.checkpoint.every_steps=100000",
+              "--verbosity=0")  # INFO: data preparation says what it did
+  (out, _), _ = runs
+  # Process 0 alone tokenized the corpus and built the tokenizer; process 1
+  # waited, then read its files.
+  for line in ("tokenized the corpus", "tokenizer (vocab"):
+    assert [line in err for _, err in runs] == [True, False], line
   reached = [l for l in out.splitlines() if "time budget of" in l]
   assert len(reached) == 1, out
   step = int(reached[0].rsplit("step ", 1)[1])

@@ -23,7 +23,7 @@ import numpy as np
 from zebra_jax.data.splits import SPLITS
 
 _MANIFEST_VERSION = 1
-_LOG_EVERY_S = 30.0  # plain progress lines when stderr is not a terminal
+_LINE_EVERY_S = 10.0  # plain progress lines when stderr is not a terminal
 
 
 class IdCache:
@@ -120,8 +120,12 @@ def stream_npy(path: str, arrays, progress) -> int:
 
 
 class _Progress:
-  """Progress over a Split's pieces: a tqdm bar on a terminal, else a log
-  line every `_LOG_EVERY_S` seconds and one at the end."""
+  """Progress over a Split's pieces: a tqdm bar on a terminal, else a plain
+  line every `_LINE_EVERY_S` seconds (rate and ETA) and one at the end.
+
+  The lines go to stderr with `print`, not the absl log, so a batch job's
+  log shows minutes of tokenizing at any log verbosity.
+  """
 
   def __init__(self, label: str, split):
     self.label, self.split = label, split
@@ -147,15 +151,20 @@ class _Progress:
     self.tokens += n
     if self._bar is not None:
       self._bar.set_postfix(tokens=f"{self.tokens:,}", refresh=False)
-    elif time.perf_counter() - self._last > _LOG_EVERY_S:
+    elif time.perf_counter() - self._last > _LINE_EVERY_S:
       self._last = time.perf_counter()
-      logging.info("%s: %.0f%% of %s %s, %s tokens", self.label,
-                   100 * self.done / max(self.split.size, 1),
-                   f"{self.split.size:,}", self.split.unit, f"{self.tokens:,}")
+      elapsed = self._last - self._start
+      share = self.done / max(self.split.size, 1)
+      eta = elapsed * (1 - share) / share if share > 0 else float("nan")
+      print(f"{self.label}: {100 * share:.0f}% of {self.split.size:,} "
+            f"{self.split.unit}, {self.tokens:,} tokens, "
+            f"{self.tokens / elapsed:,.0f} tokens/s, ETA {eta:.0f} s",
+            file=sys.stderr, flush=True)
 
   def __exit__(self, *exc):
     if self._bar is not None:
       self._bar.close()
     seconds = time.perf_counter() - self._start
-    logging.info("%s: %s tokens in %.1f s", self.label, f"{self.tokens:,}",
-                 seconds)
+    if self._bar is None and seconds > _LINE_EVERY_S:  # it printed lines
+      print(f"{self.label}: {self.tokens:,} tokens in {seconds:.1f} s",
+            file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ import numpy as np
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
 from zebra_jax.model import lm
-from zebra_jax.runtime import checkpoint, parallel, rundir
+from zebra_jax.runtime import checkpoint, distributed, parallel, rundir
 
 
 @dataclasses.dataclass
@@ -45,7 +45,8 @@ def load_for_inference(cfg: ml_collections.ConfigDict, workdir: str,
   if step is None:
     raise UserError(f"workdir {workdir} has no checkpoint in "
                     f"{ckpt.directory}: train first with --mode=train")
-  tokenizer, splits = pipeline.load_eval_data(merged, workdir)
+  tokenizer, splits = distributed.process_zero_first(
+      lambda: pipeline.load_eval_data(merged, workdir), "loading the data")
   graphdef, abstract_params = lm.abstract(merged.model)
   params = ckpt.restore_params(
       step, parallel.replicated_like(parallel.make_mesh(), abstract_params))

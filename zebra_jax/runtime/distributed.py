@@ -8,9 +8,16 @@ before anything touches a JAX backend.
 """
 
 import os
+from typing import Callable, TypeVar
 
 import jax
+import numpy as np
 from absl import flags
+from jax.experimental import multihost_utils
+
+from zebra_jax.errors import UserError
+
+T = TypeVar("T")
 
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
@@ -39,3 +46,29 @@ def initialize() -> bool:
     jax.distributed.initialize()  # reads SLURM / Open MPI / env itself
     return True
   return False
+
+
+def process_zero_first(fn: Callable[[], T], what: str) -> T:
+  """fn() on process 0; then, once it has succeeded, on every other process.
+
+  For work that writes shared files (tokenizing into the workdir): process 0
+  does it once while the others wait at a barrier, then they find its files
+  and only read them. If process 0 fails, every process stops with an error
+  instead of waiting forever.
+  """
+  if jax.process_count() == 1:
+    return fn()
+  result, failure = None, None
+  if jax.process_index() == 0:
+    try:
+      result = fn()
+    except Exception as e:  # raised below, after the others are told
+      failure = e
+  ok = multihost_utils.broadcast_one_to_all(np.int32(failure is None))
+  if failure is not None:
+    raise failure
+  if not int(ok):
+    raise UserError(f"process 0 failed while {what}: its output says why")
+  if jax.process_index() != 0:
+    result = fn()
+  return result

@@ -14,7 +14,7 @@ import ml_collections
 
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
-from zebra_jax.runtime import config_checks
+from zebra_jax.runtime import config_checks, distributed
 
 # Fields that change the parameters' shapes or meaning: a workdir is tied to them.
 _ARCHITECTURE = ("embed_size", "hidden_size", "num_layers", "num_stripes",
@@ -57,7 +57,8 @@ def prepare(cfg: ml_collections.ConfigDict, workdir: str):
   """Validates, tokenizes (cached), fixes vocab_size; returns (cfg, tok, splits)."""
   config_checks.validate(cfg)
   os.makedirs(workdir, exist_ok=True)
-  tokenizer, splits = pipeline.prepare_data(cfg, workdir)
+  tokenizer, splits = distributed.process_zero_first(
+      lambda: pipeline.prepare_data(cfg, workdir), "preparing the data")
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # an unlocked, resolved copy
   if cfg.model.vocab_size not in (0, tokenizer.vocab_size):
     raise UserError(
