@@ -1,0 +1,2 @@
+"""Training: the state, optimizer, loss scaling, the train loop with its
+evaluation, and preemption."""
