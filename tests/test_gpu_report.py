@@ -64,8 +64,7 @@ def test_dry_run_writes_every_section(tmp_path):
 
   assert [r["batch_size"] for r in report["infer"]["results"]] == [1, 2]
   scaling = report["scaling"]["rows"]
-  assert [r["devices"] for r in scaling] == [
-      n for n in (1, 2, 4, 8) if n <= jax.device_count()]
+  assert [r["devices"] for r in scaling] == sorted({1, jax.device_count()})
   assert scaling[0]["efficiency"] == 1.0
 
   page = (tmp_path / "gpu-results.md").read_text()
