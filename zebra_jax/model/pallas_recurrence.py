@@ -23,6 +23,11 @@ On GPUs the kernels lower through Pallas' Triton backend; elsewhere they run
 in Pallas interpret mode (exact, slow: what the CPU tests use). A shape whose
 U_s does not fit on-chip, or that Triton cannot tile, runs the scan instead,
 with one warning line saying why.
+
+jax 0.12 marks Pallas' Triton backend deprecated in favour of Mosaic GPU
+(a DeprecationWarning when the kernel lowers for a GPU); the kernel uses only
+what both backends share (refs, pl.ds, fori_loop, jnp.dot), so a port is a
+change of compiler params and block specs, not of the arithmetic.
 """
 
 import functools
