@@ -25,9 +25,9 @@ U_s does not fit on-chip, or that Triton cannot tile, runs the scan instead,
 with one warning line saying why.
 
 jax 0.12 marks Pallas' Triton backend deprecated in favour of Mosaic GPU
-(a DeprecationWarning when the kernel lowers for a GPU); the kernel uses only
-what both backends share (refs, pl.ds, fori_loop, jnp.dot), so a port is a
-change of compiler params and block specs, not of the arithmetic.
+(a DeprecationWarning when the kernel lowers for a GPU); it still lowers
+there (tests/test_pallas.py checks both jax versions). No Mosaic GPU version
+of the kernel exists yet.
 """
 
 import functools
