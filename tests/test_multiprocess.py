@@ -77,9 +77,10 @@ def _finish(procs, timeout=TIMEOUT):
   except subprocess.TimeoutExpired:
     for p in procs:
       p.kill()
-    for p in procs:
-      p.communicate()
-    pytest.fail(f"processes still running after {timeout} s (a hang)")
+    tails = "\n".join(
+        f"--- process {i} stdout:\n{out[-1500:]}\n--- stderr:\n{err[-1500:]}"
+        for i, (out, err) in enumerate(p.communicate() for p in procs))
+    pytest.fail(f"processes still running after {timeout} s (a hang)\n{tails}")
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
   return outs

@@ -42,10 +42,11 @@ def _same(a, b) -> bool:
 
 def _check_same_architecture(saved: dict, cfg: ml_collections.ConfigDict,
                              workdir: str) -> None:
-  saved = _with_legacy_fields(saved)
-  adaptive = cfg.model.head == "adaptive" == saved["model"]["head"]
+  saved = _with_legacy_fields(saved)["model"]
+  wanted = _with_legacy_fields({"model": cfg.model.to_dict()})["model"]
+  adaptive = wanted["head"] == "adaptive" == saved["head"]
   for field in _ARCHITECTURE + (_ADAPTIVE if adaptive else ()):
-    old, new = saved["model"].get(field), cfg.model[field]
+    old, new = saved.get(field), wanted[field]
     if not _same(old, new):
       raise UserError(
           f"workdir {workdir} holds a model with model.{field}={old}, but the "
