@@ -7,11 +7,25 @@ fake CPU devices and the sharding tests can build a real multi-device mesh.
 Tests run on the CPU even where a GPU is installed: the bitwise-resume and
 8-device tests hold only there. `ZEBRA_JAX_TEST_GPU=1 pytest -m gpu` runs the
 GPU smoke tests on the GPU instead.
+
+Every test, and every process a test starts, shares one compilation cache
+for the session: the suite compiles the same tiny programs dozens of times,
+and reading them back halves its time. Cached programs are the programs
+XLA compiled, so no result depends on it.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 if os.environ.get("ZEBRA_JAX_TEST_GPU") != "1":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("XLA_FLAGS",
                         "--xla_force_host_platform_device_count=8")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="zebra_jax_test_xla_cache_")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -161,7 +161,8 @@ def test_one_stripe_is_classic_lstm(tied):
 
 
 def test_one_stripe_matches_torch_lstm():
-  torch = pytest.importorskip("torch")
+  torch = pytest.importorskip(
+      "torch", reason="the PyTorch reference needs torch: pip install torch")
   cfg = _cfg(num_stripes=1, num_layers=2, embed_size=6, hidden_size=8,
              tie_embeddings=False)
   graphdef, params = _random_model(cfg, seed=4)

@@ -80,7 +80,8 @@ def test_remat_keeps_less_for_the_backward_pass():
 def test_one_stripe_backward_matches_torch_lstm():
   """S = 1 is nn.LSTM: the same loss gives the same gradients for the
   inputs, h0, c0, W_hh, W_ih and the bias."""
-  torch = pytest.importorskip("torch")
+  torch = pytest.importorskip(
+      "torch", reason="the PyTorch reference needs torch: pip install torch")
   batch, time, width = 3, 5, 4
   x_proj, _, _, h0, c0, w_h = _inputs(1, width, batch, time,
                                       features=4 * width, seed=3)
