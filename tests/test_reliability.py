@@ -162,7 +162,8 @@ def _flip_a_bit_orbax_reads(workdir, step, target, process=None):
   without complaint but some value changes: what only a checksum can catch.
 
   Returns the path and offset. Near the start of a file sit headers that
-  orbax checks, so offsets are tried from the middle of the largest file on.
+  orbax checks, so offsets are tried from the middle of the largest file on,
+  then in its first half.
   """
   files = _array_files(workdir, step)
   if process is not None:
@@ -172,7 +173,8 @@ def _flip_a_bit_orbax_reads(workdir, step, target, process=None):
   raw = ocp.CheckpointManager(f"{workdir}/checkpoints", item_names=("state",))
   args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
   clean = jax.device_get(raw.restore(step, args=args).state)
-  for offset in range(len(original) // 2, len(original), 37):
+  middle = len(original) // 2  # the second half first, then the first
+  for offset in [*range(middle, len(original), 37), *range(64, middle, 37)]:
     damaged = bytearray(original)
     damaged[offset] ^= 0x10
     with open(path, "r+b") as f:

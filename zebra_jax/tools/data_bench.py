@@ -22,15 +22,18 @@ import numpy as np
 
 from zebra_jax.data import pipeline
 
-_NUM_TOKENS = flags.DEFINE_integer("num_tokens", 100_000_000,
-                                   "Synthetic ids in the memmap.")
-_BATCH = flags.DEFINE_integer("batch_size", 128, "Global batch rows.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per window.")
-_BATCHES = flags.DEFINE_integer("num_batches", 2000, "Batches timed per mode.")
-_VOCAB = flags.DEFINE_integer("vocab_size", 267_735, "Id range.")
-_STEP = flags.DEFINE_float("step_tokens_per_s", 0.0,
-                           "The train step's tokens/s at these shapes.")
-_QUICK = flags.DEFINE_bool("quick", False, "1M tokens, 50 batches.")
+def _define_flags() -> None:
+  """Only when run as a script: importing this module (tests, other tools)
+  must not claim flag names such as --quick that other tools define too."""
+  flags.DEFINE_integer("num_tokens", 100_000_000,
+                       "Synthetic ids in the memmap.")
+  flags.DEFINE_integer("batch_size", 128, "Global batch rows.")
+  flags.DEFINE_integer("seq_len", 128, "Tokens per window.")
+  flags.DEFINE_integer("num_batches", 2000, "Batches timed per mode.")
+  flags.DEFINE_integer("vocab_size", 267_735, "Id range.")
+  flags.DEFINE_float("step_tokens_per_s", 0.0,
+                     "The train step's tokens/s at these shapes.")
+  flags.DEFINE_bool("quick", False, "1M tokens, 50 batches.")
 
 
 def synthetic_ids(path: str, num_tokens: int, vocab_size: int) -> np.memmap:
@@ -85,10 +88,11 @@ def run(num_tokens: int, batch_size: int, seq_len: int, num_batches: int,
 
 def main(argv):
   del argv  # Everything comes from flags.
-  quick = _QUICK.value
-  run(1_000_000 if quick else _NUM_TOKENS.value, _BATCH.value, _SEQ_LEN.value,
-      50 if quick else _BATCHES.value, _VOCAB.value, _STEP.value)
+  f = flags.FLAGS
+  run(1_000_000 if f.quick else f.num_tokens, f.batch_size, f.seq_len,
+      50 if f.quick else f.num_batches, f.vocab_size, f.step_tokens_per_s)
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
