@@ -70,9 +70,20 @@ def prepare(cfg: ml_collections.ConfigDict, workdir: str):
     with open(config_path(workdir)) as f:
       _check_same_architecture(json.load(f), cfg, workdir)
   if jax.process_index() == 0:
-    with open(config_path(workdir), "w") as f:
-      json.dump(cfg.to_dict(), f, indent=2, sort_keys=True)
+    _write_atomically(config_path(workdir), cfg.to_dict())
   return cfg, tokenizer, splits
+
+
+def _write_atomically(path: str, record: dict) -> None:
+  """Writes a JSON file that readers see whole or not at all.
+
+  Other processes of the run read config.json while process 0 rewrites it; a
+  plain open("w") would let them read a truncated file.
+  """
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(record, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
 
 
 def load_config(cfg: ml_collections.ConfigDict,
