@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Striped (S = 1, 2, 4, 8) vs a parameter-matched classic LSTM at equal wall-clock.
+# Dense stripes (S = 1, 4, 8), grouped stripes (S = 2, 4, 8) and parameter-matched
+# classic LSTMs at equal wall-clock.
 #   launch/compare_stripes.sh [OUT] [MINUTES_PER_RUN] [SEEDS] [--config=... --config.k=v ...]
 #   launch/compare_stripes.sh runs/compare_stripes 1.0 0,1,2       # the README table
 #   launch/compare_stripes.sh runs/gpu 30 0,1,2 --config=configs/wt103.py \
@@ -12,4 +13,4 @@ seeds=${3:-0,1,2}
 shift $(( $# < 3 ? $# : 3 ))
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 exec python3 -m zebra_jax.tools.experiments --out="$out" --budget_minutes="$minutes" \
-    --seeds="$seeds" --stripes=1,2,4,8 "$@"
+    --seeds="$seeds" --stripes=1,4,8 --grouped=2,4,8 "$@"

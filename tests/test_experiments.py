@@ -42,6 +42,22 @@ def test_matched_classic_is_the_nearest_width():
                                          gap(matched.hidden_size + 1))
 
 
+def test_grouped_settings_count_block_diagonal_weights_and_get_a_classic():
+  cfg = _tiny()  # E = H = 32 (tied), 2 layers
+  settings = experiments.make_settings(cfg, [1], classic=True, grouped=[4])
+  assert [s.name for s in settings] == ["s1_h32", "s4_grouped_h32",
+                                        "s1_h19_matched"]
+  g = 32 // 4  # stripe width: W_x [S, I/S, 4G] and U [S, G, 4G]
+  layer = 4 * (32 // 4) * 4 * g + 4 * g * 4 * g + 4 * 32
+  assert experiments.param_count(cfg, settings[1]) == (
+      _VOCAB * 32 + _VOCAB + 2 * layer)
+  target = experiments.param_count(cfg, settings[1])
+  gap = lambda h: abs(experiments.param_count(
+      cfg, experiments.Setting(1, h, h)) - target)
+  h = settings[2].hidden_size
+  assert gap(h) <= min(gap(h - 1), gap(h + 1))
+
+
 def test_table_mean_and_std_over_seeds():
   runs = [dict(setting="s8_h256", num_stripes=8, hidden_size=256,
                classic_matched=False, params=620656, seed=seed,
@@ -66,7 +82,7 @@ def _compare_cli(out):
   subprocess.run(
       [sys.executable, "-m", "zebra_jax.tools.experiments",
        f"--config={_ROOT}/configs/demo.py:tiny", f"--out={out}",
-       "--budget_minutes=0.02", "--seeds=0", "--stripes=1,2", "--no_classic",
+       "--budget_minutes=0.02", "--seeds=0", "--stripes=1", "--grouped=2", "--no_classic",
        "--eval_points=2", "--curve_eval_batches=2"],
       check=True, env=env, cwd=os.path.dirname(out),  # any directory
       stdout=subprocess.DEVNULL)
@@ -81,12 +97,13 @@ def test_tiny_comparison_end_to_end(tmp_path):
   for name in ("results.md", "results.json", "valid_ppl_vs_time.png"):
     assert os.path.getsize(os.path.join(out, name)) > 0
   rows = results["table"]
-  assert [r["num_stripes"] for r in rows] == [1, 2]
+  assert [(r["num_stripes"], r["stripe_input"]) for r in rows] == [
+      (1, "dense"), (2, "grouped")]
   for r in rows:
     assert r["params"] > 0 and r["steps"] >= 1 and r["tok_per_s"] > 0
     assert r["tokens_seen"] == r["steps"] * 8 * 16  # tiny: batch 8 x seq 16
     assert 1.0 < r["valid_ppl"] < 200 and 1.0 < r["test_ppl"] < 200
-  assert rows[0]["params"] > rows[1]["params"]  # stripes shrink recurrence
+  assert rows[0]["params"] > rows[1]["params"]  # grouped shrinks W_x and U
   with open(os.path.join(out, "results.md")) as f:
     assert f.read().startswith("| stripes | hidden | params |")
   # Rerunning resumes: finished runs are read back, not trained again.

@@ -10,7 +10,9 @@ Every setting trains the same config for the same wall-clock budget
 valid and test splits by `evaluate.run`, the path --mode=eval takes. Settings:
 num_stripes in --stripes at the config's hidden size, plus a classic LSTM
 (S = 1) whose hidden size gives the parameter count of the most striped one
-(`matched_hidden`).
+(`matched_hidden`); with --grouped, grouped stripe counts too
+(model.stripe_input=grouped), and a classic LSTM matched to the most striped
+grouped one.
 
 Fairness rules, because a budget only means something if it binds:
 - num_steps = measured steps/s x budget x margin, from a short calibration run
@@ -50,23 +52,26 @@ _CALIBRATION_WINDOWS, _CALIBRATION_WINDOW_STEPS = 4, 5
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """One line of the comparison: a stripe count at a width."""
+  """One line of the comparison: a stripe count and input kind at a width."""
   num_stripes: int
   hidden_size: int
   embed_size: int
-  classic_matched: bool = False  # the S = 1 at the striped parameter count
+  classic_matched: bool = False  # the S = 1 at a striped parameter count
+  stripe_input: str = "dense"    # model.stripe_input: "dense" | "grouped"
 
   @property
   def name(self) -> str:
+    grouped = "_grouped" if self.stripe_input == "grouped" else ""
     suffix = "_matched" if self.classic_matched else ""
-    return f"s{self.num_stripes}_h{self.hidden_size}{suffix}"
+    return f"s{self.num_stripes}{grouped}_h{self.hidden_size}{suffix}"
 
 
 def apply_setting(cfg, setting: Setting) -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   cfg.model.update(num_stripes=setting.num_stripes,
                    hidden_size=setting.hidden_size,
-                   embed_size=setting.embed_size)
+                   embed_size=setting.embed_size,
+                   stripe_input=setting.stripe_input)
   return cfg
 
 
@@ -107,14 +112,25 @@ def matched_hidden(cfg, target_params: int) -> int:
   return min((low, high), key=lambda h: abs(count(h) - target_params))
 
 
-def make_settings(cfg, stripes: Sequence[int], classic: bool) -> list[Setting]:
-  """num_stripes at the config's widths, plus the matched classic LSTM."""
+def make_settings(cfg, stripes: Sequence[int], classic: bool,
+                  grouped: Sequence[int] = ()) -> list[Setting]:
+  """Dense then grouped stripe counts at the config's widths, plus classic.
+
+  The classic LSTM comes once per family (dense, grouped), matched to the
+  parameter count of that family's most striped model.
+  """
   hidden, embed = cfg.model.hidden_size, cfg.model.embed_size
-  settings = [Setting(s, hidden, embed) for s in stripes]
-  if classic and max(stripes) > 1:
-    target = param_count(cfg, settings[list(stripes).index(max(stripes))])
-    h = matched_hidden(cfg, target)
-    settings.append(Setting(1, h, h if embed == hidden else embed, True))
+  families = [[Setting(s, hidden, embed) for s in stripes],
+              [Setting(s, hidden, embed, stripe_input="grouped")
+               for s in grouped]]
+  settings = [s for family in families for s in family]
+  for family in families:
+    most_striped = max(family, key=lambda s: s.num_stripes, default=None)
+    if classic and most_striped and most_striped.num_stripes > 1:
+      h = matched_hidden(cfg, param_count(cfg, most_striped))
+      matched = Setting(1, h, h if embed == hidden else embed, True)
+      if matched not in settings:
+        settings.append(matched)
   return settings
 
 
@@ -187,6 +203,7 @@ def train_and_score(run_cfg, setting: Setting, workdir: str) -> dict:
   tokens_per_step = run_cfg.data.batch_size * run_cfg.data.seq_len
   record = {
       "setting": setting.name, "num_stripes": setting.num_stripes,
+      "stripe_input": setting.stripe_input,
       "hidden_size": setting.hidden_size, "embed_size": setting.embed_size,
       "classic_matched": setting.classic_matched, "seed": run_cfg.seed,
       "params": summary["params"], "planned_steps": run_cfg.train.num_steps,
@@ -205,11 +222,14 @@ def train_and_score(run_cfg, setting: Setting, workdir: str) -> dict:
 def run(cfg, out: str, budget_minutes: float = 1.5,
         seeds: Sequence[int] = (0, 1, 2), stripes: Sequence[int] = (1, 2, 4, 8),
         classic: bool = True, margin: float = 1.2, eval_points: int = 5,
-        curve_eval_batches: int = 10, compile_cache: bool = True) -> dict:
+        curve_eval_batches: int = 10, compile_cache: bool = True,
+        grouped: Sequence[int] = ()) -> dict:
   """Runs (or resumes) the whole comparison; returns the results dict.
 
   Args:
     cfg: the base config (e.g. configs/demo.py); model widths come from it.
+    stripes, grouped: num_stripes values run with dense and with grouped
+      stripe input.
     budget_minutes: wall-clock per run, compile cache warm (the knob for GPUs).
     margin: num_steps = steps/s x budget x margin; > 1 so the budget binds.
     eval_points: in-loop valid evaluations per run (the curves' points).
@@ -228,7 +248,7 @@ def run(cfg, out: str, budget_minutes: float = 1.5,
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   settings = make_settings(with_vocab_size(cfg, os.path.join(out, "vocab")),
-                           stripes, classic)
+                           stripes, classic, grouped)
   rates_path = os.path.join(out, "steps_per_s.json")
   rates = {}
   if os.path.exists(rates_path):
@@ -279,7 +299,7 @@ def main(argv: Sequence[str]) -> None:
   ints = lambda values: [int(x) for x in values]
   results = run(f.config, f.out, f.budget_minutes, ints(f.seeds),
                 ints(f.stripes), not f.no_classic, f.margin, f.eval_points,
-                f.curve_eval_batches)
+                f.curve_eval_batches, grouped=ints(f.grouped))
   print(results["markdown"], flush=True)
 
 
@@ -291,9 +311,12 @@ def _define_flags() -> None:
                       "Results and run folders go here.")
   flags.DEFINE_float("budget_minutes", 1.5, "Wall-clock budget per run.")
   flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
-  flags.DEFINE_list("stripes", ["1", "2", "4", "8"], "num_stripes values.")
+  flags.DEFINE_list("stripes", ["1", "2", "4", "8"],
+                    "num_stripes values with dense stripe input.")
+  flags.DEFINE_list("grouped", [], "num_stripes values with grouped stripe "
+                    "input (model.stripe_input=grouped), e.g. 2,4,8.")
   flags.DEFINE_bool("no_classic", False,
-                    "Skip the parameter-matched classic LSTM.")
+                    "Skip the parameter-matched classic LSTMs.")
   flags.DEFINE_float("margin", 1.2,
                      "Planned steps = steps/s x budget x margin.")
   flags.DEFINE_integer("eval_points", 5, "In-loop valid evaluations per run.")

@@ -36,6 +36,7 @@ def table(records: Sequence[dict]) -> list[dict]:
   for name, runs in by_setting.items():
     first = runs[0]
     row = {"setting": name, "num_stripes": first["num_stripes"],
+           "stripe_input": first.get("stripe_input", "dense"),
            "hidden_size": first["hidden_size"],
            "classic_matched": first["classic_matched"],
            "params": first["params"], "seeds": len(runs),
@@ -53,8 +54,9 @@ def markdown(rows: Sequence[dict]) -> str:
            "| clock-bound | best valid ppl | test ppl |",
            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for r in rows:
-    stripes = f"{r['num_stripes']}" + (" (classic, = params)"
-                                       if r["classic_matched"] else "")
+    stripes = f"{r['num_stripes']}" + (
+        " grouped" if r.get("stripe_input") == "grouped" else "") + (
+        " (classic, = params)" if r["classic_matched"] else "")
     lines.append(
         f"| {stripes} | {r['hidden_size']} | {r['params']:,} "
         f"| {r['tok_per_s']:,.0f} ± {r['tok_per_s_std']:,.0f} "
