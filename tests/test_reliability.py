@@ -161,9 +161,11 @@ def _flip_a_bit_orbax_reads(workdir, step, target, process=None):
   """Flips one bit inside an array data file of a step where orbax restores
   without complaint but some value changes: what only a checksum can catch.
 
-  Returns the path and offset. Near the start of a file sit headers that
-  orbax checks, so offsets are tried from the middle of the largest file on,
-  then in its first half.
+  Returns the path and offset. Orbax stores arrays as zstd frames without
+  content checksums: a flip in a block's raw literals (float bytes that do
+  not compress, right after the block's few header bytes) decodes without
+  complaint, one later in a block mostly breaks decoding. So offsets are
+  tried from just past the frame header on.
   """
   files = _array_files(workdir, step)
   if process is not None:
@@ -173,8 +175,7 @@ def _flip_a_bit_orbax_reads(workdir, step, target, process=None):
   raw = ocp.CheckpointManager(f"{workdir}/checkpoints", item_names=("state",))
   args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
   clean = jax.device_get(raw.restore(step, args=args).state)
-  middle = len(original) // 2  # the second half first, then the first
-  for offset in [*range(middle, len(original), 37), *range(64, middle, 37)]:
+  for offset in range(16, len(original), 37):
     damaged = bytearray(original)
     damaged[offset] ^= 0x10
     with open(path, "r+b") as f:

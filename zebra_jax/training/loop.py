@@ -5,6 +5,7 @@ restores params, optimizer state, step, RNG, carry and data position from the
 latest checkpoint and continues with the batch an uninterrupted run would read.
 """
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -134,6 +135,16 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
 
   config_path only shapes the follow-up commands the summary prints.
   """
+  stop_request = preemption.StopRequest()
+  # Several processes catch stop signals from the start: one sent to a single
+  # process while the data is prepared or the step compiles still stops every
+  # process at the first agreed poll (had it died alone, the others would wait
+  # in a collective). A single process may stop at once: nothing to save yet.
+  with stop_request if jax.process_count() > 1 else contextlib.nullcontext():
+    return _train(cfg, workdir, config_path, stop_request)
+
+
+def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
   cfg, tokenizer, splits = rundir.prepare(cfg, workdir)
   mesh = parallel.make_mesh()
   accum = cfg.train.grad_accum_steps
@@ -181,7 +192,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
                           enabled=None if jax.process_index() == 0 else False)
   log.record("start", step, {})  # wall-clock origin for plots
   try:
-    with preemption.StopRequest() as stop_request:
+    with stop_request:
       stop, preempted = step >= cfg.train.num_steps, False
       while not stop:
         inputs, targets = batcher.get(position.index, position.epoch)

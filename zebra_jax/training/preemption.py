@@ -38,6 +38,7 @@ class StopRequest:
     self.reason = None
     self.senders: list[int] = []  # processes that received the signal
     self._previous = {}
+    self._depth = 0
 
   def _handler(self, signum, frame):
     del frame
@@ -45,14 +46,19 @@ class StopRequest:
     self._event.set()
 
   def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
+    """Installs the handlers; entering again while installed changes nothing."""
+    self._depth += 1
+    if self._depth == 1 and threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGINT, signal.SIGTERM):
         self._previous[sig] = signal.signal(sig, self._handler)
     return self
 
   def __exit__(self, *exc):
-    for sig, previous in self._previous.items():
-      signal.signal(sig, previous)
+    self._depth -= 1
+    if self._depth == 0:
+      for sig, previous in self._previous.items():
+        signal.signal(sig, previous)
+      self._previous = {}
     return False
 
   def poll(self, step: int, out_of_time: bool = False) -> str | None:
