@@ -22,10 +22,7 @@ the record's clock is a synchronised point. The time between the records at
 step `warmup` and at step `warmup + steps` is the timed part: exactly `steps`
 steps of the loop (batching, the jitted step, the progress bar, the log
 lines) and no compilation. The log interval divides both counts and puts two
-log lines in the warm-up: the first step compiles the step, and the first
-log line compiles the learning-rate lookup it prints (after its window
-closed, so the loop's own tok/s for the next window counts it; the timed
-part does not).
+log lines in the warm-up: the first step compiles the step.
 
 PyTorch side: embedding, nn.LSTM, the full softmax head tied to the embedding
 (or not, as the config says) with a bias, the same dropouts, cross-entropy,

@@ -168,6 +168,7 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
   evaluator = evaluate.Evaluator(graphdef, mesh, cfg.model,
                                  cfg.eval.batch_size, cfg.eval.seq_len)
   lr_at = optim.learning_rate_schedule(cfg.optim, cfg.train.num_steps)
+  float(lr_at(0))  # compiles the lookup now, not inside the first timed window
   n_params = lm.num_params(state.params)
   log.info(f"model: {n_params:,} parameters | {cfg.model.num_layers} layers x "
            f"hidden {cfg.model.hidden_size} in {cfg.model.num_stripes} stripes "
