@@ -468,12 +468,14 @@ def matmul_peak(shape: dict, rounds: int) -> tuple[float, dict]:
 
     @jax.jit
     def loop(a, w, reps=reps):
-      def body(_, acc):
-        return acc + jnp.einsum("smk,skn->smn", a, w,
-                                preferred_element_type=jnp.float32)
-      return jax.lax.fori_loop(0, reps, body,
-                               jnp.zeros((a.shape[0], a.shape[1],
-                                          w.shape[2]), jnp.float32))
+      # `a` changes sign every iteration: were it loop-invariant, XLA would
+      # hoist the matmul out of the loop and time it once for `reps`.
+      def body(_, carry):
+        a, acc = carry
+        return -a, acc + jnp.einsum("smk,skn->smn", a, w,
+                                    preferred_element_type=jnp.float32)
+      zeros = jnp.zeros((a.shape[0], a.shape[1], w.shape[2]), jnp.float32)
+      return jax.lax.fori_loop(0, reps, body, (a, zeros))[1]
     jax.block_until_ready(loop(a, w))
     fns[name] = functools.partial(
         lambda f, a, w: jax.block_until_ready(f(a, w)), loop, a, w)
