@@ -19,7 +19,8 @@ def test_quick_bench_writes_every_row(tmp_path):
   path = tmp_path / "bench.json"
   env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
   out = subprocess.run(
-      [sys.executable, "-m", "zebra_jax.tools.bench", "--quick", f"--json={path}"],
+      [sys.executable, "-m", "zebra_jax.tools.bench", "--quick", f"--json={path}",
+       f"--trace_dir={tmp_path / 'trace'}"],
       capture_output=True, text=True, env=env, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "tok/s" in out.stdout  # the table was printed
@@ -55,6 +56,13 @@ def test_quick_bench_writes_every_row(tmp_path):
     if not name.startswith(("torch", "gen")):
       assert r["xla_bytes"] > 0, name
 
+  # --trace_dir: one traced step per JAX row, its device time by kind of op.
+  breakdown = result["trace_breakdown"]
+  assert set(breakdown) == {n for n in rows if not n.startswith("torch")}
+  for name, b in breakdown.items():
+    assert b["ops"] > 0 and b["matmul"] > 0, (name, b)
+  assert "device time of one traced step" in out.stdout
+
   memory = result["memory"]
   assert {(m["seq_len"], m["remat"]) for m in memory} == {
       (8, False), (16, False), (8, True), (16, True)}
@@ -66,6 +74,23 @@ def test_quick_bench_writes_every_row(tmp_path):
   assert plan[16, False] > plan[8, False] and plan[16, True] > plan[8, True]
   assert set(result["max_window"]["max_seq_len"]) == {"remat=False",
                                                        "remat=True"}
+
+
+def test_op_kinds_from_hlo_names():
+  from zebra_jax.tools import bench
+  kinds = {name: bench.op_kind(name) for name in (
+      "ynn_fusion.3", "dot.1", "cublas-gemm.2", "copy.5",
+      "bitcast_dynamic-update-slice_fusion.1", "concatenate.2",
+      "wrapped_copy", "add_divide_fusion.7", "subtract_multiply_fusion",
+      "while.1", "loop_fusion.4")}
+  assert kinds == {
+      "ynn_fusion.3": "matmul", "dot.1": "matmul",
+      "cublas-gemm.2": "matmul", "copy.5": "data movement",
+      "bitcast_dynamic-update-slice_fusion.1": "data movement",
+      "concatenate.2": "data movement", "wrapped_copy": "data movement",
+      "add_divide_fusion.7": "elementwise & other",
+      "subtract_multiply_fusion": "elementwise & other", "while.1": None,
+      "loop_fusion.4": "elementwise & other"}
 
 
 if __name__ == "__main__":

@@ -296,17 +296,8 @@ def _fused_bwd(unroll, remat, rows, interpret, residuals, cotangents):
   dz, dh0, dc0 = _backward(d_ys, gates, cs, c0, w_h,
                            d_h_last.astype(jnp.float32),
                            d_c_last.astype(jnp.float32), rows, interpret)
-  dz_dt = dz.astype(dt)
-  d_w_h = matmul("stbg,stbk->sgk", h_prev, dz_dt)
-  if inputs.ndim == 3:  # dense [T, B, I], w_x [I, S, 4G]
-    d_w_x = matmul("tbi,stbk->isk", inputs, dz_dt)
-    d_inputs = matmul("stbk,isk->tbi", dz_dt, w_x)
-  else:  # grouped [S, T, B, I/S], w_x [S, I/S, 4G]
-    d_w_x = matmul("stbi,stbk->sik", inputs, dz_dt)
-    d_inputs = matmul("stbk,sik->stbi", dz_dt, w_x)
-  d_bias = dz.sum(axis=(1, 2))
-  return (d_inputs.astype(inputs.dtype), d_w_x.astype(w_x.dtype),
-          d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
+  return recurrence.window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0,
+                                    dc0)
 
 
 _fused_layer.defvjp(_fused_fwd, _fused_bwd)

@@ -185,14 +185,25 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
   (dh0, dc0), dz = _scan_time(
       step, (d_h_last.astype(jnp.float32), d_c_last.astype(jnp.float32)),
       (d_ys, dc_dh, dz_dc, dz_dh, f), reverse=True, unroll=unroll)
+  return window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0)
+
+
+def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0):
+  """The backward pass's epilogue, shared with the Pallas kernel.
+
+  From the gate pre-activation gradients of the whole window (dz, float32
+  [S, T, B, 4G]) and h_{t-1} of every step: the gradients of zebra_layer's
+  arguments, those of the inputs, W_x, b and W_h one matmul (or sum) each.
+  """
+  dt = w_h.dtype
   dz_dt = dz.astype(dt)
   matmul = lambda spec, a, b: jnp.einsum(spec, a, b,
                                          preferred_element_type=jnp.float32)
   d_w_h = matmul("stbg,stbk->sgk", h_prev.astype(dt), dz_dt)
-  if inputs.ndim == 3:  # dense
+  if inputs.ndim == 3:  # dense [T, B, I], w_x [I, S, 4G]
     d_w_x = matmul("tbi,stbk->isk", inputs, dz_dt)
     d_inputs = matmul("stbk,isk->tbi", dz_dt, w_x)
-  else:  # grouped: batched over stripes, like the forward projection
+  else:  # grouped [S, T, B, I/S], w_x [S, I/S, 4G]: batched over stripes
     d_w_x = matmul("stbi,stbk->sik", inputs, dz_dt)
     d_inputs = matmul("stbk,sik->stbi", dz_dt, w_x)
   d_bias = dz.sum(axis=(1, 2))

@@ -67,7 +67,8 @@ _SHAPE = flags.DEFINE_enum("shape", "A", ["A", "gpu"], "A: hidden 512, batch "
 _ROUNDS = flags.DEFINE_integer("rounds", 0, "Timing rounds (0 = default).")
 _MEMORY = flags.DEFINE_bool("memory", True, "Run the memory-per-window rows.")
 _TRACE = flags.DEFINE_string("trace_dir", None, "jax.profiler trace of one "
-                             "step of every JAX row, for TensorBoard/xprof.")
+                             "step of every JAX row, for TensorBoard/xprof, "
+                             "and a table of its device time by kind of op.")
 _MEMORY_ROW = flags.DEFINE_string("memory_row", None, "Internal: one "
                                   "'seq_len,remat' row in a fresh process.")
 
@@ -485,13 +486,67 @@ def matmul_peak(shape: dict, rounds: int) -> tuple[float, dict]:
   return max(per_shape.values()) * 1e9, per_shape
 
 
-def _trace_rows(trace_dir, runners):
-  """One profiled call of every JAX row, each under its own step name."""
-  jax.profiler.start_trace(trace_dir)
+def _trace_rows(trace_dir, runners) -> dict:
+  """One profiled call of every JAX row, each under its own step name;
+  returns each row's device time by kind of op (`trace_breakdown`)."""
+  jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
   for i, (name, fn) in enumerate(runners.items()):
     with jax.profiler.StepTraceAnnotation(name, step_num=i):
       fn()
   jax.profiler.stop_trace()
+  return trace_breakdown(trace_dir, list(runners))
+
+
+# What the ops of a trace do, from their HLO names: matmuls (XLA's own dot
+# ops, or the library calls it fuses them into: YNNPACK/XNNPACK/oneDNN on
+# CPUs, cuBLAS/Triton GEMMs on GPUs), moves of data (layout copies, the
+# per-time-step writes of a scan into its window buffers, concatenations), and
+# the rest (elementwise fusions such as the gate math, reductions).
+_MATMUL_OPS = ("dot", "ynn", "xnn", "onednn", "cublas", "gemm", "triton_gemm",
+               "convolution")
+_DATA_MOVES = ("copy", "dynamic-update-slice", "dynamic-slice", "concatenate",
+               "transpose", "slice")
+
+
+def op_kind(hlo_op: str) -> str | None:
+  """"matmul", "data movement" or "elementwise & other" for an HLO op name;
+  None for loop ops, whose events span their bodies' ops."""
+  words = hlo_op.split(".")[0].split("_")
+  if words[0] in ("while", "conditional", "call"):
+    return None
+  if any(w.startswith(_MATMUL_OPS) for w in words):
+    return "matmul"
+  if any(w in _DATA_MOVES for w in words):
+    return "data movement"
+  return "elementwise & other"
+
+
+def trace_breakdown(trace_dir: str, names: list[str]) -> dict:
+  """{row: {kind: ms, "ops": count}} from the perfetto trace of _trace_rows:
+  the op events (args.hlo_op) inside each row's step annotation."""
+  import glob
+  import gzip
+  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
+                           recursive=True))
+  if not files:
+    return {}
+  with gzip.open(files[-1], "rt") as f:
+    data = json.load(f)
+  events = [e for e in (data["traceEvents"] if isinstance(data, dict)
+                        else data) if e.get("ph") == "X"]
+  spans = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+           if e.get("name") in names}
+  result = {}
+  for name, (start, end) in spans.items():
+    kinds = {"matmul": 0.0, "data movement": 0.0, "elementwise & other": 0.0}
+    ops = 0
+    for e in events:
+      kind = op_kind(e.get("args", {}).get("hlo_op") or "while")
+      if kind and start <= e["ts"] <= end:
+        kinds[kind] += e.get("dur", 0) / 1e3
+        ops += 1
+    result[name] = {**kinds, "ops": ops}
+  return result
 
 
 def speed_rows(shape, rounds, trace_dir=None):
@@ -544,9 +599,10 @@ def speed_rows(shape, rounds, trace_dir=None):
       "word": step_flops(word, 1, head="full"),
       "word_adaptive": step_flops(word, 1, head="adaptive",
                                   adaptive_input=False)}
+  breakdown = {}
   if trace_dir:
-    _trace_rows(trace_dir, {n: r[0] for g in groups.values()
-                            for n, r in g.items()})
+    breakdown = _trace_rows(trace_dir, {n: r[0] for g in groups.values()
+                                        for n, r in g.items()})
   peak, peak_by_shape = matmul_peak(shape, rounds)
   rows = []
   for group, entries in groups.items():
@@ -563,7 +619,7 @@ def speed_rows(shape, rounds, trace_dir=None):
     for name, torch_sec in torch_secs.items():
       rows.append(_row(name, group, torch_sec, b * t, torch_flops[group],
                        peak, base))
-  return rows, peak, peak_by_shape, torch_note
+  return rows, peak, peak_by_shape, torch_note, breakdown
 
 
 def _row(name, group, sec, tokens, flops, peak, torch_sec, compiled=None):
@@ -643,6 +699,14 @@ def print_table(result) -> None:
     fit = result["max_window"]
     print(f"largest window in {fit['budget_gb']} GB (XLA plan, linear fit): "
           f"{fit['max_seq_len']}")
+  if result.get("trace_breakdown"):
+    print(f"\ndevice time of one traced step, ms by kind of op "
+          f"(trace in {_TRACE.value or 'the trace folder'})")
+    kinds = ("matmul", "data movement", "elementwise & other")
+    print(f"{'row':<28}" + "".join(f"{k:>21}" for k in kinds) + f"{'ops':>8}")
+    for name, b in result["trace_breakdown"].items():
+      print(f"{name:<28}" + "".join(f"{b[k]:>21.1f}" for k in kinds)
+            + f"{b['ops']:>8}")
   for note in result["notes"]:
     print(f"note: {note}")
 
@@ -652,7 +716,8 @@ def run(quick: bool = False, shape_name: str = "A", json_path=None,
   """Runs every row; prints the table; returns (and optionally writes) it."""
   shape = SHAPES["quick" if quick else shape_name]
   rounds = rounds or (3 if quick else 7)
-  rows, peak, peak_by_shape, torch_note = speed_rows(shape, rounds, trace_dir)
+  rows, peak, peak_by_shape, torch_note, breakdown = speed_rows(
+      shape, rounds, trace_dir)
   notes = [torch_note] if torch_note else []
   over = [r["name"] for r in rows if r["frac_of_peak"] > 1.0]
   if over:  # nothing is clamped: the peak, not the row, is wrong
@@ -667,6 +732,8 @@ def run(quick: bool = False, shape_name: str = "A", json_path=None,
             "matmul_gflops_by_shape": peak_by_shape,
             "torch": torch_note or "-",
             "rows": rows, "notes": notes}
+  if breakdown:
+    result["trace_breakdown"] = breakdown
   if memory:
     result["memory"], result["max_window"] = memory_rows(
         result["shape"], fresh_processes=not quick)
