@@ -13,6 +13,9 @@ buffer plan for one compiled step (`compiled_bytes`) is exact per step and
 needs no run, so it also answers "which window fits this budget".
 """
 
+import glob
+import gzip
+import json
 import os
 import resource
 import sys
@@ -84,3 +87,16 @@ def compiled_bytes(compiled) -> int | None:
     return None
   return int(m.argument_size_in_bytes + m.output_size_in_bytes
              + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def trace_op_events(trace_dir: str) -> list[dict] | None:
+  """The complete ("X") events of the newest perfetto trace under trace_dir
+  (jax.profiler with create_perfetto_trace=True); None if there is none."""
+  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
+                           recursive=True))
+  if not files:
+    return None
+  with gzip.open(files[-1], "rt") as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  return [e for e in events if e.get("ph") == "X"]

@@ -524,16 +524,9 @@ def op_kind(hlo_op: str) -> str | None:
 def trace_breakdown(trace_dir: str, names: list[str]) -> dict:
   """{row: {kind: ms, "ops": count}} from the perfetto trace of _trace_rows:
   the op events (args.hlo_op) inside each row's step annotation."""
-  import glob
-  import gzip
-  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
-                           recursive=True))
-  if not files:
+  events = profiling.trace_op_events(trace_dir)
+  if events is None:
     return {}
-  with gzip.open(files[-1], "rt") as f:
-    data = json.load(f)
-  events = [e for e in (data["traceEvents"] if isinstance(data, dict)
-                        else data) if e.get("ph") == "X"]
   spans = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in events
            if e.get("name") in names}
   result = {}
@@ -541,7 +534,8 @@ def trace_breakdown(trace_dir: str, names: list[str]) -> dict:
     kinds = {"matmul": 0.0, "data movement": 0.0, "elementwise & other": 0.0}
     ops = 0
     for e in events:
-      kind = op_kind(e.get("args", {}).get("hlo_op") or "while")
+      op = e.get("args", {}).get("hlo_op")
+      kind = op_kind(op) if op else None
       if kind and start <= e["ts"] <= end:
         kinds[kind] += e.get("dur", 0) / 1e3
         ops += 1

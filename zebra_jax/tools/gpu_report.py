@@ -26,8 +26,6 @@ it so that the script cannot rot). Its figures mean nothing.
 """
 
 import datetime
-import glob
-import gzip
 import json
 import os
 import re
@@ -123,17 +121,13 @@ def summarise_trace(trace_dir: str, hlo_text: str) -> dict:
   HLO's metadata gives that instruction's named-scope path. Returns
   {category: share of the attributed time} and the seconds behind it.
   """
-  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
-                           recursive=True))
-  if not files:
+  events = profiling.trace_op_events(trace_dir)
+  if events is None:
     return {"error": f"no .trace.json.gz under {trace_dir}"}
-  with gzip.open(files[-1], "rt") as f:
-    data = json.load(f)
-  events = data["traceEvents"] if isinstance(data, dict) else data
   scopes = hlo_op_scopes(hlo_text)
   seconds = {}
   for e in events:
-    op = e.get("args", {}).get("hlo_op") if e.get("ph") == "X" else None
+    op = e.get("args", {}).get("hlo_op")
     if not op:
       continue
     category = _scope_category(scopes.get(op, ""))
@@ -141,7 +135,7 @@ def summarise_trace(trace_dir: str, hlo_text: str) -> dict:
   total = sum(seconds.values())
   return {"seconds": seconds,
           "share": {k: v / total for k, v in seconds.items()} if total else {},
-          "trace_file": files[-1]}
+          "trace_dir": trace_dir}
 
 
 # ---------------------------------------------------------------- stages
