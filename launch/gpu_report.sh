@@ -1,30 +1,135 @@
 #!/usr/bin/env bash
-# Every GPU figure: installs the CUDA extras, then runs the report's stages,
-# each as its own command (each fits in 10 minutes on one H100).
+# Every GPU figure: python -m zebra_jax.tools.gpu_report from the repository
+# root (the project itself need not be pip-installed).
 #
-#   bash launch/gpu_report.sh                 # install + every stage
-#   bash launch/gpu_report.sh bench wt103     # install + these stages
-#   NO_INSTALL=1 bash launch/gpu_report.sh precision   # skip the install
+#   bash launch/gpu_report.sh [--dry-run] [--no-install] [STAGE ...]
 #
-# Writes docs/gpu-results.md and docs/gpu-results.json (OUT=dir to change);
-# every stage adds its section, so stages can run in separate sessions.
+#   bash launch/gpu_report.sh                  # every stage
+#   bash launch/gpu_report.sh bench wt103      # these stages
+#   bash launch/gpu_report.sh --dry-run        # tiny shapes on any CPU
+#
+# Stages: bench wt103 precision infer scaling (none named: all of them).
+#
+# What it installs, one printed line per decision:
+# - jax: nothing when the Python already has jax with a CUDA plugin (a GPU
+#   node's own stack), with --dry-run (CPU), or with --no-install / NO_INSTALL=1.
+#   Otherwise, on a machine with a package index, pip install -e
+#   ".[cuda13,bench]" (CUDA_EXTRA=cuda12 for CUDA 12 drivers).
+# - the pure-Python packages the project needs beyond that stack
+#   (ml-collections; tensorboardX, optional): only when the module is missing,
+#   from wheels/ with pip install --no-index. Make wheels/ on a machine with
+#   PyPI (bash launch/gpu_wheels.sh) and carry the repository with it to a node
+#   without network.
+#
+# Writes OUT/gpu-results.md and OUT/gpu-results.json: OUT=docs by default, a
+# folder under /tmp for --dry-run (its figures mean nothing). Every stage adds
+# its section, so stages can run in separate sessions.
+# PYTHON=... picks the interpreter (default: python, else python3, on PATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-docs}
-if [[ -z "${NO_INSTALL:-}" ]]; then
-  python -m pip install -q -e ".[cuda12,bench]"
+
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
+
+dry=""
+install=1
+[[ -n "${NO_INSTALL:-}" && "${NO_INSTALL}" != 0 ]] && install=0
+stages=()
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run|--dry_run) dry="--dry_run" ;;
+    --no-install|--no_install) install=0 ;;
+    -h|--help) usage; exit 0 ;;
+    -*) echo "error: unknown option ${arg} (see bash $0 --help)" >&2; exit 2 ;;
+    *) stages+=("$arg") ;;
+  esac
+done
+csv=$(IFS=,; echo "${stages[*]:-}")
+
+PYTHON=${PYTHON:-$(command -v python || command -v python3 || true)}
+if [[ -z "$PYTHON" ]]; then
+  echo "error: no python on PATH (set PYTHON=...)" >&2
+  exit 2
 fi
-stages=("$@")
-if [[ ${#stages[@]} -eq 0 ]]; then
-  stages=(bench wt103 precision infer scaling)
+if [[ -n "$dry" ]]; then
+  OUT=${OUT:-${TMPDIR:-/tmp}/zebra-gpu-report-dry-run}
+else
+  OUT=${OUT:-docs}
 fi
-status=0
-for stage in "${stages[@]}"; do
-  echo "=== gpu_report stage ${stage}"
-  if ! timeout 600 python -m zebra_jax.tools.gpu_report --stage="${stage}" \
-      --out="${OUT}"; then
-    echo "=== stage ${stage} failed or ran past 10 minutes" >&2
-    status=1
+# Imports zebra_jax and configs from this checkout, in every subprocess too.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+# "JAX_VERSION PLUGIN", "-" for what is missing. A plugin module is enough;
+# without one, a jaxlib built with CUDA shows as a gpu device.
+probe='
+import importlib.util
+try:
+  import jax
+except Exception:
+  print("- -"); raise SystemExit
+found = [m for m in ("jax_cuda13_plugin", "jax_cuda12_plugin",
+                     "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+         if importlib.util.find_spec(m.split(".")[0]) is not None
+         and importlib.util.find_spec(m) is not None]
+if not found:
+  try:
+    if jax.devices("gpu"):
+      found = ["jaxlib-cuda"]
+  except Exception:
+    pass
+print(jax.__version__, found[0] if found else "-")
+'
+read -r jax_version plugin < <("$PYTHON" -c "$probe" 2>/dev/null || echo "- -")
+
+if [[ "$install" == 0 ]]; then
+  echo "--no-install: nothing installed (jax ${jax_version}, CUDA plugin ${plugin})"
+elif [[ "$jax_version" != "-" && "$plugin" != "-" ]]; then
+  echo "jax ${jax_version} with CUDA plugin found (${plugin}): nothing installed"
+elif [[ -n "$dry" ]]; then
+  echo "dry run: jax ${jax_version} on the CPU, no CUDA jax installed"
+else
+  extra=${CUDA_EXTRA:-cuda13}
+  echo "no CUDA jax (jax ${jax_version}, no CUDA plugin): installing .[${extra},bench]"
+  "$PYTHON" -m pip install -q -e ".[${extra},bench]"
+fi
+
+# MODULE:DISTRIBUTION:required|optional, beyond a GPU node's stack.
+for entry in ml_collections:ml-collections:required \
+             tensorboardX:tensorboardX:optional; do
+  IFS=: read -r module dist need <<< "$entry"
+  if "$PYTHON" -c "import ${module}" 2>/dev/null; then
+    continue
+  fi
+  wheel=$(find wheels -maxdepth 1 -iname "${dist//-/_}-*.whl" 2>/dev/null \
+          | head -n 1 || true)
+  if [[ "$install" == 1 && -n "$wheel" ]]; then
+    echo "${module} from wheels/ ($(basename "$wheel"))"
+    if ! "$PYTHON" -m pip install -q --no-index --find-links wheels "$dist"; then
+      # a Python whose site-packages is read-only: a folder on PYTHONPATH
+      echo "${module}: site-packages not writable, installed into wheels/site"
+      "$PYTHON" -m pip install -q --no-index --find-links wheels \
+        --target wheels/site "$dist"
+      export PYTHONPATH="$PWD/wheels/site:$PYTHONPATH"
+    fi
+  elif [[ "$need" == optional ]]; then
+    echo "${module} missing: TensorBoard scalars through the tensorboard package, or none"
+  else
+    echo "error: ${module} missing and no ${dist} wheel in wheels/: run" \
+         "bash launch/gpu_wheels.sh on a machine with PyPI and bring wheels/ here" >&2
+    exit 1
   fi
 done
-exit "${status}"
+
+report=(-m zebra_jax.tools.gpu_report)
+if "$PYTHON" "${report[@]}" --helpfull 2>/dev/null | grep -q -- '--stages:'; then
+  stage_flag=${csv:+--stages=${csv}}
+  echo "=== gpu_report ${stage_flag:-(every stage)} ${dry} --out=${OUT}"
+  exec "$PYTHON" -m zebra_jax.tools.gpu_report --out="$OUT" ${stage_flag} ${dry}
+fi
+# A gpu_report without --stages takes one --stage (or all) per command.
+status=0
+for stage in "${stages[@]:-all}"; do
+  echo "=== gpu_report --stage=${stage} ${dry} --out=${OUT}"
+  "$PYTHON" -m zebra_jax.tools.gpu_report --out="$OUT" --stage="$stage" ${dry} \
+    || { echo "=== stage ${stage} failed" >&2; status=1; }
+done
+exit "$status"

@@ -2,6 +2,11 @@
 
 Only process 0 writes; the others stay quiet, so a multi-host run prints and
 records each step once.
+
+TensorBoard is optional: event files come from tensorboardX when it is
+installed, else from the `tensorboard` package's own event writer (scalars and
+text, nothing else is written), else not at all. Each fallback says so in one
+warning line on stderr; metrics.jsonl is written either way.
 """
 
 import json
@@ -16,6 +21,76 @@ from zebra_jax.errors import UserError
 from zebra_jax.runtime import progress
 
 
+TENSORBOARDX_HINT = "pip install tensorboardX"
+
+
+class EventWriter:
+  """TensorBoard event files through the `tensorboard` package alone: the
+  add_scalar/add_text/close subset of tensorboardX's SummaryWriter."""
+
+  def __init__(self, logdir: str):
+    # pylint: disable=g-import-not-at-top
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.compat.proto import tensor_pb2, tensor_shape_pb2
+    from tensorboard.summary.writer import event_file_writer
+    self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+    self._tensor_pb2, self._shape_pb2 = tensor_pb2, tensor_shape_pb2
+    self._writer = event_file_writer.EventFileWriter(logdir)
+
+  def _add(self, step: int, value) -> None:
+    self._writer.add_event(self._event_pb2.Event(
+        wall_time=time.time(), step=int(step),
+        summary=self._summary_pb2.Summary(value=[value])))
+
+  def add_scalar(self, tag: str, value: float, step: int) -> None:
+    self._add(step, self._summary_pb2.Summary.Value(
+        tag=tag, simple_value=float(value)))
+
+  def add_text(self, tag: str, text: str, step: int) -> None:
+    s = self._summary_pb2
+    meta = s.SummaryMetadata(
+        plugin_data=s.SummaryMetadata.PluginData(plugin_name="text"))
+    tensor = self._tensor_pb2.TensorProto(
+        dtype="DT_STRING", string_val=[text.encode("utf-8")],
+        tensor_shape=self._shape_pb2.TensorShapeProto(
+            dim=[self._shape_pb2.TensorShapeProto.Dim(size=1)]))
+    self._add(step, s.Summary.Value(tag=f"{tag}/text_summary",
+                                    metadata=meta, tensor=tensor))
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+_warned = set()  # each fallback warns once per process, not once per run
+
+
+def summary_writer(logdir: str):
+  """tensorboardX's SummaryWriter, else EventWriter, else None; a fallback
+  prints one warning line on stderr (once per process)."""
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    return SummaryWriter(logdir)
+  except ImportError:
+    pass
+  try:
+    writer = EventWriter(logdir)
+  except ImportError:
+    _warn_once("tensorboardX is not installed: TensorBoard scalars are off "
+               f"(metrics.jsonl has every figure); {TENSORBOARDX_HINT} to "
+               "get them")
+    return None
+  _warn_once("tensorboardX is not installed: TensorBoard scalars written "
+             f"with the tensorboard package instead ({TENSORBOARDX_HINT} "
+             "for the usual writer)")
+  return writer
+
+
+def _warn_once(message: str) -> None:
+  if message not in _warned:
+    _warned.add(message)
+    warning(message)
+
+
 class MetricWriter:
   """Transformer-XL style log lines plus one JSON record per line."""
 
@@ -26,8 +101,7 @@ class MetricWriter:
       os.makedirs(workdir, exist_ok=True)
       self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
       if tensorboard:
-        from tensorboardX import SummaryWriter  # imported lazily: optional cost
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self._tb = summary_writer(os.path.join(workdir, "tensorboard"))
 
   def info(self, message: str) -> None:
     if self.active:
@@ -110,6 +184,11 @@ class MetricWriter:
       except OSError:
         pass
     self._jsonl = self._tb = None
+
+
+def warning(message: str) -> None:
+  """One warning line on stderr."""
+  print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def error(message: str) -> None:
