@@ -77,8 +77,10 @@ echo "== wheels: bash launch/gpu_wheels.sh"
 
 echo "== unshare -n: bash launch/gpu_report.sh --dry-run $*"
 cd "$clone"
+report=${OUT:-$dir/report}
+if [[ -z "${OUT:-}" ]]; then rm -rf "$report"; fi  # no figures of an older run
 unshare -n env -u PYTHON -u NO_INSTALL PATH="$venv/bin:$PATH" \
-    PIP_CONFIG_FILE=/dev/null OUT="${OUT:-$dir/report}" bash -c '
+    PIP_CONFIG_FILE=/dev/null OUT="$report" bash -c '
   set -euo pipefail
   python - <<EOF
 import socket
@@ -91,3 +93,12 @@ else:
 EOF
   bash launch/gpu_report.sh --dry-run "$@"
 ' rehearsal "$@"
+"$venv/bin/python" - "$report/gpu-results.json" <<'EOF'
+import json, sys
+report = json.load(open(sys.argv[1]))
+stages = [s for s in ("bench", "wt103", "precision", "infer", "scaling")
+          if s in report]
+print(f"== rehearsal passed: dry run of {', '.join(stages)} without network "
+      f"(jax {report['machine']['jax']}, Python {report['machine']['python']});"
+      f" report in {sys.argv[1].rsplit('/', 1)[0]}")
+EOF
