@@ -22,35 +22,36 @@ hand-written backward pass.
 Sizing (`launch_plan`). A program is 16 batch rows (tl.dot needs M >= 16; the
 smallest block gives the most programs) and 4 or 8 warps. Its live values
 are estimated in 32-bit registers per thread, bytes / (4 B x 32 x warps),
-against 3/4 of the per-thread cap min(255, 65536 / threads) (191 registers at
-4 or 8 warps); the rest is addresses, loop state and temporaries:
+against 3/4 of the per-thread cap min(255, 65536 / threads), i.e. 191
+registers at 4 or 8 warps; the rest is for addresses, loop state and
+temporaries. What a program keeps live:
   one step's tiles  the [16, 4G] float32 gate block plus h, c [16, G]:
                     16 x 6G x 4 B = 48 KiB at G=128, 96 KiB at G=256
   held              U_s [G, 4G] loaded once per window and kept in registers
-                    (at M=16 Triton's dot is mma.sync, operands in
-                    registers): G x 4G x itemsize + the tiles must fit
+                    (at M=16 Triton's dot is mma.sync, operands in registers;
+                    wgmma needs M >= 64): G x 4G x itemsize + the tiles
   streamed          U_s re-read from global memory every step, one [k, G]
-                    block per dot (k = k_chunk rows, sized to ~32 registers a
-                    thread); all S stripes' U stay in L2 (S x G x 4G x 2 B =
-                    4 MiB for S=8, G=256 bf16; H100 has 50 MiB). Costs L2
-                    bandwidth (G x 4G x itemsize per program and step), frees
-                    the registers, and runs G=256 and float32 G=128.
+                    block per dot (k_chunk rows, ~32 registers a thread),
+                    + the tiles. All stripes' U_s stay in L2 (S x G x 4G x 2 B
+                    = 4 MiB for S=8, G=256 bf16; H100: 50 MiB); each program
+                    reads G x 4G x itemsize of L2 per step (512 KiB at G=256
+                    bf16: 32 MiB a step over 64 programs, bandwidth-bound).
 
-  shape (B per GPU)      U_s      held regs/thread       plan: rows warps
-                                  4 warps   8 warps      strategy k  programs
-  S=8 G=128 bf16 B=64    128 KiB  352       176          16 8 held 128    32
-  S=8 G=256 bf16 B=128   512 KiB  1216      608          16 8 streamed 64 64
-    (WikiText-103: tiles 96 + U block 32 = 128 registers a thread)
-  S=8 G=64  fp32 B=64     64 KiB  176       88           16 4 held 64     32
-  S=8 G=128 fp32 B=64    256 KiB  608       304          16 8 streamed 64 32
-  G=512 bf16             tiles alone 192 registers at 8 warps: the scan runs
+  shape, batch per GPU   U_s      held: U_s + tiles,     plan: rows, warps,
+                                  registers a thread     strategy, k_chunk;
+                                  4 warps   8 warps      programs (S x B/16)
+  S=8 G=128 bf16 B=64    128 KiB  352       176          16 8 held 128;     32
+  S=8 G=256 bf16 B=128   512 KiB  1216      608          16 8 streamed 64;  64
+    (the WikiText-103 recipe: tiles 96 + U_s block 32 = 128 registers)
+  S=8 G=64  fp32 B=64     64 KiB  176       88           16 4 held 64;      32
+  S=8 G=128 fp32 B=64    256 KiB  608       304          16 8 streamed 64;  32
+  G=512 bf16             tiles alone: 192 registers at 8 warps -> the scan
 
-An H100 has 132 SMs: 32-64 programs leave SMs idle, one program per SM; a
-held G=128 bf16 program takes 176 x 256 of an SM's 64K registers anyway.
-float32 runs with IEEE float32 products (Triton's FMA dot, no tf32), the
-scan's arithmetic. num_stages=1: the streamed loads have nothing to overlap
-with but the step that needs them, and pipelining them would need shared
-memory for whole U_s copies.
+An H100 has 132 SMs: 32-64 programs is one per SM with SMs to spare (a held
+G=128 bf16 program fills 176 x 256 of an SM's 64K registers anyway). float32
+runs with IEEE float32 products (Triton's FMA dot, no tf32). num_stages=1:
+the streamed loads have nothing to overlap with but the step that needs
+them, and pipelining them would take shared memory for whole U_s copies.
 
 Backend. On GPUs the kernels lower through Pallas' Triton backend
 (`plgpu.CompilerParams(num_warps=..., num_stages=1)`); elsewhere they run in
@@ -65,18 +66,21 @@ by exporting. On a jax without `jax.experimental.pallas.triton`, or with that
 deprecation accelerated into an error, `plan()` returns None with the reason
 and the layer runs the scan, with one warning line.
 
-The Mosaic GPU port (`plgpu` = jax.experimental.pallas.mosaic_gpu) needs:
-  - U_s in shared memory, copied once per window by TMA (copy_gmem_to_smem +
-    barrier): 128 KiB fits at G=128 bf16 (227 KiB per block); G=256 needs
-    512 KiB, so it streams U_s blocks through a few TMA buffers per step, or
-    splits U_s over a 4-block cluster.
-  - the step's matmul as wgmma from shared memory, transposed so that the
-    wide side is M: z^T [4G, Bb] = U_s^T [4G, G] @ h^T [G, Bb] (wgmma M is
-    64 per warpgroup, N may be 8..256, so 16 batch rows stay one block);
-    h_t written to shared memory each step as the next B operand.
-  - one or two warpgroups per program (the accumulator [4G, 16] float32 is
-    64 registers a thread over one warpgroup at G=128), the gate math in
-    the wgmma accumulator layout, and a warpgroup barrier per step.
+The Mosaic GPU port (`plgpu` = jax.experimental.pallas.mosaic_gpu; one
+Pallas thread is a warpgroup of 128 CUDA threads) needs:
+  - U_s in shared memory, copied once per window by TMA
+    (plgpu.copy_gmem_to_smem, then plgpu.barrier_wait): 128 KiB fits at G=128
+    bf16 (227 KiB per block); G=256's 512 KiB does not, so it streams U_s
+    blocks through two or three TMA buffers per step (plgpu.emit_pipeline)
+    or splits U_s over a 4-block cluster.
+  - the step's matmul as plgpu.wgmma from shared memory, transposed so that
+    the wide side is M: z^T [4G, Bb] = U_s^T [4G, G] @ h^T [G, Bb] (wgmma's M
+    is 64 per warpgroup, N any multiple of 8 up to 256, so 16 batch rows stay
+    one block), accumulating in a plgpu.WGMMAAccumulatorRef; h_t is written
+    to shared memory every step as the next step's B operand.
+  - one warpgroup per program at G <= 128 (the [4G, 16] float32 accumulator
+    is 64 registers a thread at G=128), two at G=256; the gate math in the
+    accumulator's layout, plgpu.wgmma_wait and a barrier per step.
 """
 
 import functools
