@@ -54,8 +54,8 @@ the streamed loads have nothing to overlap with but the step that needs
 them, and pipelining them would take shared memory for whole U_s copies.
 
 Backend. On GPUs the kernels lower through Pallas' Triton backend
-(`plgpu.CompilerParams(num_warps=..., num_stages=1)`); elsewhere they run in
-Pallas interpret mode (exact, slow: what the CPU tests use). jax 0.11.0
+(`pallas.triton.CompilerParams(num_warps=..., num_stages=1)`); elsewhere
+they run in Pallas interpret mode (exact, slow: what the CPU tests use). jax 0.11.0
 deprecated that backend ("The Pallas Triton backend is deprecated and will
 be removed in a future JAX version. To keep using Pallas on GPU, please
 migrate to the Mosaic GPU backend. ...": a DeprecationWarning at every
