@@ -55,8 +55,8 @@ them, and pipelining them would take shared memory for whole U_s copies.
 
 Backend. On GPUs the kernels lower through Pallas' Triton backend
 (`pallas.triton.CompilerParams(num_warps=..., num_stages=1)`); elsewhere
-they run in Pallas interpret mode (exact, slow: what the CPU tests use). jax 0.11.0
-deprecated that backend ("The Pallas Triton backend is deprecated and will
+they run in Pallas interpret mode (exact, slow: what the CPU tests use).
+jax 0.11.0 deprecated that backend ("The Pallas Triton backend is deprecated and will
 be removed in a future JAX version. To keep using Pallas on GPU, please
 migrate to the Mosaic GPU backend. ...": a DeprecationWarning at every
 lowering, deprecation id "jax-pallas-triton"); jax 0.10 has no such warning,
