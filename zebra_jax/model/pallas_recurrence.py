@@ -56,13 +56,13 @@ them, and pipelining them would take shared memory for whole U_s copies.
 Backend. On GPUs the kernels lower through Pallas' Triton backend
 (`pallas.triton.CompilerParams(num_warps=..., num_stages=1)`); elsewhere
 they run in Pallas interpret mode (exact, slow: what the CPU tests use).
-jax 0.11.0 deprecated that backend ("The Pallas Triton backend is deprecated and will
-be removed in a future JAX version. To keep using Pallas on GPU, please
-migrate to the Mosaic GPU backend. ...": a DeprecationWarning at every
-lowering, deprecation id "jax-pallas-triton"); jax 0.10 has no such warning,
-and jax 0.11.2 still lowers it (tests/test_pallas.py exports for CUDA). Triton
-stays because it is what can be checked without a GPU, in interpret mode and
-by exporting. On a jax without `jax.experimental.pallas.triton`, or with that
+jax 0.11.0 deprecated that backend ("The Pallas Triton backend is
+deprecated and will be removed in a future JAX version. To keep using Pallas
+on GPU, please migrate to the Mosaic GPU backend. ...": a DeprecationWarning
+at every lowering, deprecation id "jax-pallas-triton"); jax 0.10 has no such
+warning, and jax 0.11.2 still lowers it (tests/test_pallas.py exports for
+CUDA). Triton stays because it is what can be checked without a GPU, in
+interpret mode and by exporting. On a jax without `jax.experimental.pallas.triton`, or with that
 deprecation accelerated into an error, `plan()` returns None with the reason
 and the layer runs the scan, with one warning line.
 
@@ -126,8 +126,10 @@ def _is_pow2(n: int) -> bool:
 def triton_missing() -> str:
   """"" if this jax lowers Pallas kernels through Triton, else why not."""
   try:
-    importlib.import_module("jax.experimental.pallas.triton").CompilerParams  # pylint: disable=expression-not-assigned
-  except (ImportError, AttributeError):
+    triton = importlib.import_module("jax.experimental.pallas.triton")
+  except ImportError:
+    triton = None
+  if not hasattr(triton, "CompilerParams"):
     return (f"jax {jax.__version__} has no Pallas Triton backend (the kernel "
             "has no Mosaic GPU version yet)")
   try:
