@@ -62,9 +62,10 @@ on GPU, please migrate to the Mosaic GPU backend. ...": a DeprecationWarning
 at every lowering, deprecation id "jax-pallas-triton"); jax 0.10 has no such
 warning, and jax 0.11.2 still lowers it (tests/test_pallas.py exports for
 CUDA). Triton stays because it is what can be checked without a GPU, in
-interpret mode and by exporting. On a jax without `jax.experimental.pallas.triton`, or with that
-deprecation accelerated into an error, `plan()` returns None with the reason
-and the layer runs the scan, with one warning line.
+interpret mode and by exporting. On a jax without
+`jax.experimental.pallas.triton`, or with that deprecation accelerated into
+an error, `plan()` returns None with the reason and the layer runs the scan,
+with one warning line.
 
 The Mosaic GPU port (`plgpu` = jax.experimental.pallas.mosaic_gpu; one
 Pallas thread is a warpgroup of 128 CUDA threads) needs:
