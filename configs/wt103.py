@@ -37,6 +37,19 @@ kernel latency whatever the GPU count, plus ~2 ms of all-reduce:
 With 8 GPUs the recurrence dominates; measure with `python -m zebra_jax.tools.bench
 --shape=gpu` and the `tok/s` of the first log lines before trusting these.
 
+The recurrence: the recipe keeps base's model.recurrence=scan. With
+model.recurrence=pallas its stripes (G=256, bfloat16) run the fused kernel
+(zebra_jax/model/pallas_recurrence.py): 16 batch rows per program, 8 warps,
+U_s (512 KiB a stripe, more than a program's registers or shared memory)
+re-read from L2 every step in 64-row blocks; 8 stripes x 128/16 = 64
+programs a layer on one GPU, 8 on each of 8 GPUs (batch 16 each). Not yet
+measured against the scan. `python -m zebra_jax.tools.gpu_report
+--stage=wt103` trains this model (with the scan) on synthetic ids for tok/s,
+ms/step, peak memory and the share of the step in the LSTM layers, the head
+and the optimizer; its "pallas" line says only whether the kernel would run
+for this shape. The bench stage's pallas rows time the kernel beside the scan
+(at the bench shape, not this recipe's).
+
 TARGET test perplexity: 36-48, the band recurrent models of this class reach
 on WikiText-103. References: Rae et al. 2018 (Fast Parametric Learning with
 Activation Memorization) report test 36.4 for their LSTM baseline; Merity et
