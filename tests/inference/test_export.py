@@ -14,8 +14,6 @@ from zebra_jax.inference import export, loading, sample
 from zebra_jax.model import lm
 from tests.helpers import trained_char_run
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 # Runs in a fresh interpreter: only jax and numpy, never zebra_jax or flax.
 _FRESH = r"""
 import json, sys

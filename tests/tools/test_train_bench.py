@@ -20,12 +20,11 @@ import pytest
 from zebra_jax.cli import arguments
 from zebra_jax.errors import UserError
 from zebra_jax.tools import train_bench
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
 
 
 def _base() -> ml_collections.ConfigDict:
-  return arguments.load_config_file(os.path.join(ROOT, "configs", "base.py"))
+  return arguments.load_config_file(os.path.join(REPO, "configs", "base.py"))
 
 
 def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
@@ -34,7 +33,7 @@ def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "zebra_jax.tools.train_bench", "--quick",
        "--stripes=2", f"--json={path}"],
-      capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+      capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "tok/s" in out.stdout  # the table
   assert "first step (compiling included)" in out.stderr  # the loop's log

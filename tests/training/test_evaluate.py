@@ -1,7 +1,6 @@
 """Evaluation: device-count invariance, exact perplexity, splits, the CLI."""
 
 import math
-import os
 import subprocess
 import sys
 
@@ -13,9 +12,7 @@ from zebra_jax.errors import UserError
 from zebra_jax.inference import loading
 from zebra_jax.model import lm, metrics
 from zebra_jax.training import evaluate
-from tests.helpers import trained_char_run
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO, trained_char_run
 
 
 def one_device_mesh():

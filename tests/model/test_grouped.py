@@ -19,7 +19,7 @@ from flax import nnx
 from zebra_jax.errors import UserError
 from zebra_jax.model import lm, recurrence
 from zebra_jax.runtime import config_checks
-from tests import test_parallel
+from tests.runtime import test_parallel
 
 
 def _cfg(**overrides) -> ml_collections.ConfigDict:

@@ -20,9 +20,7 @@ from configs import wt103
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import checkpoint, parallel
 from zebra_jax.training import loop, train_state
-from tests.helpers import tiny_word_config, write_wikitext
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO, tiny_word_config, write_wikitext
 
 
 def _config(**model):

@@ -23,7 +23,7 @@ from zebra_jax.inference import export, loading, sample, score, serve
 from zebra_jax.model import lm
 from zebra_jax.training import evaluate, loop
 from tests.helpers import WORDS
-from tests.test_export import _load_triton_model, _request
+from tests.inference.test_export import _load_triton_model, _request
 
 # A text every kind reads: its words and characters all occur in training.
 TEXT = "the dog ran to the park and the bird sang\n"

@@ -22,7 +22,7 @@ from configs import demo
 from zebra_jax.runtime import checkpoint, parallel
 from zebra_jax.training import train_state
 from tests.helpers import REPO
-from tests.test_reliability import _flip_a_bit_orbax_reads
+from tests.runtime.test_reliability import _flip_a_bit_orbax_reads
 
 TIMEOUT = 240  # seconds per run (a few on an idle machine): a hang fails
 
