@@ -12,14 +12,14 @@ import pytest
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, sample
 from zebra_jax.tools import infer_bench
-from tests.helpers import REPO, trained_char_run
+from tests.helpers import REPO
 
 PROMPTS = ["the ", "line 12: the quick", "x"]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  cfg, workdir = trained_char_run(tmp_path_factory)
+def trained(char_run):
+  cfg, workdir = char_run
   return cfg, workdir, sample.Generator(loading.load_for_inference(cfg, workdir))
 
 
