@@ -61,8 +61,8 @@ def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
   log_every = train_bench.log_interval(warmup, steps)
   assert len(jax_row["logged_tok_per_s"]) == steps // log_every
   if has_torch:
-    torch_row = rows["torch_1t"]
-    assert torch_row["ratio_to_torch"] == 1.0
+    torch_row = rows["torch_1t"]  # the quick run's one torch row
+    # The fastest torch row's time over this row's: above 1 beats torch.
     assert jax_row["ratio_to_torch"] == pytest.approx(
         torch_row["seconds"] / jax_row["seconds"], rel=1e-12)
     assert result["torch"].startswith("torch ")
