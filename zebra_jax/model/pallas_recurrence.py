@@ -26,7 +26,7 @@ with one warning line saying why.
 
 jax 0.12 marks Pallas' Triton backend deprecated in favour of Mosaic GPU
 (a DeprecationWarning when the kernel lowers for a GPU); it still lowers
-there (tests/test_pallas.py checks both jax versions). No Mosaic GPU version
+there (tests/model/test_pallas.py checks both jax versions). No Mosaic GPU version
 of the kernel exists yet.
 """
 
