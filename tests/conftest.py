@@ -36,3 +36,26 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+# Imported only now: jax reads the flags above when it starts.
+import pytest  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+from configs import demo  # pylint: disable=g-import-not-at-top
+from zebra_jax.training import loop  # pylint: disable=g-import-not-at-top
+
+
+@pytest.fixture(scope="session")
+def char_run(tmp_path_factory):
+  """(cfg, workdir): demo.py:tiny trained for its 20 steps on a small text
+  file, once per session, for the tests that need a char-level workdir.
+  Tests only read it: one that varies cfg varies a copy."""
+  base = tmp_path_factory.mktemp("char_tiny_20_steps")
+  cfg = demo.get_config("tiny")
+  cfg.data.source, cfg.data.path = "text", str(base / "story.txt")
+  cfg.train.eval_every = 1000  # no mid-run eval: the fixture stays fast
+  (base / "story.txt").write_text("".join(
+      f"line {i}: the quick brown fox jumps over the lazy dog.\n"
+      for i in range(300)))
+  workdir = str(base / "run")
+  loop.run(cfg, workdir)
+  return cfg, workdir

@@ -1,11 +1,21 @@
-"""Shared test fixtures: small corpora and tiny trained workdirs."""
+"""What several test modules share: the repository's root, small corpora and
+configs, train steps across device counts, checkpoint damage, and a stand-in
+for Triton's Python backend. Session fixtures live in conftest.py; the NumPy
+model references in references.py."""
 
+import glob
+import importlib.util
 import os
+import sys
+import types
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
-from configs import demo, wt103
-from zebra_jax.training import loop
+from configs import wt103
+from zebra_jax.runtime import parallel
+from zebra_jax.training import loop, train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the cat sat on a mat while the dog ran to the park and the bird sang "
@@ -34,18 +44,146 @@ def tiny_word_config(data_dir, head=None):
   return cfg
 
 
-def trained_char_run(tmp_path_factory):
-  """demo.py:tiny on a small text file: trained once per session and shared
-  by the test modules that need a char-level workdir (same config, path)."""
-  base = tmp_path_factory.getbasetemp() / "char_tiny_20_steps"
-  cfg = demo.get_config("tiny")
-  cfg.data.source, cfg.data.path = "text", str(base / "story.txt")
-  cfg.train.eval_every = 1000  # no mid-run eval: the fixture stays fast
-  workdir = str(base / "run")
-  if not (base / "run" / "checkpoints").is_dir():
-    base.mkdir(exist_ok=True)
-    (base / "story.txt").write_text("".join(
-        f"line {i}: the quick brown fox jumps over the lazy dog.\n"
-        for i in range(300)))
-    loop.run(cfg, workdir)
-  return cfg, workdir
+# ------------------------------------------------- train steps, device counts
+
+
+def tiny_sgd_config(**model):
+  """wt103.py:tiny without dropout, on SGD with momentum and no warm-up: the
+  config the train-step comparisons across device counts run."""
+  cfg = wt103.get_config("tiny")
+  cfg.model.vocab_size = 29
+  cfg.model.update(dropout_hidden=0.0, dropout_output=0.0, **model)
+  cfg.optim.update(name="sgd", momentum=0.9, learning_rate=0.5, warmup_steps=0)
+  cfg.train.num_steps = 100
+  cfg.data.batch_size = 16
+  return cfg
+
+
+def random_batches(cfg, n, seed=0):
+  """`n` batches of random ids, the carry reset on the first."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, cfg.model.vocab_size,
+                     (n, cfg.data.batch_size, cfg.data.seq_len + 1))
+  return [{"inputs": b[:, :-1].astype(np.int32),
+           "targets": b[:, 1:].astype(np.int32),
+           "reset": np.asarray(i == 0)} for i, b in enumerate(ids)]
+
+
+def run_train_steps(cfg, num_devices, batches, accum=1, state=None):
+  """The compiled train step over `batches` on the first `num_devices`
+  devices: (the final state on the host, each step's metrics)."""
+  mesh = parallel.make_mesh(jax.devices()[:num_devices])
+  graphdef, tx, fresh = train_state.init_state(cfg, mesh)
+  state = fresh if state is None else state
+  step = loop.compile_train_step(graphdef, tx, mesh, state, accum)
+  metrics = []
+  for b in batches:
+    batch = {k: (parallel.global_batch(mesh, v) if v.ndim else v)
+             for k, v in b.items()}
+    state, m = step(state, batch)
+    metrics.append(jax.device_get(m))
+  return jax.device_get(state), metrics
+
+
+def assert_trees_close(a, b, atol):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+# ------------------------------------------------------- checkpoint damage
+
+
+def array_files(workdir, step):
+  """The array data files of checkpoint `step` in `workdir`."""
+  return glob.glob(f"{workdir}/checkpoints/{step}/state/**/d/*", recursive=True)
+
+
+def flip_a_bit_orbax_reads(workdir, step, target, process=None):
+  """Flips one bit inside an array data file of a step where orbax restores
+  without complaint but some value changes: what only a checksum can catch.
+
+  Returns the path and offset. Orbax stores arrays as zstd frames without
+  content checksums: a flip in a block's raw literals (float bytes that do
+  not compress, right after the block's few header bytes) decodes without
+  complaint, one later in a block mostly breaks decoding. So offsets are
+  tried from just past the frame header on.
+  """
+  files = array_files(workdir, step)
+  if process is not None:
+    files = [f for f in files if f"ocdbt.process_{process}/" in f]
+  path = max(files, key=os.path.getsize)
+  original = open(path, "rb").read()
+  raw = ocp.CheckpointManager(f"{workdir}/checkpoints", item_names=("state",))
+  args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
+  clean = jax.device_get(raw.restore(step, args=args).state)
+  for offset in range(16, len(original), 37):
+    damaged = bytearray(original)
+    damaged[offset] ^= 0x10
+    with open(path, "r+b") as f:
+      f.write(damaged)
+    try:
+      read = jax.device_get(ocp.CheckpointManager(
+          f"{workdir}/checkpoints", item_names=("state",)).restore(
+              step, args=args).state)
+    except Exception:  # orbax noticed: not the damage this is about
+      continue
+    if any(not np.array_equal(a, b) for a, b in
+           zip(jax.tree.leaves(clean), jax.tree.leaves(read))):
+      return path, offset
+  with open(path, "r+b") as f:
+    f.write(original)
+  raise AssertionError(f"no bit in {path} changes data that orbax reads back")
+
+
+# ------------------------------------------ Triton's Python backend, faked
+
+
+class _Tensor:
+  """Stand-in for pb_utils.Tensor: a name and a numpy array."""
+
+  def __init__(self, name, array):
+    self.name, self._array = name, np.asarray(array)
+
+  def as_numpy(self):
+    return self._array
+
+
+class _Response:
+  def __init__(self, output_tensors, error=None):
+    self.output_tensors, self.error = output_tensors, error
+
+
+def _fake_pb_utils():
+  pb = types.ModuleType("triton_python_backend_utils")
+  pb.Tensor, pb.InferenceResponse = _Tensor, _Response
+  pb.TritonError = lambda message: message
+  pb.get_input_tensor_by_name = lambda request, name: request.get(name)
+  return pb
+
+
+def load_triton_model(model_dir, monkeypatch):
+  """The exported Triton model.py, initialised, with a stand-in for Triton's
+  triton_python_backend_utils."""
+  monkeypatch.setitem(sys.modules, "triton_python_backend_utils",
+                      _fake_pb_utils())
+  spec = importlib.util.spec_from_file_location(
+      "triton_zebra_model", os.path.join(model_dir, "1", "model.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  triton_model = module.TritonPythonModel()
+  triton_model.initialize({"model_repository": model_dir, "model_version": "1",
+                           "model_instance_kind": "CPU",
+                           "model_instance_device_id": "0"})
+  return triton_model
+
+
+def triton_request(prompts, **scalars):
+  """A stand-in Triton request: one PROMPT row per prompt, and per-row
+  scalars such as MAX_NEW_TOKENS=10."""
+  request = {"PROMPT": _Tensor("PROMPT", np.array(
+      [[p.encode()] for p in prompts], dtype=object))}
+  kinds = {"MAX_NEW_TOKENS": np.int32, "TEMPERATURE": np.float32,
+           "TOP_K": np.int32, "TOP_P": np.float32, "SEED": np.int64}
+  for name, value in scalars.items():
+    request[name] = _Tensor(name, np.full((len(prompts), 1), value, kinds[name]))
+  return request

@@ -120,3 +120,33 @@ def test_model_and_data_import_nothing_above_them(low):
   for module, deps in _graph().items():
     if _part(module) == low:
       assert not {_part(d) for d in deps} & above, (module, deps)
+
+
+def _test_module_imports(path: str) -> list[str]:
+  """The imports in `path` that name a test module (tests.<...>.test_*),
+  whether as `import tests.x.test_y`, `from tests.x.test_y import ...`,
+  `from tests.x import test_y` or relative."""
+  found = []
+  for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names if a.name.startswith("tests.")]
+    elif isinstance(node, ast.ImportFrom) and (
+        node.level or (node.module or "").split(".")[0] == "tests"):
+      base = "." * node.level + (node.module or "")
+      names = [f"{base}.{a.name}" for a in node.names]
+    else:
+      continue
+    found += [f"{path}:{node.lineno}: {name}" for name in names
+              if any(part.startswith("test_") for part in name.split("."))]
+  return found
+
+
+def test_no_test_module_imports_another():
+  """Shared code lives in tests/helpers.py, tests/references.py and
+  tests/conftest.py, never in a test module another one imports."""
+  tests = os.path.dirname(os.path.abspath(__file__))
+  paths = [os.path.join(folder, name) for folder, _, files in os.walk(tests)
+           for name in files if name.endswith(".py")]
+  assert len([p for p in paths if os.path.basename(p).startswith("test_")]) > 30
+  assert [hit for path in sorted(paths)
+          for hit in _test_module_imports(path)] == []

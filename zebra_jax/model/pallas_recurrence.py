@@ -60,7 +60,7 @@ jax 0.11.0 deprecated that backend ("The Pallas Triton backend is
 deprecated and will be removed in a future JAX version. To keep using Pallas
 on GPU, please migrate to the Mosaic GPU backend. ...": a DeprecationWarning
 at every lowering, deprecation id "jax-pallas-triton"); jax 0.10 has no such
-warning, and jax 0.11.2 still lowers it (tests/test_pallas.py exports for
+warning, and jax 0.11.2 still lowers it (tests/model/test_pallas.py exports for
 CUDA). Triton stays because it is what can be checked without a GPU, in
 interpret mode and by exporting. On a jax without
 `jax.experimental.pallas.triton`, or with that deprecation accelerated into

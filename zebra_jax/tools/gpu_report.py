@@ -203,7 +203,7 @@ def pallas_rows(shape, rounds) -> list[dict]:
 
 def stage_bench(dry: bool, out: str, bench_rows: bool = True) -> dict:
   """bench_rows=False: only the pallas rows (bench.run's own rows take
-  minutes even at its quick shape; tests/test_bench.py covers them)."""
+  minutes even at its quick shape; tests/tools/test_bench.py covers them)."""
   results = {}
   shape_name = "gpu"
   if bench_rows:

@@ -20,12 +20,11 @@ import pytest
 from zebra_jax.cli import arguments
 from zebra_jax.errors import UserError
 from zebra_jax.tools import train_bench
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
 
 
 def _base() -> ml_collections.ConfigDict:
-  return arguments.load_config_file(os.path.join(ROOT, "configs", "base.py"))
+  return arguments.load_config_file(os.path.join(REPO, "configs", "base.py"))
 
 
 def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
@@ -34,7 +33,7 @@ def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "zebra_jax.tools.train_bench", "--quick",
        "--stripes=2", f"--json={path}"],
-      capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+      capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "tok/s" in out.stdout  # the table
   assert "first step (compiling included)" in out.stderr  # the loop's log
@@ -62,8 +61,8 @@ def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
   log_every = train_bench.log_interval(warmup, steps)
   assert len(jax_row["logged_tok_per_s"]) == steps // log_every
   if has_torch:
-    torch_row = rows["torch_1t"]
-    assert torch_row["ratio_to_torch"] == 1.0
+    torch_row = rows["torch_1t"]  # the quick run's one torch row
+    # The fastest torch row's time over this row's: above 1 beats torch.
     assert jax_row["ratio_to_torch"] == pytest.approx(
         torch_row["seconds"] / jax_row["seconds"], rel=1e-12)
     assert result["torch"].startswith("torch ")

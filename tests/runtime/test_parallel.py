@@ -16,51 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import wt103
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import checkpoint, parallel
 from zebra_jax.training import loop, train_state
-from tests.helpers import tiny_word_config, write_wikitext
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _config(**model):
-  cfg = wt103.get_config("tiny")
-  cfg.model.vocab_size = 29
-  cfg.model.update(dropout_hidden=0.0, dropout_output=0.0, **model)
-  cfg.optim.update(name="sgd", momentum=0.9, learning_rate=0.5, warmup_steps=0)
-  cfg.train.num_steps = 100
-  cfg.data.batch_size = 16
-  return cfg
-
-
-def _batches(cfg, n, seed=0):
-  rng = np.random.default_rng(seed)
-  ids = rng.integers(0, cfg.model.vocab_size,
-                     (n, cfg.data.batch_size, cfg.data.seq_len + 1))
-  return [{"inputs": b[:, :-1].astype(np.int32),
-           "targets": b[:, 1:].astype(np.int32),
-           "reset": np.asarray(i == 0)} for i, b in enumerate(ids)]
-
-
-def _run_steps(cfg, num_devices, batches, accum=1, state=None):
-  mesh = parallel.make_mesh(jax.devices()[:num_devices])
-  graphdef, tx, fresh = train_state.init_state(cfg, mesh)
-  state = fresh if state is None else state
-  step = loop.compile_train_step(graphdef, tx, mesh, state, accum)
-  metrics = []
-  for b in batches:
-    batch = {k: (parallel.global_batch(mesh, v) if v.ndim else v)
-             for k, v in b.items()}
-    state, m = step(state, batch)
-    metrics.append(jax.device_get(m))
-  return jax.device_get(state), metrics
-
-
-def _assert_trees_close(a, b, atol):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+from tests.helpers import (REPO, assert_trees_close, random_batches,
+                           run_train_steps, tiny_sgd_config, tiny_word_config,
+                           write_wikitext)
 
 
 # wt103.py:tiny has the adaptive head, whose chunked loss sorts rows over the
@@ -68,12 +29,12 @@ def _assert_trees_close(a, b, atol):
 @pytest.mark.parametrize("num_devices,head", [(2, "adaptive"), (4, "adaptive"),
                                               (8, "adaptive"), (8, "full")])
 def test_sharded_steps_equal_single_device(num_devices, head):
-  cfg = _config(head=head)
-  batches = _batches(cfg, 3)
-  one, m1 = _run_steps(cfg, 1, batches)
-  many, mn = _run_steps(cfg, num_devices, batches)
-  _assert_trees_close(one.params, many.params, atol=1e-6)
-  _assert_trees_close(one.carry, many.carry, atol=1e-6)
+  cfg = tiny_sgd_config(head=head)
+  batches = random_batches(cfg, 3)
+  one, m1 = run_train_steps(cfg, 1, batches)
+  many, mn = run_train_steps(cfg, num_devices, batches)
+  assert_trees_close(one.params, many.params, atol=1e-6)
+  assert_trees_close(one.carry, many.carry, atol=1e-6)
   for a, b in zip(m1, mn):
     assert a["loss_sum"] == pytest.approx(b["loss_sum"], rel=1e-6)
   # The run moved: params after 3 steps differ from the initial ones.
@@ -83,7 +44,7 @@ def test_sharded_steps_equal_single_device(num_devices, head):
 
 
 def test_carry_and_batch_are_sharded_params_replicated():
-  cfg = _config()
+  cfg = tiny_sgd_config()
   mesh = parallel.make_mesh()
   _, _, state = train_state.init_state(cfg, mesh)
   h0 = state.carry[0][0]
@@ -96,12 +57,13 @@ def test_carry_and_batch_are_sharded_params_replicated():
 
 
 def test_gradient_accumulation_gives_the_same_update():
-  cfg = _config()
-  batches = _batches(cfg, 2)
-  k1, m1 = _run_steps(cfg, 8, batches, accum=1)
-  k2, m2 = _run_steps(cfg, 2, batches, accum=4)  # 2 devices x 4 micro-batches
-  _assert_trees_close(k1.params, k2.params, atol=1e-6)
-  _assert_trees_close(k1.carry, k2.carry, atol=1e-6)
+  cfg = tiny_sgd_config()
+  batches = random_batches(cfg, 2)
+  k1, m1 = run_train_steps(cfg, 8, batches, accum=1)
+  # 2 devices x 4 micro-batches
+  k2, m2 = run_train_steps(cfg, 2, batches, accum=4)
+  assert_trees_close(k1.params, k2.params, atol=1e-6)
+  assert_trees_close(k1.carry, k2.carry, atol=1e-6)
   assert m1[-1]["loss_sum"] == pytest.approx(m2[-1]["loss_sum"], rel=1e-6)
   assert m1[-1]["grad_norm"] == pytest.approx(m2[-1]["grad_norm"], rel=1e-5)
 
@@ -121,12 +83,12 @@ def _overflowing(state):
 
 @pytest.mark.parametrize("num_devices", [1, 8])
 def test_float16_overflow_skips_the_step(num_devices):
-  cfg = _config(dtype="float16")
+  cfg = tiny_sgd_config(dtype="float16")
   mesh = parallel.make_mesh(jax.devices()[:num_devices])
   _, _, state = train_state.init_state(cfg, mesh)
   before = jax.device_get(_overflowing(state))
-  after, metrics = _run_steps(cfg, num_devices, _batches(cfg, 1),
-                              state=_overflowing(state))
+  after, metrics = run_train_steps(cfg, num_devices, random_batches(cfg, 1),
+                                   state=_overflowing(state))
   assert metrics[0]["skipped"] == 1.0
   for x, y in zip(jax.tree.leaves((before.params, before.opt_state)),
                   jax.tree.leaves((after.params, after.opt_state))):
@@ -137,9 +99,9 @@ def test_float16_overflow_skips_the_step(num_devices):
 
 
 def test_float16_scale_grows_after_good_steps_and_training_proceeds():
-  cfg = _config(dtype="float16")
+  cfg = tiny_sgd_config(dtype="float16")
   cfg.train.loss_scale.growth_interval = 2
-  state, metrics = _run_steps(cfg, 8, _batches(cfg, 3))
+  state, metrics = run_train_steps(cfg, 8, random_batches(cfg, 3))
   assert [m["skipped"] for m in metrics] == [0.0, 0.0, 0.0]
   start = cfg.train.loss_scale.initial_scale
   assert float(state.loss_scale.scale) == start * 2  # grew once after 2 steps
@@ -147,14 +109,15 @@ def test_float16_scale_grows_after_good_steps_and_training_proceeds():
 
 
 def test_float32_non_finite_step_is_skipped_too():
-  cfg = _config()
+  cfg = tiny_sgd_config()
   mesh = parallel.make_mesh(jax.devices()[:8])
   _, _, state = train_state.init_state(cfg, mesh)
   poisoned = jax.tree.map(lambda x: x, state)
   w_x = poisoned.params["layers"][0]["w_x"]
   w_x[...] = w_x[...].at[0, 0, 0].set(jnp.nan)
   before = jax.device_get(poisoned)
-  after, metrics = _run_steps(cfg, 8, _batches(cfg, 1), state=poisoned)
+  after, metrics = run_train_steps(cfg, 8, random_batches(cfg, 1),
+                                   state=poisoned)
   assert metrics[0]["skipped"] == 1.0
   np.testing.assert_array_equal(before.params["layers"][0]["w_h"][...],
                                 after.params["layers"][0]["w_h"][...])
@@ -178,8 +141,8 @@ def test_low_precision_trains_like_float32(tmp_path, dtype):
 
 
 def test_checkpoint_from_8_devices_restores_on_2_and_1(tmp_path):
-  cfg = _config()
-  state, _ = _run_steps(cfg, 8, _batches(cfg, 1))
+  cfg = tiny_sgd_config()
+  state, _ = run_train_steps(cfg, 8, random_batches(cfg, 1))
   mesh8 = parallel.make_mesh()
   _, target8 = train_state.abstract_state(cfg, mesh8)
   placed = jax.device_put(state, jax.tree.map(lambda s: s.sharding, target8))
@@ -193,7 +156,7 @@ def test_checkpoint_from_8_devices_restores_on_2_and_1(tmp_path):
     assert meta["position"] == {"epoch": 0, "index": 1}
     h = restored.carry[0][0]
     assert len(h.sharding.device_set) == n
-    _assert_trees_close(state, jax.device_get(restored), atol=0)
+    assert_trees_close(state, jax.device_get(restored), atol=0)
 
 
 def _free_port() -> int:

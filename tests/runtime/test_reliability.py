@@ -12,13 +12,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import checkpoint, parallel
 from zebra_jax.training import loop, preemption, train_state
-from tests.helpers import REPO, tiny_word_config, write_wikitext
+from tests.helpers import (REPO, array_files, flip_a_bit_orbax_reads,
+                           tiny_word_config, write_wikitext)
 
 
 def _config(data, num_steps=12):
@@ -117,7 +117,7 @@ def _flip_bytes(workdir, step):
   A single flipped spot can land in bytes no array reads (file padding), so
   the damage is spread over every file to be sure it hits the data.
   """
-  for path in _array_files(workdir, step):
+  for path in array_files(workdir, step):
     data = bytearray(open(path, "rb").read())
     for i in range(0, len(data), 97):
       data[i] ^= 0xFF
@@ -125,12 +125,8 @@ def _flip_bytes(workdir, step):
       f.write(data)
 
 
-def _array_files(workdir, step):
-  return glob.glob(f"{workdir}/checkpoints/{step}/state/**/d/*", recursive=True)
-
-
 def _largest_array_file(workdir, step):
-  return max(_array_files(workdir, step), key=os.path.getsize)
+  return max(array_files(workdir, step), key=os.path.getsize)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -139,7 +135,7 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, damage):
   if damage == "flip":  # same size, different bytes: orbax alone reads garbage
     _flip_bytes(workdir, 12)
   else:  # every data file: orbax may keep a copy of the data in another one
-    for path in _array_files(workdir, 12):
+    for path in array_files(workdir, 12):
       with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
   _, target = train_state.abstract_state(cfg, parallel.make_mesh())
@@ -157,48 +153,11 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, damage):
   assert checkpoint.Checkpointer(workdir).all_steps() == [6, 12]
 
 
-def _flip_a_bit_orbax_reads(workdir, step, target, process=None):
-  """Flips one bit inside an array data file of a step where orbax restores
-  without complaint but some value changes: what only a checksum can catch.
-
-  Returns the path and offset. Orbax stores arrays as zstd frames without
-  content checksums: a flip in a block's raw literals (float bytes that do
-  not compress, right after the block's few header bytes) decodes without
-  complaint, one later in a block mostly breaks decoding. So offsets are
-  tried from just past the frame header on.
-  """
-  files = _array_files(workdir, step)
-  if process is not None:
-    files = [f for f in files if f"ocdbt.process_{process}/" in f]
-  path = max(files, key=os.path.getsize)
-  original = open(path, "rb").read()
-  raw = ocp.CheckpointManager(f"{workdir}/checkpoints", item_names=("state",))
-  args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
-  clean = jax.device_get(raw.restore(step, args=args).state)
-  for offset in range(16, len(original), 37):
-    damaged = bytearray(original)
-    damaged[offset] ^= 0x10
-    with open(path, "r+b") as f:
-      f.write(damaged)
-    try:
-      read = jax.device_get(ocp.CheckpointManager(
-          f"{workdir}/checkpoints", item_names=("state",)).restore(
-              step, args=args).state)
-    except Exception:  # orbax noticed: not the damage this is about
-      continue
-    if any(not np.array_equal(a, b) for a, b in
-           zip(jax.tree.leaves(clean), jax.tree.leaves(read))):
-      return path, offset
-  with open(path, "r+b") as f:
-    f.write(original)
-  raise AssertionError(f"no bit in {path} changes data that orbax reads back")
-
-
 def test_checksum_catches_a_bit_flip_that_orbax_restores(tmp_path):
   cfg, workdir = _two_checkpoints(tmp_path)
   _, target = train_state.abstract_state(cfg, parallel.make_mesh())
   state, meta = checkpoint.Checkpointer(workdir).restore(12, target)  # intact
-  _flip_a_bit_orbax_reads(workdir, 12, target)  # orbax: no error, new values
+  flip_a_bit_orbax_reads(workdir, 12, target)  # orbax: no error, new values
   with pytest.raises(checkpoint.CorruptCheckpoint, match="does not match"):
     checkpoint.Checkpointer(workdir).restore(12, target)
   messages = []
@@ -267,7 +226,7 @@ def test_killed_save_leaves_a_temp_dir_that_is_ignored(tmp_path):
 def test_all_checkpoints_unusable_is_one_clear_error(tmp_path):
   cfg, workdir = _two_checkpoints(tmp_path)
   for step in (6, 12):
-    for path in _array_files(workdir, step):
+    for path in array_files(workdir, step):
       with open(path, "r+b") as f:
         f.truncate(10)
   _, target = train_state.abstract_state(cfg, parallel.make_mesh())

@@ -17,6 +17,7 @@ from zebra_jax.inference import export, loading, sample, score
 from zebra_jax.model import lm
 from zebra_jax.runtime import rundir, writer
 from zebra_jax.training import evaluate, loop
+from tests import references as ref
 from tests.helpers import tiny_word_config, write_wikitext
 
 V, H = 23, 16
@@ -30,16 +31,6 @@ def _cfg(**overrides) -> ml_collections.ConfigDict:
            adaptive_div_val=2, adaptive_tie=True, adaptive_chunk_rows=8)
   c.update(overrides)
   return ml_collections.ConfigDict(c)
-
-
-def _random_params(cfg, seed=0, scale=0.5):
-  """Every parameter random (zero-initialised cluster logits hide bugs)."""
-  graphdef, shapes = lm.abstract(cfg)
-  leaves, treedef = jax.tree.flatten(shapes)
-  rng = np.random.default_rng(seed)
-  return graphdef, jax.tree.unflatten(treedef, [
-      jnp.asarray(rng.uniform(-scale, scale, x.shape), jnp.float32)
-      for x in leaves])
 
 
 def _data(cfg, batch=3, time=9, seed=1):
@@ -56,8 +47,8 @@ def test_no_cutoffs_is_the_full_head_with_the_same_weights(tie):
   full_cfg = _cfg(head="full", tie_embeddings=tie)
   adaptive_cfg = _cfg(adaptive_cutoffs=(), adaptive_div_val=1,
                       adaptive_tie=tie)
-  full_graphdef, full = _random_params(full_cfg)
-  adaptive_graphdef, adaptive = _random_params(adaptive_cfg, seed=5)
+  full_graphdef, full = ref.random_model(full_cfg, seed=0)
+  adaptive_graphdef, adaptive = ref.random_model(adaptive_cfg, seed=5)
   assert all(x.size for x in jax.tree.leaves(adaptive))  # orbax saves no empties
   adaptive_lm = nnx.merge(adaptive_graphdef, adaptive)
   for i, layer in enumerate(adaptive_lm.layers):  # copy every weight across
@@ -88,7 +79,7 @@ def test_no_cutoffs_is_the_full_head_with_the_same_weights(tie):
 
 def test_chunked_loss_agrees_with_the_log_probabilities_of_apply():
   cfg = _cfg()
-  graphdef, params = _random_params(cfg)
+  graphdef, params = ref.random_model(cfg, seed=0)
   assert "adaptive_input" in params and "embed" not in params  # tied
   inputs, targets, carry = _data(cfg, batch=4, time=7)
   for start, stop in ((0, 4), (4, 9), (9, 15), (15, V)):  # every cluster
@@ -127,7 +118,7 @@ def test_chunked_loss_agrees_with_the_log_probabilities_of_apply():
 def test_gradients_of_the_chunked_loss_match_the_dense_log_probabilities():
   """Through the tied input, the LSTM and every cluster, with dropout."""
   cfg = _cfg(dropout_embed=0.2, dropout_output=0.3)
-  graphdef, params = _random_params(cfg)
+  graphdef, params = ref.random_model(cfg, seed=0)
   inputs, targets, carry = _data(cfg)
   key = jax.random.key(3)
 

@@ -1,9 +1,10 @@
 """ZebraLSTM against independent references.
 
-Every expected value comes from code written here: a float64 NumPy LSTM with
-per-step loops (dense gates i, f, g, o), PyTorch's nn.LSTM, and finite
-differences of that NumPy model. Striped layers are checked against a dense
-LSTM whose recurrent matrix is the block-diagonal assembly of the stripes.
+Every expected value comes from code written in the tests: a float64 NumPy
+LSTM with per-step loops (dense gates i, f, g, o; tests/references.py),
+PyTorch's nn.LSTM, and finite differences of that NumPy model. Striped
+layers are checked against a dense LSTM whose recurrent matrix is the
+block-diagonal assembly of the stripes.
 """
 
 import jax
@@ -15,6 +16,7 @@ import pytest
 from flax import nnx
 
 from zebra_jax.model import lm
+from tests import references as ref
 
 
 def _cfg(**overrides) -> ml_collections.ConfigDict:
@@ -26,58 +28,7 @@ def _cfg(**overrides) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(c)
 
 
-def _random_model(cfg, seed, scale=0.5):
-  """(graphdef, params) with every parameter drawn uniformly, biases too.
-
-  Built from `lm.abstract`, so no initializer runs (eager init compiles
-  every op per shape, which would dominate this file's run time); the
-  initializers have their own tests below.
-  """
-  graphdef, shapes = lm.abstract(cfg)
-  leaves, treedef = jax.tree.flatten(shapes)
-  rng = np.random.default_rng(seed)
-  new = [jnp.asarray(rng.uniform(-scale, scale, x.shape), jnp.float32)
-         for x in leaves]
-  return graphdef, jax.tree.unflatten(treedef, new)
-
-
-def _random_carry(cfg, batch, seed, scale=0.8):
-  rng = np.random.default_rng(seed)
-  draw = lambda: jnp.asarray(
-      rng.uniform(-scale, scale, (batch, cfg.hidden_size)), jnp.float32)
-  return tuple((draw(), draw()) for _ in range(cfg.num_layers))
-
-
-def _tokens(cfg, batch, time, seed):
-  rng = np.random.default_rng(seed)
-  return jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, time)), jnp.int32)
-
-
-def _numpy(params) -> dict:
-  return jax.tree.map(lambda x: np.asarray(x, np.float64),
-                      nnx.to_pure_dict(params))
-
-
 # ---------------------------------------------------------------- references
-
-
-def _sigmoid(x):
-  return 1.0 / (1.0 + np.exp(-x))
-
-
-def _dense_lstm(x, h, c, w_ih, w_hh, bias):
-  """Classic LSTM, one step at a time. x [B, T, in]; w_ih [4H, in]; w_hh [4H, H].
-
-  Gate rows are [i | f | g | o], each H wide (PyTorch's layout).
-  """
-  outputs = []
-  for t in range(x.shape[1]):
-    z = x[:, t] @ w_ih.T + h @ w_hh.T + bias
-    i, f, g, o = np.split(z, 4, axis=-1)
-    c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
-    h = _sigmoid(o) * np.tanh(c)
-    outputs.append(h)
-  return np.stack(outputs, axis=1), (h, c)
 
 
 def _dense_weights(layer):
@@ -107,38 +58,14 @@ def _numpy_lm(p, tokens, carry):
   new_carry = []
   for i in range(len(p["layers"])):
     h0, c0 = (np.asarray(a, np.float64) for a in carry[i])
-    x, hc = _dense_lstm(x, h0, c0, *_dense_weights(p["layers"][i]))
+    x, hc = ref.dense_lstm(x, h0, c0, *_dense_weights(p["layers"][i]))
     new_carry.append(hc)
   w = p["head_w"] if "head_w" in p else p["embed"].T
   return x @ w + p["head_b"], new_carry
 
 
 def _numpy_loss(p, tokens, targets, carry):
-  logits, _ = _numpy_lm(p, tokens, carry)
-  logits = logits - logits.max(-1, keepdims=True)
-  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-  picked = np.take_along_axis(logp, np.asarray(targets)[..., None], axis=-1)
-  return -picked.mean()
-
-
-def _jax_loss(graphdef, params, tokens, targets, carry):
-  logits, _ = lm.apply(graphdef, params, tokens, carry)
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits, targets).mean()
-
-
-# Jitted once per shape: eager op-by-op dispatch would dominate the run time.
-_apply = jax.jit(lm.apply, static_argnums=0)
-_loss_and_grad = jax.jit(jax.value_and_grad(_jax_loss, argnums=1),
-                         static_argnums=0)
-
-
-def _assert_carry_close(got, want, atol):
-  assert len(got) == len(want)
-  for (h, c), (h_ref, c_ref) in zip(got, want):
-    assert h.dtype == c.dtype == jnp.float32
-    np.testing.assert_allclose(h, h_ref, atol=atol, rtol=0)
-    np.testing.assert_allclose(c, c_ref, atol=atol, rtol=0)
+  return ref.mean_cross_entropy(_numpy_lm(p, tokens, carry)[0], targets)
 
 
 # ------------------------------------------------------------- equivalences
@@ -148,16 +75,17 @@ def _assert_carry_close(got, want, atol):
 def test_one_stripe_is_classic_lstm(tied):
   cfg = _cfg(num_stripes=1, num_layers=2, embed_size=8 if tied else 6,
              hidden_size=8, tie_embeddings=tied)
-  graphdef, params = _random_model(cfg, seed=1)
+  graphdef, params = ref.random_model(cfg, seed=1)
   assert ("head_w" in params) == (not tied)
-  tokens, carry = _tokens(cfg, 3, 7, seed=2), _random_carry(cfg, 3, seed=3)
+  tokens = ref.random_tokens(cfg, 3, 7, seed=2)
+  carry = ref.random_carry(cfg, 3, seed=3)
 
-  logits, new_carry = _apply(graphdef, params, tokens, carry)
-  want_logits, want_carry = _numpy_lm(_numpy(params), tokens, carry)
+  logits, new_carry = ref.apply(graphdef, params, tokens, carry)
+  want_logits, want_carry = _numpy_lm(ref.float64(params), tokens, carry)
 
   assert logits.shape == (3, 7, cfg.vocab_size) and logits.dtype == jnp.float32
   np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=0)
-  _assert_carry_close(new_carry, want_carry, atol=1e-5)
+  ref.assert_carry_close(new_carry, want_carry, atol=1e-5)
 
 
 def test_one_stripe_matches_torch_lstm():
@@ -165,9 +93,10 @@ def test_one_stripe_matches_torch_lstm():
       "torch", reason="the PyTorch reference needs torch: pip install torch")
   cfg = _cfg(num_stripes=1, num_layers=2, embed_size=6, hidden_size=8,
              tie_embeddings=False)
-  graphdef, params = _random_model(cfg, seed=4)
-  p = _numpy(params)
-  tokens, carry = _tokens(cfg, 3, 7, seed=5), _random_carry(cfg, 3, seed=6)
+  graphdef, params = ref.random_model(cfg, seed=4)
+  p = ref.float64(params)
+  tokens = ref.random_tokens(cfg, 3, 7, seed=5)
+  carry = ref.random_carry(cfg, 3, seed=6)
 
   lstm = torch.nn.LSTM(input_size=6, hidden_size=8, num_layers=2,
                        batch_first=True).double()
@@ -185,25 +114,26 @@ def test_one_stripe_matches_torch_lstm():
     out, (h_n, c_n) = lstm(x.double(), (h0.double(), c0.double()))
   want_logits = out.numpy() @ p["head_w"] + p["head_b"]
 
-  logits, new_carry = _apply(graphdef, params, tokens, carry)
+  logits, new_carry = ref.apply(graphdef, params, tokens, carry)
   np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=0)
-  _assert_carry_close(new_carry, [(h_n[k].numpy(), c_n[k].numpy())
+  ref.assert_carry_close(new_carry, [(h_n[k].numpy(), c_n[k].numpy())
                                   for k in range(2)], atol=1e-5)
 
 
 def test_stripes_are_block_diagonal_dense_lstm():
   cfg = _cfg(num_stripes=4, num_layers=2, embed_size=10, hidden_size=16,
              tie_embeddings=False)
-  graphdef, params = _random_model(cfg, seed=7)
+  graphdef, params = ref.random_model(cfg, seed=7)
   assert params["layers"][1]["w_x"][...].shape == (16, 4, 16)
   assert params["layers"][1]["w_h"][...].shape == (4, 4, 16)
-  tokens, carry = _tokens(cfg, 2, 6, seed=8), _random_carry(cfg, 2, seed=9)
+  tokens = ref.random_tokens(cfg, 2, 6, seed=8)
+  carry = ref.random_carry(cfg, 2, seed=9)
 
-  logits, new_carry = _apply(graphdef, params, tokens, carry)
-  want_logits, want_carry = _numpy_lm(_numpy(params), tokens, carry)
+  logits, new_carry = ref.apply(graphdef, params, tokens, carry)
+  want_logits, want_carry = _numpy_lm(ref.float64(params), tokens, carry)
 
   np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=0)
-  _assert_carry_close(new_carry, want_carry, atol=1e-5)
+  ref.assert_carry_close(new_carry, want_carry, atol=1e-5)
 
 
 def test_stripes_evolve_independently():
@@ -238,27 +168,29 @@ def test_stripes_evolve_independently():
 
 def test_two_half_windows_equal_one_window():
   cfg = _cfg(num_stripes=4, num_layers=2, embed_size=16, hidden_size=16)
-  graphdef, params = _random_model(cfg, seed=11)
-  tokens, carry = _tokens(cfg, 3, 10, seed=12), _random_carry(cfg, 3, seed=13)
+  graphdef, params = ref.random_model(cfg, seed=11)
+  tokens = ref.random_tokens(cfg, 3, 10, seed=12)
+  carry = ref.random_carry(cfg, 3, seed=13)
 
-  full, full_carry = _apply(graphdef, params, tokens, carry)
-  first, mid = _apply(graphdef, params, tokens[:, :5], carry)
-  second, end = _apply(graphdef, params, tokens[:, 5:], mid)
+  full, full_carry = ref.apply(graphdef, params, tokens, carry)
+  first, mid = ref.apply(graphdef, params, tokens[:, :5], carry)
+  second, end = ref.apply(graphdef, params, tokens[:, 5:], mid)
 
   np.testing.assert_allclose(jnp.concatenate([first, second], axis=1), full,
                              atol=1e-5, rtol=0)
-  _assert_carry_close(end, full_carry, atol=1e-5)
+  ref.assert_carry_close(end, full_carry, atol=1e-5)
 
 
 def test_unroll_and_remat_do_not_change_results():
   cfg = _cfg(num_stripes=2, embed_size=8, hidden_size=8)
-  graphdef, params = _random_model(cfg, seed=14)
-  tokens, carry = _tokens(cfg, 2, 7, seed=15), _random_carry(cfg, 2, seed=16)
+  graphdef, params = ref.random_model(cfg, seed=14)
+  tokens = ref.random_tokens(cfg, 2, 7, seed=15)
+  carry = ref.random_carry(cfg, 2, seed=16)
   targets = jnp.roll(tokens, -1, axis=1)
-  want = _loss_and_grad(graphdef, params, tokens, targets, carry)
+  want = ref.loss_and_grad(graphdef, params, tokens, targets, carry)
   other_graphdef, _ = lm.abstract(_cfg(num_stripes=2, unroll=3,
                                           remat=True))
-  got = _loss_and_grad(other_graphdef, params, tokens, targets, carry)
+  got = ref.loss_and_grad(other_graphdef, params, tokens, targets, carry)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                got, want)
 
@@ -271,13 +203,14 @@ def test_gradients_match_float64_finite_differences():
   against central differences of the float64 NumPy model."""
   cfg = _cfg(num_stripes=2, num_layers=2, vocab_size=7, embed_size=6,
              hidden_size=8, tie_embeddings=False)
-  graphdef, params = _random_model(cfg, seed=17, scale=0.6)
-  tokens, carry = _tokens(cfg, 2, 5, seed=18), _random_carry(cfg, 2, seed=19)
-  targets = _tokens(cfg, 2, 5, seed=20)
+  graphdef, params = ref.random_model(cfg, seed=17, scale=0.6)
+  tokens = ref.random_tokens(cfg, 2, 5, seed=18)
+  carry = ref.random_carry(cfg, 2, seed=19)
+  targets = ref.random_tokens(cfg, 2, 5, seed=20)
 
-  loss, grads = _loss_and_grad(
+  loss, grads = ref.loss_and_grad(
       graphdef, params, tokens, targets, carry)
-  p = _numpy(params)
+  p = ref.float64(params)
   np.testing.assert_allclose(loss, _numpy_loss(p, tokens, targets, carry),
                              rtol=1e-6)
 
@@ -303,14 +236,14 @@ def test_overfits_a_fixed_batch():
   cfg = _cfg(num_stripes=2, num_layers=1, vocab_size=11, embed_size=16,
              hidden_size=16)
   graphdef, params = lm.create(cfg, seed=0)
-  tokens = _tokens(cfg, 4, 13, seed=21)
+  tokens = ref.random_tokens(cfg, 4, 13, seed=21)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   carry = lm.init_carry(cfg, 4)
   tx = optax.adam(3e-2)
 
   @jax.jit
   def step(params, opt_state):
-    loss, grads = jax.value_and_grad(_jax_loss, argnums=1)(
+    loss, grads = jax.value_and_grad(ref.jax_loss, argnums=1)(
         graphdef, params, inputs, targets, carry)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -379,8 +312,9 @@ def test_tied_and_untied_heads():
   assert untied["layers"][0]["w_x"][...].shape == (12, 4, 16)
   assert untied["layers"][1]["w_x"][...].shape == (16, 4, 16)
   assert lm.num_params(untied) == _expected_num_params(untied_cfg)
-  logits, carry = _apply(graphdef, untied, _tokens(untied_cfg, 2, 4, 22),
-                         lm.init_carry(untied_cfg, 2))
+  logits, carry = ref.apply(graphdef, untied,
+                            ref.random_tokens(untied_cfg, 2, 4, 22),
+                            lm.init_carry(untied_cfg, 2))
   assert logits.shape == (2, 4, 11) and logits.dtype == jnp.float32
   assert np.isfinite(np.asarray(logits)).all()
   assert [x.shape for hc in carry for x in hc] == [(2, 16)] * 4
@@ -391,22 +325,23 @@ def test_dropout_only_with_rng():
   graphdef, params = lm.create(_cfg(**_INIT, **rates), seed=0)
   plain_graphdef, plain = lm.create(_cfg(**_INIT), seed=0)
   cfg = _cfg(**_INIT)
-  tokens, carry = _tokens(cfg, 2, 6, 23), _random_carry(cfg, 2, 24)
+  tokens = ref.random_tokens(cfg, 2, 6, 23)
+  carry = ref.random_carry(cfg, 2, 24)
 
-  plain_out, _ = _apply(plain_graphdef, plain, tokens, carry)
-  eval_out, _ = _apply(graphdef, params, tokens, carry)
+  plain_out, _ = ref.apply(plain_graphdef, plain, tokens, carry)
+  eval_out, _ = ref.apply(graphdef, params, tokens, carry)
   np.testing.assert_array_equal(eval_out, plain_out)
 
   key = jax.random.key(0)
-  train_out, train_carry = _apply(graphdef, params, tokens, carry, key)
-  again, _ = _apply(graphdef, params, tokens, carry, key)
-  other, _ = _apply(graphdef, params, tokens, carry, jax.random.key(1))
+  train_out, train_carry = ref.apply(graphdef, params, tokens, carry, key)
+  again, _ = ref.apply(graphdef, params, tokens, carry, key)
+  other, _ = ref.apply(graphdef, params, tokens, carry, jax.random.key(1))
   assert np.abs(train_out - eval_out).max() > 1e-3
   assert np.abs(train_out - other).max() > 1e-3
   np.testing.assert_array_equal(train_out, again)
   assert train_carry[0][0].shape == (2, 16)
   # A dropout rng on a model with zero rates changes nothing.
-  no_op, _ = _apply(plain_graphdef, plain, tokens, carry, key)
+  no_op, _ = ref.apply(plain_graphdef, plain, tokens, carry, key)
   np.testing.assert_array_equal(no_op, plain_out)
 
 
@@ -427,9 +362,10 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
   for a, b in zip(jax.tree.leaves(f32), jax.tree.leaves(bf16)):
     assert b.dtype == jnp.float32
     np.testing.assert_array_equal(a, b)
-  tokens, carry = _tokens(cfg, 2, 6, 25), _random_carry(cfg, 2, 26)
-  want, _ = _apply(f32_graphdef, f32, tokens, carry)
-  got, got_carry = _apply(bf16_graphdef, bf16, tokens, carry)
+  tokens = ref.random_tokens(cfg, 2, 6, 25)
+  carry = ref.random_carry(cfg, 2, 26)
+  want, _ = ref.apply(f32_graphdef, f32, tokens, carry)
+  got, got_carry = ref.apply(bf16_graphdef, bf16, tokens, carry)
   assert got.dtype == jnp.float32
   assert all(h.dtype == c.dtype == jnp.float32 for h, c in got_carry)
   # bfloat16 keeps 8 significant bits: the logits stay within 2^-7 of the

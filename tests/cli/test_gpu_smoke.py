@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+from tests.helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.gpu
 
 
 def _run(*args, timeout=600):

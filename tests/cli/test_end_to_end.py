@@ -22,8 +22,7 @@ from zebra_jax.data import tokenizers
 from zebra_jax.inference import export, loading, sample, score, serve
 from zebra_jax.model import lm
 from zebra_jax.training import evaluate, loop
-from tests.helpers import WORDS
-from tests.test_export import _load_triton_model, _request
+from tests.helpers import WORDS, load_triton_model, triton_request
 
 # A text every kind reads: its words and characters all occur in training.
 TEXT = "the dog ran to the park and the bird sang\n"
@@ -156,9 +155,9 @@ def test_train_eval_score_sample_serve_export_triton(kind, tmp_path,
   assert manifest["tokenizer"] == kind
   check_saved_tokenizer(kind, artifact)
   model_dir = os.path.join(export_dir, "triton", export.MODEL_NAME)
-  triton_model = _load_triton_model(model_dir, monkeypatch)
+  triton_model = load_triton_model(model_dir, monkeypatch)
   [response] = triton_model.execute(
-      [_request([PROMPT], MAX_NEW_TOKENS=6, TEMPERATURE=0.0)])
+      [triton_request([PROMPT], MAX_NEW_TOKENS=6, TEMPERATURE=0.0)])
   assert response.error is None
   assert response.output_tensors[0].as_numpy()[0, 0].decode() == sampled
   # The exported prompt function's logits are the JAX model's.

@@ -21,8 +21,7 @@ import pytest
 from configs import demo
 from zebra_jax.runtime import checkpoint, parallel
 from zebra_jax.training import train_state
-from tests.helpers import REPO
-from tests.test_reliability import _flip_a_bit_orbax_reads
+from tests.helpers import REPO, flip_a_bit_orbax_reads
 
 TIMEOUT = 240  # seconds per run (a few on an idle machine): a hang fails
 
@@ -234,7 +233,7 @@ def test_bit_flip_in_one_process_shard_falls_back_everywhere(
   # A file that the last process wrote (orbax spreads the replicated arrays'
   # writes over the processes); orbax reads the flipped bit back without
   # complaint.
-  _flip_a_bit_orbax_reads(workdir, 12, _target(workdir), process=processes - 1)
+  flip_a_bit_orbax_reads(workdir, 12, _target(workdir), process=processes - 1)
   (out, _) = _run(corpus, workdir, "--config.train.num_steps=14", *common,
                   **layout)[0]
   assert ("checkpoint at step 12 is unusable (array ." in out

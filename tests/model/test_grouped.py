@@ -1,7 +1,7 @@
 """Grouped stripes (model.stripe_input="grouped") against independent references.
 
 The reference is a float64 NumPy LSTM with per-step loops and PyTorch's
-dense gate layout, whose input and recurrent matrices are the block-diagonal
+dense gate layout (tests/references.py), whose input and recurrent matrices are the block-diagonal
 assembly of the stripes, with the stripe shuffle between layers written as
 an explicit index permutation. Gradients are checked against central finite
 differences of that model, the hand-written backward pass against JAX's
@@ -12,14 +12,15 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from zebra_jax.errors import UserError
 from zebra_jax.model import lm, recurrence
 from zebra_jax.runtime import config_checks
-from tests import test_parallel
+from tests import references as ref
+from tests.helpers import (assert_trees_close, random_batches,
+                           run_train_steps, tiny_sgd_config)
 
 
 def _cfg(**overrides) -> ml_collections.ConfigDict:
@@ -31,50 +32,7 @@ def _cfg(**overrides) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(c)
 
 
-def _random_model(cfg, seed, scale=0.5):
-  """(graphdef, params) with every parameter uniform in +-scale."""
-  graphdef, shapes = lm.abstract(cfg)
-  leaves, treedef = jax.tree.flatten(shapes)
-  rng = np.random.default_rng(seed)
-  return graphdef, jax.tree.unflatten(treedef, [
-      jnp.asarray(rng.uniform(-scale, scale, x.shape), jnp.float32)
-      for x in leaves])
-
-
-def _random_carry(cfg, batch, seed):
-  rng = np.random.default_rng(seed)
-  draw = lambda: jnp.asarray(rng.uniform(-0.8, 0.8, (batch, cfg.hidden_size)),
-                             jnp.float32)
-  return tuple((draw(), draw()) for _ in range(cfg.num_layers))
-
-
-def _tokens(cfg, batch, time, seed):
-  rng = np.random.default_rng(seed)
-  return jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, time)), jnp.int32)
-
-
-def _numpy(params) -> dict:
-  return jax.tree.map(lambda x: np.asarray(x, np.float64),
-                      nnx.to_pure_dict(params))
-
-
 # ---------------------------------------------------------------- reference
-
-
-def _sigmoid(x):
-  return 1.0 / (1.0 + np.exp(-x))
-
-
-def _dense_lstm(x, h, c, w_ih, w_hh, bias):
-  """Classic LSTM, step by step: x [B, T, in], w_ih [4H, in], w_hh [4H, H];
-  gate rows [i | f | g | o], each H wide."""
-  outputs = []
-  for t in range(x.shape[1]):
-    i, f, g, o = np.split(x[:, t] @ w_ih.T + h @ w_hh.T + bias, 4, axis=-1)
-    c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
-    h = _sigmoid(o) * np.tanh(c)
-    outputs.append(h)
-  return np.stack(outputs, axis=1), (h, c)
 
 
 def _block_diagonal_weights(layer, n_in):
@@ -121,34 +79,15 @@ def _numpy_lm(p, tokens, carry, stripes, shuffle=True):
     if i > 0 and shuffle:
       x = x[..., _shuffle_index(x.shape[-1], stripes)]
     h0, c0 = (np.asarray(a, np.float64) for a in carry[i])
-    x, hc = _dense_lstm(x, h0, c0, *_block_diagonal_weights(
+    x, hc = ref.dense_lstm(x, h0, c0, *_block_diagonal_weights(
         p["layers"][i], x.shape[-1]))
     new_carry.append(hc)
   return x @ p["head_w"] + p["head_b"], new_carry
 
 
 def _numpy_loss(p, tokens, targets, carry, stripes):
-  logits, _ = _numpy_lm(p, tokens, carry, stripes)
-  logits = logits - logits.max(-1, keepdims=True)
-  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-  return -np.take_along_axis(logp, np.asarray(targets)[..., None], -1).mean()
-
-
-def _jax_loss(graphdef, params, tokens, targets, carry):
-  logits, _ = lm.apply(graphdef, params, tokens, carry)
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits, targets).mean()
-
-
-_apply = jax.jit(lm.apply, static_argnums=0)
-_loss_and_grad = jax.jit(jax.value_and_grad(_jax_loss, argnums=1),
-                         static_argnums=0)
-
-
-def _assert_carry_close(got, want, atol):
-  for (h, c), (h_ref, c_ref) in zip(got, want, strict=True):
-    np.testing.assert_allclose(h, h_ref, atol=atol, rtol=0)
-    np.testing.assert_allclose(c, c_ref, atol=atol, rtol=0)
+  return ref.mean_cross_entropy(_numpy_lm(p, tokens, carry, stripes)[0],
+                                targets)
 
 
 # ------------------------------------------------------------- equivalences
@@ -173,14 +112,14 @@ def test_grouped_layer_is_a_block_diagonal_dense_lstm():
   state = jax.tree.unflatten(treedef, [
       jnp.asarray(rng.uniform(-0.6, 0.6, x.shape), jnp.float32)
       for x in leaves])
-  p = _numpy(state)
+  p = ref.float64(state)
   assert p["w_x"].shape == (s, n_in // s, 4 * g)
   x = rng.normal(size=(b, t, n_in))
   h0, c0 = rng.uniform(-0.8, 0.8, (2, b, s * g))
   out, (h, c) = jax.jit(lambda st, x, hc: nnx.merge(layer_def, st)(x, hc))(
       state, jnp.asarray(x, jnp.float32),
       (jnp.asarray(h0, jnp.float32), jnp.asarray(c0, jnp.float32)))
-  want, (h_ref, c_ref) = _dense_lstm(x, h0, c0,
+  want, (h_ref, c_ref) = ref.dense_lstm(x, h0, c0,
                                      *_block_diagonal_weights(p, n_in))
   np.testing.assert_allclose(out, want, atol=1e-5, rtol=0)
   np.testing.assert_allclose(h, h_ref, atol=1e-5, rtol=0)
@@ -196,18 +135,20 @@ def test_grouped_layer_is_a_block_diagonal_dense_lstm():
 @pytest.mark.parametrize("embed_size", [8, 6])  # grouped / dense first layer
 def test_grouped_lm_is_block_diagonal_lstms_with_the_shuffle(embed_size):
   cfg = _cfg(num_stripes=4, embed_size=embed_size, hidden_size=16)
-  graphdef, params = _random_model(cfg, seed=2)
+  graphdef, params = ref.random_model(cfg, seed=2)
   first = params["layers"][0]["w_x"][...].shape
   assert first == ((4, 2, 16) if embed_size == 8 else (6, 4, 16))
   assert params["layers"][1]["w_x"][...].shape == (4, 4, 16)
-  tokens, carry = _tokens(cfg, 3, 6, seed=3), _random_carry(cfg, 3, seed=4)
+  tokens = ref.random_tokens(cfg, 3, 6, seed=3)
+  carry = ref.random_carry(cfg, 3, seed=4)
 
-  logits, new_carry = _apply(graphdef, params, tokens, carry)
-  want, want_carry = _numpy_lm(_numpy(params), tokens, carry, stripes=4)
+  logits, new_carry = ref.apply(graphdef, params, tokens, carry)
+  want, want_carry = _numpy_lm(ref.float64(params), tokens, carry, stripes=4)
   np.testing.assert_allclose(logits, want, atol=1e-5, rtol=0)
-  _assert_carry_close(new_carry, want_carry, atol=1e-5)
+  ref.assert_carry_close(new_carry, want_carry, atol=1e-5)
   # The shuffle is really there: without it the reference disagrees.
-  unshuffled, _ = _numpy_lm(_numpy(params), tokens, carry, 4, shuffle=False)
+  unshuffled, _ = _numpy_lm(ref.float64(params), tokens, carry, 4,
+                            shuffle=False)
   assert np.abs(unshuffled - want).max() > 1e-2
 
 
@@ -222,10 +163,11 @@ def test_one_grouped_stripe_is_the_dense_layer():
                   strict=True):
     np.testing.assert_array_equal(np.asarray(a).reshape(-1),
                                   np.asarray(b).reshape(-1))
-  tokens, carry = _tokens(grouped_cfg, 2, 5, 5), _random_carry(grouped_cfg, 2, 6)
-  targets = _tokens(grouped_cfg, 2, 5, 7)
-  g_loss, g_grads = _loss_and_grad(g_def, g_params, tokens, targets, carry)
-  d_loss, d_grads = _loss_and_grad(d_def, d_params, tokens, targets, carry)
+  tokens = ref.random_tokens(grouped_cfg, 2, 5, 5)
+  carry = ref.random_carry(grouped_cfg, 2, 6)
+  targets = ref.random_tokens(grouped_cfg, 2, 5, 7)
+  g_loss, g_grads = ref.loss_and_grad(g_def, g_params, tokens, targets, carry)
+  d_loss, d_grads = ref.loss_and_grad(d_def, d_params, tokens, targets, carry)
   np.testing.assert_allclose(g_loss, d_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g_grads), jax.tree.leaves(d_grads),
                   strict=True):
@@ -238,11 +180,12 @@ def test_one_grouped_stripe_is_the_dense_layer():
 
 def test_grouped_gradients_match_float64_finite_differences():
   cfg = _cfg(num_stripes=2, vocab_size=7, embed_size=6, hidden_size=8)
-  graphdef, params = _random_model(cfg, seed=8, scale=0.6)
-  tokens, carry = _tokens(cfg, 2, 5, seed=9), _random_carry(cfg, 2, seed=10)
-  targets = _tokens(cfg, 2, 5, seed=11)
-  loss, grads = _loss_and_grad(graphdef, params, tokens, targets, carry)
-  p = _numpy(params)
+  graphdef, params = ref.random_model(cfg, seed=8, scale=0.6)
+  tokens = ref.random_tokens(cfg, 2, 5, seed=9)
+  carry = ref.random_carry(cfg, 2, seed=10)
+  targets = ref.random_tokens(cfg, 2, 5, seed=11)
+  loss, grads = ref.loss_and_grad(graphdef, params, tokens, targets, carry)
+  p = ref.float64(params)
   np.testing.assert_allclose(
       loss, _numpy_loss(p, tokens, targets, carry, 2), rtol=1e-6)
 
@@ -317,19 +260,20 @@ def test_grouped_backward_matches_autodiff_in_bfloat16():
 def test_grouped_lm_in_low_precision_and_remat(dtype):
   """remat changes nothing in float32; bf16/f16 compute stays near it."""
   cfg = _cfg(num_stripes=4, embed_size=16, hidden_size=16)
-  graphdef, params = _random_model(cfg, seed=14)
-  tokens, carry = _tokens(cfg, 2, 7, 15), _random_carry(cfg, 2, 16)
+  graphdef, params = ref.random_model(cfg, seed=14)
+  tokens = ref.random_tokens(cfg, 2, 7, 15)
+  carry = ref.random_carry(cfg, 2, 16)
   targets = jnp.roll(tokens, -1, axis=1)
-  loss, grads = _loss_and_grad(graphdef, params, tokens, targets, carry)
+  loss, grads = ref.loss_and_grad(graphdef, params, tokens, targets, carry)
   remat_def, _ = lm.abstract(_cfg(num_stripes=4, embed_size=16,
                                   hidden_size=16, remat=True))
-  r_loss, r_grads = _loss_and_grad(remat_def, params, tokens, targets, carry)
+  r_loss, r_grads = ref.loss_and_grad(remat_def, params, tokens, targets, carry)
   np.testing.assert_allclose(r_loss, loss, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                r_grads, grads)
   low_def, _ = lm.abstract(_cfg(num_stripes=4, embed_size=16, hidden_size=16,
                                 dtype=dtype, remat=True))
-  l_loss, l_grads = _loss_and_grad(low_def, params, tokens, targets, carry)
+  l_loss, l_grads = ref.loss_and_grad(low_def, params, tokens, targets, carry)
   np.testing.assert_allclose(l_loss, loss, rtol=2e-2)
   for a, b in zip(jax.tree.leaves(l_grads), jax.tree.leaves(grads),
                   strict=True):
@@ -343,15 +287,15 @@ def test_grouped_lm_in_low_precision_and_remat(dtype):
 
 
 def test_grouped_sharded_and_accumulated_steps_equal_single_device():
-  cfg = test_parallel._config(head="full", stripe_input="grouped")  # pylint: disable=protected-access
-  batches = test_parallel._batches(cfg, 2)  # pylint: disable=protected-access
-  one, m1 = test_parallel._run_steps(cfg, 1, batches)  # pylint: disable=protected-access
-  many, m8 = test_parallel._run_steps(cfg, 8, batches)  # pylint: disable=protected-access
-  acc, m2 = test_parallel._run_steps(cfg, 2, batches, accum=4)  # pylint: disable=protected-access
+  cfg = tiny_sgd_config(head="full", stripe_input="grouped")
+  batches = random_batches(cfg, 2)
+  one, m1 = run_train_steps(cfg, 1, batches)
+  many, m8 = run_train_steps(cfg, 8, batches)
+  acc, m2 = run_train_steps(cfg, 2, batches, accum=4)
   assert one.params["layers"][1]["w_x"].shape == (4, 8, 32)  # grouped
   for other, metrics in ((many, m8), (acc, m2)):
-    test_parallel._assert_trees_close(one.params, other.params, atol=1e-6)  # pylint: disable=protected-access
-    test_parallel._assert_trees_close(one.carry, other.carry, atol=1e-6)  # pylint: disable=protected-access
+    assert_trees_close(one.params, other.params, atol=1e-6)
+    assert_trees_close(one.carry, other.carry, atol=1e-6)
     for a, b in zip(m1, metrics, strict=True):
       assert a["loss_sum"] == pytest.approx(b["loss_sum"], rel=1e-6)
 

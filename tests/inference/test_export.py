@@ -1,20 +1,16 @@
 """Export: the jax.export artifact in a fresh process, and the Triton model.py."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 
 from zebra_jax.inference import export, loading, sample
 from zebra_jax.model import lm
-from tests.helpers import trained_char_run
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import load_triton_model, triton_request
 
 # Runs in a fresh interpreter: only jax and numpy, never zebra_jax or flax.
 _FRESH = r"""
@@ -38,8 +34,8 @@ np.savez(out, last=np.asarray(last), logits=np.asarray(logits),
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-  cfg, workdir = trained_char_run(tmp_path_factory)
+def exported(char_run, tmp_path_factory):
+  cfg, workdir = char_run
   export_dir = export.run(cfg, workdir, str(tmp_path_factory.mktemp("export")))
   return cfg, workdir, export_dir, loading.load_for_inference(cfg, workdir)
 
@@ -66,64 +62,18 @@ def test_artifact_in_a_fresh_process_gives_the_same_logits(exported, tmp_path):
   np.testing.assert_allclose(got["h"], carry[-1][0], atol=1e-5)
 
 
-class _Tensor:
-  """Stand-in for pb_utils.Tensor: a name and a numpy array."""
-
-  def __init__(self, name, array):
-    self.name, self._array = name, np.asarray(array)
-
-  def as_numpy(self):
-    return self._array
-
-
-class _Response:
-  def __init__(self, output_tensors, error=None):
-    self.output_tensors, self.error = output_tensors, error
-
-
-def _fake_pb_utils():
-  pb = types.ModuleType("triton_python_backend_utils")
-  pb.Tensor, pb.InferenceResponse = _Tensor, _Response
-  pb.TritonError = lambda message: message
-  pb.get_input_tensor_by_name = lambda request, name: request.get(name)
-  return pb
-
-
-def _load_triton_model(model_dir, monkeypatch):
-  monkeypatch.setitem(sys.modules, "triton_python_backend_utils",
-                      _fake_pb_utils())
-  spec = importlib.util.spec_from_file_location(
-      "triton_zebra_model", os.path.join(model_dir, "1", "model.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  triton_model = module.TritonPythonModel()
-  triton_model.initialize({"model_repository": model_dir, "model_version": "1",
-                           "model_instance_kind": "CPU",
-                           "model_instance_device_id": "0"})
-  return triton_model
-
-
-def _request(prompts, **scalars):
-  request = {"PROMPT": _Tensor("PROMPT", np.array(
-      [[p.encode()] for p in prompts], dtype=object))}
-  kinds = {"MAX_NEW_TOKENS": np.int32, "TEMPERATURE": np.float32,
-           "TOP_K": np.int32, "TOP_P": np.float32, "SEED": np.int64}
-  for name, value in scalars.items():
-    request[name] = _Tensor(name, np.full((len(prompts), 1), value, kinds[name]))
-  return request
-
-
 def test_triton_model_execute_with_stand_in_requests(exported, monkeypatch):
   _, _, export_dir, loaded = exported
   model_dir = os.path.join(export_dir, "triton", export.MODEL_NAME)
   config = open(os.path.join(model_dir, "config.pbtxt")).read()
   assert 'backend: "python"' in config and "kind: KIND_GPU" in config
   assert "max_batch_size: 64" in config and "{{" not in config
-  triton_model = _load_triton_model(model_dir, monkeypatch)
+  triton_model = load_triton_model(model_dir, monkeypatch)
   prompts = ["the ", "line 7: the quick"]
-  greedy = _request(prompts, MAX_NEW_TOKENS=10, TEMPERATURE=0.0)
-  sampled = _request(prompts[:1], MAX_NEW_TOKENS=10, TEMPERATURE=1.0, SEED=3)
-  bad = _request([""])
+  greedy = triton_request(prompts, MAX_NEW_TOKENS=10, TEMPERATURE=0.0)
+  sampled = triton_request(prompts[:1], MAX_NEW_TOKENS=10, TEMPERATURE=1.0,
+                           SEED=3)
+  bad = triton_request([""])
   responses = triton_model.execute([greedy, bad, sampled, sampled])
   assert len(responses) == 4
   texts = [t.decode() for t in responses[0].output_tensors[0].as_numpy()[:, 0]]

@@ -2,7 +2,7 @@
 shapes, so the one-command GPU report cannot rot between GPU sessions.
 
 bench.py's own rows are left out here (--nobench_rows): they take minutes
-even at bench's quick shape, and tests/test_bench.py runs them.
+even at bench's quick shape, and tests/tools/test_bench.py runs them.
 """
 
 import json

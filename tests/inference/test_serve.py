@@ -7,12 +7,11 @@ import threading
 import pytest
 
 from zebra_jax.inference import loading, sample, serve
-from tests.helpers import trained_char_run
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-  cfg, workdir = trained_char_run(tmp_path_factory)
+def server(char_run):
+  cfg, workdir = char_run
   service = serve.Service(loading.load_for_inference(cfg, workdir),
                           serve.Limits(max_new_tokens=64, max_rows=8,
                                        max_body_bytes=4096))

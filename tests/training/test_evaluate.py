@@ -1,7 +1,6 @@
 """Evaluation: device-count invariance, exact perplexity, splits, the CLI."""
 
 import math
-import os
 import subprocess
 import sys
 
@@ -13,9 +12,7 @@ from zebra_jax.errors import UserError
 from zebra_jax.inference import loading
 from zebra_jax.model import lm, metrics
 from zebra_jax.training import evaluate
-from tests.helpers import trained_char_run
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
 
 
 def one_device_mesh():
@@ -23,13 +20,8 @@ def one_device_mesh():
                            axis_types=(jax.sharding.AxisType.Auto,))
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  return trained_char_run(tmp_path_factory)
-
-
-def test_eval_on_8_devices_equals_1_device(trained):
-  cfg, workdir = trained
+def test_eval_on_8_devices_equals_1_device(char_run):
+  cfg, workdir = char_run
   many = evaluate.run(cfg, workdir, "all")
   one = evaluate.run(cfg, workdir, "all", mesh=one_device_mesh())
   assert set(many) == {"valid", "test"}
@@ -41,9 +33,9 @@ def test_eval_on_8_devices_equals_1_device(trained):
         many[split]["loss"] / math.log(2))  # char level: bits per character
 
 
-def test_perplexity_is_exp_of_summed_loss_over_tokens(trained):
+def test_perplexity_is_exp_of_summed_loss_over_tokens(char_run):
   """Windows of 7, 7 and 6 tokens: exp(sum / count), not a mean of windows."""
-  cfg, workdir = trained
+  cfg, workdir = char_run
   loaded = loading.load_for_inference(cfg, workdir)
   ids = np.asarray(loaded.splits["valid"][:8 * 21 + 3])  # 3 left over
   evaluator = evaluate.Evaluator(loaded.graphdef, one_device_mesh(),
@@ -66,8 +58,8 @@ def test_perplexity_is_exp_of_summed_loss_over_tokens(trained):
   assert metrics.summarize(6.0, 1.0, 3.0)["ppl"] == pytest.approx(math.e ** 2)
 
 
-def test_eval_options_are_checked(trained):
-  cfg, workdir = trained
+def test_eval_options_are_checked(char_run):
+  cfg, workdir = char_run
   with pytest.raises(UserError, match="does not divide over 8 devices"):
     bad = cfg.copy_and_resolve_references()
     bad.eval.batch_size = 12
@@ -80,8 +72,8 @@ def test_eval_options_are_checked(trained):
     evaluate.run(big, workdir, "test")
 
 
-def test_cli_eval_one_split_prints_the_summary_block(trained):
-  cfg, workdir = trained
+def test_cli_eval_one_split_prints_the_summary_block(char_run):
+  cfg, workdir = char_run
   out = subprocess.run(
       [sys.executable, "-m", "zebra_jax.main", "--config=configs/demo.py:tiny",
        f"--workdir={workdir}", "--config.data.source=text",

@@ -9,8 +9,8 @@ import pytest
 
 from configs import demo
 from zebra_jax.tools import experiments, experiments_report
+from tests.helpers import REPO
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _VOCAB = 112  # the embedded corpus' character vocabulary
 
 
@@ -81,7 +81,7 @@ def _compare_cli(out):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   subprocess.run(
       [sys.executable, "-m", "zebra_jax.tools.experiments",
-       f"--config={_ROOT}/configs/demo.py:tiny", f"--out={out}",
+       f"--config={REPO}/configs/demo.py:tiny", f"--out={out}",
        "--budget_minutes=0.02", "--seeds=0", "--stripes=1", "--grouped=2", "--no_classic",
        "--eval_points=2", "--curve_eval_batches=2"],
       check=True, env=env, cwd=os.path.dirname(out),  # any directory

@@ -2,7 +2,6 @@
 and the inference benchmark."""
 
 import json
-import os
 import subprocess
 import sys
 import types
@@ -13,15 +12,14 @@ import pytest
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, sample
 from zebra_jax.tools import infer_bench
-from tests.helpers import trained_char_run
+from tests.helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["the ", "line 12: the quick", "x"]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  cfg, workdir = trained_char_run(tmp_path_factory)
+def trained(char_run):
+  cfg, workdir = char_run
   return cfg, workdir, sample.Generator(loading.load_for_inference(cfg, workdir))
 
 

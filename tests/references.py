@@ -1,0 +1,96 @@
+"""Independent references for the model tests.
+
+A float64 NumPy LSTM with per-step loops and PyTorch's dense gate layout
+(rows [i | f | g | o], each H wide), its cross-entropy, and the random
+models, carries and tokens the comparisons run on. Nothing here calls the
+code under test except `lm.abstract` (shapes only) and `lm.apply` (the side
+being checked).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from zebra_jax.model import lm
+
+
+def random_model(cfg, seed, scale=0.5):
+  """(graphdef, params) with every parameter, biases too, uniform in
+  +-scale (zero-initialised biases or cluster logits would hide bugs).
+
+  Built from `lm.abstract`, so no initializer runs (eager init compiles
+  every op per shape, which would dominate the run time); the initializers
+  have their own tests.
+  """
+  graphdef, shapes = lm.abstract(cfg)
+  leaves, treedef = jax.tree.flatten(shapes)
+  rng = np.random.default_rng(seed)
+  return graphdef, jax.tree.unflatten(treedef, [
+      jnp.asarray(rng.uniform(-scale, scale, x.shape), jnp.float32)
+      for x in leaves])
+
+
+def random_carry(cfg, batch, seed, scale=0.8):
+  rng = np.random.default_rng(seed)
+  draw = lambda: jnp.asarray(
+      rng.uniform(-scale, scale, (batch, cfg.hidden_size)), jnp.float32)
+  return tuple((draw(), draw()) for _ in range(cfg.num_layers))
+
+
+def random_tokens(cfg, batch, time, seed):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, time)), jnp.int32)
+
+
+def float64(params) -> dict:
+  """The parameters as a nested dict of float64 NumPy arrays."""
+  return jax.tree.map(lambda x: np.asarray(x, np.float64),
+                      nnx.to_pure_dict(params))
+
+
+def sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+def dense_lstm(x, h, c, w_ih, w_hh, bias):
+  """Classic LSTM, one step at a time. x [B, T, in]; w_ih [4H, in]; w_hh [4H, H].
+
+  Gate rows are [i | f | g | o], each H wide (PyTorch's layout).
+  """
+  outputs = []
+  for t in range(x.shape[1]):
+    z = x[:, t] @ w_ih.T + h @ w_hh.T + bias
+    i, f, g, o = np.split(z, 4, axis=-1)
+    c = sigmoid(f) * c + sigmoid(i) * np.tanh(g)
+    h = sigmoid(o) * np.tanh(c)
+    outputs.append(h)
+  return np.stack(outputs, axis=1), (h, c)
+
+
+def mean_cross_entropy(logits, targets):
+  """The mean negative log-likelihood of `targets`, in float64."""
+  logits = logits - logits.max(-1, keepdims=True)
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  picked = np.take_along_axis(logp, np.asarray(targets)[..., None], axis=-1)
+  return -picked.mean()
+
+
+def jax_loss(graphdef, params, tokens, targets, carry):
+  logits, _ = lm.apply(graphdef, params, tokens, carry)
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, targets).mean()
+
+
+# Jitted once per shape: eager op-by-op dispatch would dominate the run time.
+apply = jax.jit(lm.apply, static_argnums=0)
+loss_and_grad = jax.jit(jax.value_and_grad(jax_loss, argnums=1),
+                        static_argnums=0)
+
+
+def assert_carry_close(got, want, atol):
+  for (h, c), (h_ref, c_ref) in zip(got, want, strict=True):
+    assert h.dtype == c.dtype == jnp.float32
+    np.testing.assert_allclose(h, h_ref, atol=atol, rtol=0)
+    np.testing.assert_allclose(c, c_ref, atol=atol, rtol=0)
