@@ -5,10 +5,12 @@
 #   bash launch/gpu_report.sh [--dry-run] [--no-install] [STAGE ...]
 #
 #   bash launch/gpu_report.sh                  # every stage
-#   bash launch/gpu_report.sh bench wt103      # these stages
+#   bash launch/gpu_report.sh quick wt103      # these stages
 #   bash launch/gpu_report.sh --dry-run        # tiny shapes on any CPU
 #
-# Stages: bench wt103 precision infer scaling (none named: all of them).
+# Stages: quick bench wt103 precision infer scaling (none named: all of them;
+# each runs in its own process under its own time budget, gpu_report.py's
+# STAGE_BUDGET_S).
 #
 # What it installs, one printed line per decision:
 # - jax: nothing when the Python already has jax with a CUDA plugin (a GPU
@@ -28,7 +30,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
 
 dry=""
 install=1
@@ -119,17 +121,6 @@ for entry in ml_collections:ml-collections:required \
   fi
 done
 
-report=(-m zebra_jax.tools.gpu_report)
-if "$PYTHON" "${report[@]}" --helpfull 2>/dev/null | grep -q -- '--stages:'; then
-  stage_flag=${csv:+--stages=${csv}}
-  echo "=== gpu_report ${stage_flag:-(every stage)} ${dry} --out=${OUT}"
-  exec "$PYTHON" -m zebra_jax.tools.gpu_report --out="$OUT" ${stage_flag} ${dry}
-fi
-# A gpu_report without --stages takes one --stage (or all) per command.
-status=0
-for stage in "${stages[@]:-all}"; do
-  echo "=== gpu_report --stage=${stage} ${dry} --out=${OUT}"
-  "$PYTHON" -m zebra_jax.tools.gpu_report --out="$OUT" --stage="$stage" ${dry} \
-    || { echo "=== stage ${stage} failed" >&2; status=1; }
-done
-exit "$status"
+stage_flag=${csv:+--stages=${csv}}
+echo "=== gpu_report ${stage_flag:-(every stage)} ${dry} --out=${OUT}"
+exec "$PYTHON" -m zebra_jax.tools.gpu_report --out="$OUT" ${stage_flag} ${dry}

@@ -75,6 +75,45 @@ def test_quick_bench_writes_every_row(tmp_path):
                                                        "remat=True"}
 
 
+def test_peak_calls_last_10ms_at_the_datasheet_rate():
+  from zebra_jax.tools import bench
+  h100, name = bench.datasheet("NVIDIA H100 80GB HBM3")
+  assert (h100, name) == (989e12, "H100 SXM")
+  assert bench.datasheet("NVIDIA H200")[0] == 989e12
+  assert bench.datasheet("NVIDIA H100 PCIe") == (756e12, "H100 PCIe")
+  assert bench.datasheet("cpu") == (None, "unknown")
+  square = 2.0 * 2048 ** 3
+  assert bench.peak_reps(square, h100) == 576  # ceil(0.01 * 989e12 / 17.2e9)
+  # Every shape of the GPU bench, the tiny recurrent ones too: a timed call
+  # is at least 10 ms of work even at the datasheet's rate.
+  for s, m, k, n in bench.peak_shapes(bench.SHAPES["gpu"]).values():
+    flops = 2.0 * s * m * k * n
+    reps = bench.peak_reps(flops, h100)
+    assert 0.01 <= reps * flops / h100 < 0.01 + flops / h100
+  assert bench.peak_reps(1e15, 1e12) == 1
+
+
+def test_torch_trains_float32_weights_under_bf16_autocast():
+  torch = pytest.importorskip("torch")
+  from zebra_jax.tools import bench
+  shape = {**bench.SHAPES["quick"], "dtype": "bfloat16"}
+  steps = bench.torch_steps(shape, ("core", "lm"), "cpu")
+  for group, step in steps.items():
+    step()
+    step()
+    with step.autocast():
+      assert torch.is_autocast_enabled("cpu")
+      assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in step.params), group
+    state = [v for s in step.opt.state.values() for k, v in s.items()
+             if k in ("exp_avg", "exp_avg_sq")]
+    assert len(state) == 2 * len(step.params), group
+    assert all(v.dtype == torch.float32 for v in state), group
+  fp32 = bench.torch_steps(bench.SHAPES["quick"], ("core",), "cpu")["core"]
+  with fp32.autocast():
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_op_kinds_from_hlo_names():
   from zebra_jax.tools import bench
   kinds = {name: bench.op_kind(name) for name in (

@@ -37,10 +37,6 @@ if [[ "$1 $2 $3" == "-m pip install" ]]; then
   fi
   exit 0
 fi
-if [[ "$*" == *"gpu_report --helpfull"* ]]; then
-  [[ -n "$FAKE_STAGES" ]] && echo "  --stages: comma list of stages"
-  exit 0
-fi
 exit 0
 """
 
@@ -63,15 +59,14 @@ def _fake_repo(tmp_path, wheels=()):
   return root, bin_dir
 
 
-def _run(tmp_path, *args, probe="0.11.2 jax_cuda13_plugin", stages_flag=True,
-         missing="", wheels=(), env=None):
+def _run(tmp_path, *args, probe="0.11.2 jax_cuda13_plugin", missing="",
+         wheels=(), env=None):
   root, bin_dir = _fake_repo(tmp_path, wheels)
   log = tmp_path / "calls.log"
   environ = {k: v for k, v in os.environ.items()
              if k not in ("NO_INSTALL", "PYTHON", "OUT", "CUDA_EXTRA")}
   environ.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log),
-                 FAKE_PROBE=probe, FAKE_MISSING=missing,
-                 FAKE_STAGES="1" if stages_flag else "", **(env or {}))
+                 FAKE_PROBE=probe, FAKE_MISSING=missing, **(env or {}))
   out = subprocess.run(["bash", str(root / "launch" / "gpu_report.sh"), *args],
                        capture_output=True, text=True, env=environ, timeout=60)
   calls = log.read_text().splitlines() if log.exists() else []
@@ -79,8 +74,7 @@ def _run(tmp_path, *args, probe="0.11.2 jax_cuda13_plugin", stages_flag=True,
 
 
 def _report_calls(calls):
-  return [c for c in calls if c.startswith("-m zebra_jax.tools.gpu_report")
-          and "--helpfull" not in c]
+  return [c for c in calls if c.startswith("-m zebra_jax.tools.gpu_report")]
 
 
 def _pip_calls(calls):
@@ -155,13 +149,6 @@ def test_missing_module_without_wheel_says_how(tmp_path):
   assert not _report_calls(calls) and not _pip_calls(calls)
 
 
-def test_driver_without_stages_flag_gets_one_stage_per_call(tmp_path):
-  out, calls = _run(tmp_path, "--dry-run", "bench", "infer", stages_flag=False)
-  assert out.returncode == 0, out.stderr
-  assert [c.split()[3:] for c in _report_calls(calls)] == [
-      ["--stage=bench", "--dry_run"], ["--stage=infer", "--dry_run"]]
-
-
 def test_unknown_option(tmp_path):
   out, calls = _run(tmp_path, "--fast")
   assert out.returncode == 2 and "unknown option --fast" in out.stderr
@@ -183,10 +170,7 @@ def test_real_probe_finds_a_cuda_plugin(tmp_path):
   (tools / "__init__.py").write_text("")
   (tools / "gpu_report.py").write_text(textwrap.dedent("""\
       import sys
-      if "--helpfull" in sys.argv:
-        print("  --stages: comma list")
-      else:
-        print("REPORT", *sys.argv[1:])
+      print("REPORT", *sys.argv[1:])
       """))
   env = {k: v for k, v in os.environ.items()
          if k not in ("NO_INSTALL", "OUT", "CUDA_EXTRA")}

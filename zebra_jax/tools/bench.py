@@ -4,8 +4,8 @@
   python -m zebra_jax.tools.bench --shape=gpu          # bf16, hidden 1024, batch 64
   python -m zebra_jax.tools.bench --quick --json=/tmp/bench.json   # tiny, seconds
 
-Rows (tokens/s, ms/step, ratio to torch, GFLOP/s and fraction of the matmul
-peak measured in this run, XLA's planned bytes per step):
+Rows (tokens/s, ms/step, ratio to torch, model GFLOP/s and fraction of the
+best matmul measured in this run, XLA's planned bytes per step):
   core_S{s}   stacked ZebraLSTMLayers + Adam, sum-of-squares loss on outputs
   core_S1_remat  core_S1 with model.remat (the gates recomputed), beside it
   core_S{s}_autodiff  the same with JAX's autodiff of the scan instead of the
@@ -20,10 +20,12 @@ peak measured in this run, XLA's planned bytes per step):
               adaptive head: where the softmax, not the recurrence, costs
   torch_*_{n}t  nn.LSTM (+ nn.Embedding and a tied head, or
               nn.AdaptiveLogSoftmaxWithLoss) of the same shape on n threads;
-              ratios are against the faster thread count
-Timed functions run interleaved, round after round, and each row reports its
-median: the machine's noise (other jobs) hits every row alike, so on shared
-CPUs compare ratios, not absolute times. Memory: one fresh process per window
+              ratios are against the faster thread count; float32 weights
+              and Adam state, under torch.autocast in bfloat16 (as JAX
+              keeps float32 parameters and computes in bfloat16)
+Every timed function runs once untimed, then all run interleaved, round after
+round, and each row reports its median: the machine's noise (other jobs) hits
+every row alike, so on shared CPUs compare ratios, not absolute times. Memory: one fresh process per window
 (peak RSS on CPU, peak_bytes_in_use on GPU) and XLA's buffer plan.
 
 FLOPs are the matmuls each step runs, counted analytically per token: input
@@ -33,11 +35,14 @@ runs each three times (forward, weight gradient, input gradient), except the
 first layer's input gradient where nothing needs it: the core rows' inputs
 are data (JAX never computes it; torch's autograd skips it too, the input not
 requiring grad); the LM rows need it for the embedding. Remat's recomputed
-matmuls are not counted (model FLOPs). The peak is the best of several matmul
-shapes in the compute dtype, the steps' own among them; a row above 100% of
+matmuls are not counted (model FLOPs). The peak is the best measured matmul
+of several shapes in the compute dtype, the steps' own among them, each call
+at least 10 ms of work even at the datasheet's rate, shown beside the
+datasheet's dense bf16 figure where the device is known; a row above 100% of
 it would mean the peak is wrong, and the output says so.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -71,6 +76,10 @@ _TRACE = flags.DEFINE_string("trace_dir", None, "jax.profiler trace of one "
                              "and a table of its device time by kind of op.")
 _MEMORY_ROW = flags.DEFINE_string("memory_row", None, "Internal: one "
                                   "'seq_len,remat' row in a fresh process.")
+
+# Every process that shares a GPU with another: XLA reserves 75% of GPU
+# memory at start by default, leaving a child process the rest.
+NO_PREALLOCATE = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 # The word-level shape of the word_* rows: a small LSTM under a large
 # vocabulary, tokens drawn from a Zipf law (ids sorted by frequency).
@@ -313,45 +322,68 @@ def gen_runner(shape, stripes, batch, grouped=False):
 
 # ----------------------------------------------------------- torch steps
 
+TORCH_GROUPS = ("core", "lm", "eval", "word", "word_adaptive")
 
-def torch_runners(shape) -> tuple[dict, str | None]:
-  """nn.LSTM rows of the same shape; ({}, note) when torch is missing.
 
-  {group: {threads: fn}}: on CPU torch runs with 1 thread and with every
-  core, because on small shared machines one thread is often faster (its
-  OpenMP threads spin and lose more than XLA's pool to other load).
+def _torch_autocast(torch, device: str, dtype):
+  """torch.autocast to `dtype` (None: off). oneDNN's CPU LSTM has no
+  bfloat16 kernel on CPUs without AVX512-BF16 and raises when autocast
+  hands it one, so on CPUs autocast runs without oneDNN."""
+  stack = contextlib.ExitStack()
+  if dtype is not None:
+    stack.enter_context(torch.autocast(device_type=device, dtype=dtype))
+    if device == "cpu":
+      stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
+  return stack
 
-  The core rows' input does not require grad, so autograd skips the first
-  layer's input gradient, as JAX does. In bfloat16 (--shape=gpu) torch's
-  weights and Adam state are bfloat16, while JAX keeps float32 parameters
-  and casts them for the matmuls: the note says so.
+
+class TorchTrainer:
+  """One torch train step: float32 parameters and float32 Adam state, the
+  forward and backward under torch.autocast when autocast_dtype is set,
+  which is what JAX's bfloat16 steps do (float32 parameters cast for the
+  matmuls)."""
+
+  def __init__(self, torch, params, loss_fn, device, autocast_dtype, sync):
+    self.params = list(params)
+    self.opt = torch.optim.Adam(self.params, 1e-3)
+    self.loss_fn, self.sync = loss_fn, sync
+    self.autocast = functools.partial(_torch_autocast, torch, device,
+                                      autocast_dtype)
+
+  def __call__(self):
+    self.opt.zero_grad(set_to_none=True)
+    with self.autocast():
+      loss = self.loss_fn("mean")
+    loss.backward()
+    self.opt.step()
+    self.sync()
+
+
+def torch_steps(shape, groups=TORCH_GROUPS, device="cpu") -> dict:
+  """{group: step} of nn.LSTM rows of the same shape (torch imported).
+
+  Modules are float32 everywhere; in bfloat16 they run under
+  torch.autocast (TorchTrainer). The core rows' input does not require
+  grad, so autograd skips the first layer's input gradient, as JAX does.
   """
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return {}, "torch not installed (pip install torch): torch rows skipped"
-  cuda = torch.cuda.is_available() and jax.devices()[0].platform == "gpu"
-  device = "cuda" if cuda else "cpu"
-  threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-      else os.cpu_count()
-  torch.set_num_threads(threads)
-  dtype = torch.bfloat16 if shape["dtype"] == "bfloat16" else torch.float32
+  import torch  # pylint: disable=g-import-not-at-top
+  autocast_dtype = torch.bfloat16 if shape["dtype"] == "bfloat16" else None
+  cuda = device == "cuda"
   sync = torch.cuda.synchronize if cuda else (lambda: None)
   torch.manual_seed(0)
 
-  def lm_steps(shape, head="full"):
-    """(train step, eval step) of embedding -> nn.LSTM -> tied full head or
-    nn.AdaptiveLogSoftmaxWithLoss (same cutoffs and div_val, untied)."""
-    b, t, h, v = (shape["batch"], shape["seq_len"], shape["hidden"],
-                  shape["vocab"])
-    lstm = torch.nn.LSTM(h, h, shape["layers"], batch_first=True)
-    lstm = lstm.to(device, dtype)
-    embed = torch.nn.Embedding(v, h).to(device, dtype)
+  def lm_loss(shape, head="full"):
+    """(parameters, loss_fn(reduction)) of embedding -> nn.LSTM -> tied full
+    head or nn.AdaptiveLogSoftmaxWithLoss (same cutoffs and div_val,
+    untied)."""
+    h, v = shape["hidden"], shape["vocab"]
+    lstm = torch.nn.LSTM(h, h, shape["layers"], batch_first=True).to(device)
+    embed = torch.nn.Embedding(v, h).to(device)
     tokens = torch.tensor(np.asarray(_tokens(shape)), dtype=torch.long,
                           device=device)
     targets = tokens[:, 1:].reshape(-1)
     if head == "full":
-      head_b = torch.nn.Parameter(torch.zeros(v, device=device, dtype=dtype))
+      head_b = torch.nn.Parameter(torch.zeros(v, device=device))
       extra = [head_b]
 
       def loss_fn(reduction):
@@ -362,44 +394,66 @@ def torch_runners(shape) -> tuple[dict, str | None]:
     else:
       cutoffs = [c for c in shape["cutoffs"] if c < v]
       adaptive = torch.nn.AdaptiveLogSoftmaxWithLoss(
-          h, v, cutoffs, div_value=float(shape["div_val"])).to(device, dtype)
+          h, v, cutoffs, div_value=float(shape["div_val"])).to(device)
       extra = list(adaptive.parameters())
 
       def loss_fn(reduction):
         y, _ = lstm(embed(tokens[:, :-1]))
         loss = adaptive(y.reshape(-1, h), targets).loss  # mean
         return loss * targets.numel() if reduction == "sum" else loss
-    opt = torch.optim.Adam([*lstm.parameters(), *embed.parameters(), *extra],
-                           1e-3)
+    return [*lstm.parameters(), *embed.parameters(), *extra], loss_fn
 
-    def train():
-      opt.zero_grad(set_to_none=True)
-      loss_fn("mean").backward()
-      opt.step()
-      sync()
+  def core_loss():
+    b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
+    lstm = torch.nn.LSTM(h, h, shape["layers"], batch_first=True).to(device)
+    x = torch.randn(b, t, h, device=device)  # needs no grad
+
+    def loss_fn(reduction):
+      del reduction  # a mean, as core_runner's loss
+      y, _ = lstm(x)
+      return y.float().square().mean()
+    return lstm.parameters(), loss_fn
+
+  def trainer(params_and_loss):
+    return TorchTrainer(torch, *params_and_loss, device, autocast_dtype, sync)
+
+  def evaluator(params_and_loss):
+    _, loss_fn = params_and_loss
+    autocast = functools.partial(_torch_autocast, torch, device,
+                                 autocast_dtype)
 
     def ev():
-      with torch.no_grad():
+      with torch.no_grad(), autocast():
         loss_fn("sum")
       sync()
-    return train, ev
+    return ev
 
-  b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
-  core_lstm = torch.nn.LSTM(h, h, shape["layers"], batch_first=True)
-  core_lstm = core_lstm.to(device, dtype)
-  x = torch.randn(b, t, h, device=device, dtype=dtype)  # needs no grad
-  core_opt = torch.optim.Adam(core_lstm.parameters(), 1e-3)
+  build = {"core": lambda: trainer(core_loss()),
+           "lm": lambda: trainer(lm_loss(shape)),
+           "eval": lambda: evaluator(lm_loss(shape)),
+           "word": lambda: trainer(lm_loss(word_shape(shape))),
+           "word_adaptive": lambda: trainer(lm_loss(word_shape(shape),
+                                                    "adaptive"))}
+  return {group: build[group]() for group in groups}
 
-  def core():
-    core_opt.zero_grad(set_to_none=True)
-    y, _ = core_lstm(x)
-    y.float().square().mean().backward()
-    core_opt.step()
-    sync()
 
-  lm, ev = lm_steps(shape)
-  word, _ = lm_steps(word_shape(shape))
-  word_adaptive, _ = lm_steps(word_shape(shape), head="adaptive")
+def torch_runners(shape, groups=TORCH_GROUPS) -> tuple[dict, str | None]:
+  """({group: {threads: step}}, note) of `torch_steps`; ({}, note) when torch
+  is missing.
+
+  On CPU torch runs with 1 thread and with every core, because on small
+  shared machines one thread is often faster (its OpenMP threads spin and
+  lose more than XLA's pool to other load).
+  """
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {}, "torch not installed (pip install torch): torch rows skipped"
+  cuda = torch.cuda.is_available() and jax.devices()[0].platform == "gpu"
+  threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+      else os.cpu_count()
+  torch.set_num_threads(threads)
+  steps = torch_steps(shape, groups, "cuda" if cuda else "cpu")
 
   def with_threads(fn, n):
     def run():
@@ -407,17 +461,17 @@ def torch_runners(shape) -> tuple[dict, str | None]:
       fn()
     return run
 
-  fns = {}
-  for group, fn in {"core": core, "lm": lm, "eval": ev, "word": word,
-                    "word_adaptive": word_adaptive}.items():
-    fn()
-    fns[group] = {threads: with_threads(fn, threads)
-                  for threads in ([threads] if cuda else sorted({1, threads}))}
-  where = "cuDNN" if cuda else f"CPU, 1 and {threads} threads, the faster kept"
+  fns = {group: {n: with_threads(fn, n)
+                 for n in ([threads] if cuda else sorted({1, threads}))}
+         for group, fn in steps.items()}
+  where = (f"cuDNN {torch.backends.cudnn.version()}" if cuda
+           else f"CPU, 1 and {threads} threads, the faster kept")
   note = f"torch {torch.__version__} ({where})"
-  if dtype == torch.bfloat16:
-    note += ("; torch runs pure bfloat16 (weights and Adam state), JAX keeps "
-             "float32 parameters and computes in bfloat16")
+  if shape["dtype"] == "bfloat16":
+    note += ("; float32 weights and Adam state under torch.autocast(bfloat16)"
+             " as JAX keeps float32 parameters and computes in bfloat16"
+             + ("; autocast runs cuDNN's LSTM in float16 (same tensor-core "
+                "rate)" if cuda else ""))
   return fns, note
 
 
@@ -426,7 +480,11 @@ def torch_runners(shape) -> tuple[dict, str | None]:
 
 def time_interleaved(fns: dict, rounds: int, calls: int = 1) -> dict:
   """Median seconds per call of each function, rounds interleaved so that
-  load from other processes spreads over every row alike."""
+  load from other processes spreads over every row alike. Each function
+  runs once untimed first: a first call pays for allocation, autotuning and
+  lazy initialisation (cuDNN plans, XLA's GPU autotuner)."""
+  for fn in fns.values():
+    fn()
   times = {name: [] for name in fns}
   for _ in range(rounds):
     for name, fn in fns.items():
@@ -435,6 +493,33 @@ def time_interleaved(fns: dict, rounds: int, calls: int = 1) -> dict:
         fn()
       times[name].append((time.perf_counter() - start) / calls)
   return {name: float(np.median(t)) for name, t in times.items()}
+
+
+# Datasheet dense bfloat16 tensor-core FLOP/s by device kind (substrings of
+# jax's device_kind, first match wins), shown beside the measured peak.
+DATASHEET_BF16 = (("H100 PCIe", 756e12, "H100 PCIe"),
+                  ("H100", 989e12, "H100 SXM"), ("H200", 989e12, "H200"),
+                  ("A100", 312e12, "A100"))
+# FLOP/s no device of the platform reaches: sizes the peak's calls where the
+# datasheet does not know the device.
+_FLOPS_CEILING = {"gpu": 2.5e15, "cpu": 1e12}
+PEAK_CALL_SECONDS = 0.01
+
+
+def datasheet(device_kind: str) -> tuple[float | None, str]:
+  """(dense bf16 FLOP/s, name) from DATASHEET_BF16, (None, "unknown")."""
+  for key, flops, name in DATASHEET_BF16:
+    if key in device_kind:
+      return flops, name
+  return None, "unknown"
+
+
+def peak_reps(flops_per_matmul: float, device_flops: float,
+              seconds: float = PEAK_CALL_SECONDS) -> int:
+  """Matmuls per timed call so that a call lasts at least `seconds` on a
+  device doing `device_flops` (an upper bound: the datasheet), so that
+  launch and dispatch costs vanish beside the work."""
+  return max(1, int(np.ceil(seconds * device_flops / flops_per_matmul)))
 
 
 def peak_shapes(shape: dict) -> dict:
@@ -454,14 +539,18 @@ def peak_shapes(shape: dict) -> dict:
 
 
 def matmul_peak(shape: dict, rounds: int) -> tuple[float, dict]:
-  """(FLOP/s, {shape name: GFLOP/s}): the best of `peak_shapes`, each a
-  batched matmul in the compute dtype with float32 accumulation (as the
-  steps run them), repeated inside one compiled loop until it does about a
-  GFLOP, so dispatch costs nothing even for the small recurrent shapes."""
+  """(FLOP/s, {shape name: GFLOP/s}): the best measured matmul of
+  `peak_shapes`, each a batched matmul in the compute dtype with float32
+  accumulation (as the steps run them), repeated inside one compiled loop
+  so that every timed call lasts at least PEAK_CALL_SECONDS even at the
+  datasheet's rate (`peak_reps`)."""
   dt = lm.compute_dtype(shape["dtype"])
+  device = jax.devices()[0]
+  device_flops = (datasheet(device.device_kind)[0]
+                  or _FLOPS_CEILING.get(device.platform, 2.5e15))
   fns, flops = {}, {}
   for name, (s, m, k, n) in peak_shapes(shape).items():
-    reps = max(1, int(1e9 // (2 * s * m * k * n)))
+    reps = peak_reps(2.0 * s * m * k * n, device_flops)
     if shape["hidden"] <= 64:  # quick: a smoke test
       reps = min(reps, 4)
     a = jnp.full((s, m, k), 0.01, dt)
@@ -477,7 +566,6 @@ def matmul_peak(shape: dict, rounds: int) -> tuple[float, dict]:
                                     preferred_element_type=jnp.float32)
       zeros = jnp.zeros((a.shape[0], a.shape[1], w.shape[2]), jnp.float32)
       return jax.lax.fori_loop(0, reps, body, (a, zeros))[1]
-    jax.block_until_ready(loop(a, w))
     fns[name] = functools.partial(
         lambda f, a, w: jax.block_until_ready(f(a, w)), loop, a, w)
     flops[name] = 2.0 * s * m * k * n * reps
@@ -543,11 +631,12 @@ def trace_breakdown(trace_dir: str, names: list[str]) -> dict:
   return result
 
 
-def speed_rows(shape, rounds, trace_dir=None):
-  """Builds every timed row, times them interleaved per group."""
+def row_specs(shape) -> dict:
+  """{group: {row: (build, tokens per call, FLOPs per token)}}: build()
+  compiles the row's runner, so that a caller compiles a group's rows just
+  before timing them (and can time a few rows first)."""
   b, t = shape["batch"], shape["seq_len"]
   word = word_shape(shape)
-  torch_fns, torch_note = torch_runners(shape)
   first, last = shape["stripes"][0], shape["stripes"][-1]
   grouped = shape["grouped_stripes"]
   lm_rows = [(s, False) for s in shape["lm_stripes"]] + [
@@ -557,25 +646,27 @@ def speed_rows(shape, rounds, trace_dir=None):
                                              input_grad=False)
   lm_flops = lambda s, g, train=True: step_flops(shape, s, grouped=g,
                                                  head="full", train=train)
-  groups = {  # group -> {row: (runner, tokens per call, flops per token)}
+  p = functools.partial
+  groups = {
       "core": {
-          **{f"core_S{s}": (core_runner(shape, s), b * t, core_flops(s))
+          **{f"core_S{s}": (p(core_runner, shape, s), b * t, core_flops(s))
              for s in shape["stripes"]},
-          f"core_S{first}_remat": (core_runner(shape, first, remat=True),
+          f"core_S{first}_remat": (p(core_runner, shape, first, remat=True),
                                    b * t, core_flops(first)),
-          **{f"core_S{s}_grouped": (core_runner(shape, s, grouped=True),
+          **{f"core_S{s}_grouped": (p(core_runner, shape, s, grouped=True),
                                     b * t, core_flops(s, True))
              for s in grouped},
-          **{f"core_S{s}_autodiff": (core_runner(shape, s, custom_vjp=False),
+          **{f"core_S{s}_autodiff": (p(core_runner, shape, s,
+                                       custom_vjp=False),
                                      b * t, core_flops(s))
              for s in (first, last)}},
-      "lm": {f"lm_S{s}{suffix(g)}": (lm_runner(shape, s, grouped=g), b * t,
-                                     lm_flops(s, g))
+      "lm": {f"lm_S{s}{suffix(g)}": (p(lm_runner, shape, s, grouped=g),
+                                     b * t, lm_flops(s, g))
              for s, g in lm_rows},
-      "eval": {f"eval_S{s}{suffix(g)}": (eval_runner(shape, s, g), b * t,
+      "eval": {f"eval_S{s}{suffix(g)}": (p(eval_runner, shape, s, g), b * t,
                                          lm_flops(s, g, train=False))
                for s, g in lm_rows},
-      "gen": {f"gen_S{s}{suffix(g)}_b{gb}": (gen_runner(shape, s, gb, g),
+      "gen": {f"gen_S{s}{suffix(g)}_b{gb}": (p(gen_runner, shape, s, gb, g),
                                              gb * shape["gen_tokens"],
                                              lm_flops(s, g, train=False))
               for s, g in lm_rows for gb in (1, b)},
@@ -584,35 +675,59 @@ def speed_rows(shape, rounds, trace_dir=None):
     name = "word" if head == "full" else "word_adaptive"
     groups[name] = {
         f"word_S{s}{suffix(g)}{'' if head == 'full' else '_adaptive'}": (
-            word_runner(word, s, grouped=g, head=head), b * t,
+            p(word_runner, word, s, grouped=g, head=head), b * t,
             step_flops(word, s, grouped=g, head=head))
         for s, g in ((1, False), (last, True))}
-  torch_flops = {  # nn.LSTM is the S = 1 dense model
-      "core": core_flops(1), "lm": lm_flops(1, False),
-      "eval": lm_flops(1, False, train=False),
-      "word": step_flops(word, 1, head="full"),
-      "word_adaptive": step_flops(word, 1, head="adaptive",
-                                  adaptive_input=False)}
-  breakdown = {}
-  if trace_dir:
-    breakdown = _trace_rows(trace_dir, {n: r[0] for g in groups.values()
-                                        for n, r in g.items()})
+  return groups
+
+
+def torch_flops(shape) -> dict:
+  """FLOPs per token of each torch group: nn.LSTM is the S = 1 dense model."""
+  word = word_shape(shape)
+  return {"core": step_flops(shape, 1, input_grad=False),
+          "lm": step_flops(shape, 1, head="full"),
+          "eval": step_flops(shape, 1, head="full", train=False),
+          "word": step_flops(word, 1, head="full"),
+          "word_adaptive": step_flops(word, 1, head="adaptive",
+                                      adaptive_input=False)}
+
+
+def time_group(shape, group, specs, torch_fns, rounds, peak,
+               trace_dir=None) -> tuple[list[dict], dict]:
+  """(rows, trace breakdown) of one group: its rows compiled, then timed
+  interleaved with torch's rows of the group (ratios are against the
+  fastest torch thread count); trace_dir: one profiled step of each JAX row
+  afterwards, into trace_dir/group."""
+  b, t = shape["batch"], shape["seq_len"]
+  runners = {name: build() for name, (build, _, _) in specs.items()}
+  fns = dict(runners)
+  torch_name = f"torch_{group}"
+  for threads, fn in torch_fns.get(group, {}).items():
+    fns[f"{torch_name}_{threads}t"] = fn
+  sec = time_interleaved(fns, rounds)
+  torch_secs = {n: v for n, v in sec.items() if n.startswith(torch_name)}
+  base = min(torch_secs.values()) if torch_secs else None
+  rows = [_row(name, group, sec[name], tokens, flops, peak, base,
+               getattr(runners[name], "compiled", None))
+          for name, (_, tokens, flops) in specs.items()]
+  rows += [_row(name, group, torch_sec, b * t, torch_flops(shape)[group],
+                peak, base) for name, torch_sec in torch_secs.items()]
+  breakdown = (_trace_rows(os.path.join(trace_dir, group), runners)
+               if trace_dir else {})
+  return rows, breakdown
+
+
+def speed_rows(shape, rounds, trace_dir=None):
+  """Every timed row, group after group, each group compiled just before
+  it is timed."""
+  torch_fns, torch_note = torch_runners(shape)
   peak, peak_by_shape = matmul_peak(shape, rounds)
-  rows = []
-  for group, entries in groups.items():
-    fns = {n: r[0] for n, r in entries.items()}
-    torch_name = f"torch_{group}"
-    for threads, fn in torch_fns.get(group, {}).items():
-      fns[f"{torch_name}_{threads}t"] = fn
-    sec = time_interleaved(fns, rounds)
-    torch_secs = {n: v for n, v in sec.items() if n.startswith(torch_name)}
-    base = min(torch_secs.values()) if torch_secs else None
-    for name, (runner, tokens, flops) in entries.items():
-      rows.append(_row(name, group, sec[name], tokens, flops, peak, base,
-                       getattr(runner, "compiled", None)))
-    for name, torch_sec in torch_secs.items():
-      rows.append(_row(name, group, torch_sec, b * t, torch_flops[group],
-                       peak, base))
+  rows, breakdown = [], {}
+  for group, specs in row_specs(shape).items():
+    group_rows, group_breakdown = time_group(shape, group, specs, torch_fns,
+                                             rounds, peak, trace_dir)
+    rows += group_rows
+    breakdown.update(group_breakdown)
   return rows, peak, peak_by_shape, torch_note, breakdown
 
 
@@ -648,7 +763,8 @@ def memory_rows(shape_name, fresh_processes: bool):
         out = subprocess.run(
             [sys.executable, "-m", "zebra_jax.tools.bench",
              f"--shape={shape_name}", f"--memory_row={seq_len},{int(remat)}"],
-            capture_output=True, text=True, check=True)
+            capture_output=True, text=True, check=True,
+            env={**os.environ, **NO_PREALLOCATE})
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
       else:
         rows.append(_memory_row(shape, seq_len, remat))
@@ -672,17 +788,26 @@ def _mb(x):
   return "-" if x is None else f"{x / 2 ** 20:,.0f} MB"
 
 
+def peak_text(result) -> str:
+  """The best measured matmul beside the datasheet's figure."""
+  sheet = result["datasheet_bf16_tflops"]
+  return (f"best measured matmul {result['matmul_peak_gflops']:,.0f} GFLOP/s "
+          f"({result['config']['dtype']}); datasheet dense bf16 "
+          + (f"{sheet:,.0f} TFLOP/s ({result['datasheet']})" if sheet
+             else "unknown"))
+
+
 def print_table(result) -> None:
-  print(f"\n{result['device']} | shape {result['shape']} | matmul peak "
-        f"{result['matmul_peak_gflops']:,.0f} GFLOP/s | {result['torch']}")
+  print(f"\n{result['device']} | shape {result['shape']} | "
+        f"{peak_text(result)} | {result['torch']}")
   print("matmul GFLOP/s by shape: " + ", ".join(
       f"{k} {v:,.0f}" for k, v in result["matmul_gflops_by_shape"].items()))
   print(f"{'row':<28}{'tok/s':>11}{'ms/step':>10}{'x torch':>9}"
-        f"{'GFLOP/s':>9}{'% peak':>8}{'XLA plan':>11}")
+        f"{'model GFLOP/s':>14}{'% peak':>8}{'XLA plan':>11}")
   for r in result["rows"]:
     ratio = "-" if r["ratio_to_torch"] is None else f"{r['ratio_to_torch']:.2f}"
     print(f"{r['name']:<28}{r['tokens_per_s']:>11,.0f}{r['ms_per_step']:>10.1f}"
-          f"{ratio:>9}{r['gflops']:>9.1f}{100 * r['frac_of_peak']:>7.0f}%"
+          f"{ratio:>9}{r['gflops']:>14.1f}{100 * r['frac_of_peak']:>7.0f}%"
           f"{_mb(r['xla_bytes']):>11}")
   if result.get("memory"):
     print(f"\nLM step S=1, batch {result['config']['batch']}: peak memory")
@@ -715,14 +840,17 @@ def run(quick: bool = False, shape_name: str = "A", json_path=None,
   notes = [torch_note] if torch_note else []
   over = [r["name"] for r in rows if r["frac_of_peak"] > 1.0]
   if over:  # nothing is clamped: the peak, not the row, is wrong
-    notes.append(f"{', '.join(over)} above the measured matmul peak: the "
+    notes.append(f"{', '.join(over)} above the best measured matmul: the "
                  "peak underestimates this machine (load changed while "
                  "timing, or a faster matmul shape exists)")
+  sheet, sheet_name = datasheet(jax.devices()[0].device_kind)
   result = {"device": f"{jax.devices()[0].device_kind} x1 "
                       f"({os.cpu_count()} CPU cores visible)",
             "shape": "quick" if quick else shape_name,
             "config": {k: v for k, v in shape.items()},
             "matmul_peak_gflops": peak / 1e9,
+            "datasheet_bf16_tflops": sheet and sheet / 1e12,
+            "datasheet": sheet_name,
             "matmul_gflops_by_shape": peak_by_shape,
             "torch": torch_note or "-",
             "rows": rows, "notes": notes}
@@ -743,6 +871,10 @@ def run(quick: bool = False, shape_name: str = "A", json_path=None,
 
 def main(argv):
   del argv
+  # Before JAX starts its backend: the memory rows' processes need the GPU
+  # memory this one would otherwise reserve.
+  for key, value in NO_PREALLOCATE.items():
+    os.environ.setdefault(key, value)
   if _MEMORY_ROW.value:  # child process of memory_rows
     seq_len, remat = (int(v) for v in _MEMORY_ROW.value.split(","))
     print(json.dumps(_memory_row(SHAPES[_SHAPE.value], seq_len, bool(remat))))
