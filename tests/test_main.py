@@ -82,9 +82,11 @@ def test_cli_train_eval_sample_char_level(tmp_path):
   out = _cli(workdir, "--mode=eval", cwd=tmp_path)
   assert out.returncode == 0, out.stderr
   assert "| valid at step 20" in out.stdout and "| test at step 20" in out.stdout
-  out = _cli(workdir, "--mode=sample", "--prompt=the quick", "--seed=3",
-             "--max_new_tokens=12", cwd=tmp_path)
-  again = _cli(workdir, "--mode=sample", "--prompt=the quick", "--seed=3",
+  out = _cli(workdir, "--mode=sample", "--prompt=the quick",
+             "--config.sample.seed=3", "--config.sample.max_new_tokens=12",
+             cwd=tmp_path)
+  again = _cli(workdir, "--mode=sample", "--config.sample.prompt=the quick",
+               "--config.sample.seed", "3",
                "--config.sample.max_new_tokens=12", cwd=tmp_path)
   assert out.returncode == 0, out.stderr
   assert "the quick" in out.stdout and out.stdout == again.stdout
