@@ -52,10 +52,9 @@ def check_removed(argv: list[str]) -> None:
       break
     name = re.sub(r"^--?(no)?", "", arg.split("=", 1)[0])
     if arg.startswith("-") and name in REMOVED_FLAGS:
-      field = REMOVED_FLAGS[name]
+      value = f"={arg.split('=', 1)[1]}" if "=" in arg else ""
       raise UserError(f"--{name} is now a config field: use "
-                      f"--config.{field}=... (e.g. --config.{field}="
-                      f"{arg.split('=', 1)[1] if '=' in arg else 'VALUE'})")
+                      f"--config.{REMOVED_FLAGS[name]}{value}")
   mode = flag_value(argv, "mode")
   if mode in REMOVED_MODES:
     raise UserError(f"--mode={mode} is its own command now: run "
