@@ -231,7 +231,8 @@ class _Run:
   named steps that read them (log a window, poll for a stop, eval and save)."""
 
   def __init__(self, cfg, log, ckpt, stop_request, state):
-    self.cfg, self.log, self.ckpt, self.stop_request = cfg, log, ckpt, stop_request
+    self.cfg, self.log, self.ckpt = cfg, log, ckpt
+    self.stop_request = stop_request
     self.state = state
     self.position = pipeline.DataPosition()
     self.best_valid, self.best_step = float("inf"), None
