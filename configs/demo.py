@@ -3,30 +3,20 @@
   python -m zebra_jax.main --config=configs/demo.py --workdir=runs/demo
   python -m zebra_jax.main --config=configs/demo.py --workdir=runs/demo --mode=eval
   python -m zebra_jax.main --config=configs/demo.py --workdir=runs/demo --mode=sample \
-      --prompt="The module"
+      --prompt="The module" --config.sample.temperature=0.7
   python -m zebra_jax.main --config=configs/demo.py:tiny --workdir=/tmp/tiny  # seconds
 
 The corpus is English documentation text shipped with every Python install
 (pydoc topics and standard-library docstrings), so it needs no network.
 """
 
-import importlib.util
-import os
-
 import ml_collections
 
-
-def _base():
-  """configs/base.py beside this file, whatever the working directory."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py")
-  spec = importlib.util.spec_from_file_location("zebra_configs_base", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from zebra_jax.config import base
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
-  c = _base().get_config()  # the embedded corpus, characters, 2 x 256 in 4 stripes
+  c = base.get_config()  # the embedded corpus, characters, 2 x 256 in 4 stripes
   c.train.update(
       num_steps=1500,           # about 4 minutes on 2 CPU cores (~14k tok/s)
       time_budget_minutes=6.0,  # stop (and save) after this long whatever the step

@@ -2,8 +2,9 @@
 
   python -m zebra_jax.main --config=configs/wt103.py --workdir=runs/wt103 \
       --config.data.path=/data/wikitext-103
+  python -c "from tests.helpers import write_wikitext; write_wikitext('/tmp/wt')"
   python -m zebra_jax.main --config=configs/wt103.py:tiny --workdir=/tmp/tiny \
-      --config.data.path=tests/data/wikitext-tiny     # seconds, on CPU
+      --config.data.path=/tmp/wt     # a small WikiText-format folder: seconds, on CPU
 
 `data.path` is a folder in WikiText format (wiki.train.tokens, wiki.valid.tokens,
 wiki.test.tokens), e.g. the unpacked wikitext-103-v1 archive.
@@ -57,23 +58,13 @@ al. 2018 (An Analysis of Neural Language Modeling at Multiple Scales) reach
 33.0 with a 4-layer QRNN, a bar below the band.
 """
 
-import importlib.util
-import os
-
 import ml_collections
 
-
-def _base():
-  """configs/base.py beside this file, whatever the working directory."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py")
-  spec = importlib.util.spec_from_file_location("zebra_configs_base", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from zebra_jax.config import base
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
-  c = _base().get_config()
+  c = base.get_config()
   c.data.update(
       source="wikitext",        # or hf: Salesforce/wikitext, or a local parquet/arrow dir
       hf_config="wikitext-103-v1",  # source=hf

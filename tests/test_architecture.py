@@ -1,7 +1,7 @@
 """The package's import graph: no cycles, and imports only run downward.
 
 Floors, lowest first: errors; model and data (independent of each other);
-runtime; inference; training; the command line and tools on top (they share
+config (every field's default and rule, config files); runtime; inference; training; the command line and tools on top (they share
 the flag parsing, and the command line runs some tools as modes). Imports made
 inside functions count as much as those at the top of a module: a lazy import
 that dodges a cycle is still a cycle.
@@ -19,13 +19,14 @@ ALLOWED = {
     "errors": set(),
     "model": {"errors"},
     "data": {"errors"},
-    "runtime": {"errors", "model", "data"},
-    "inference": {"errors", "model", "data", "runtime"},
-    "training": {"errors", "model", "data", "runtime", "inference"},
-    "cli": {"errors", "model", "data", "runtime", "inference", "training",
-            "tools"},
-    "tools": {"errors", "model", "data", "runtime", "inference", "training",
-              "cli"},  # the shared flag parsing; cli runs bench and plot
+    "config": {"errors", "model", "data"},
+    "runtime": {"errors", "model", "data", "config"},
+    "inference": {"errors", "model", "data", "config", "runtime"},
+    "training": {"errors", "model", "data", "config", "runtime", "inference"},
+    "cli": {"errors", "model", "data", "config", "runtime", "inference",
+            "training", "tools"},
+    "tools": {"errors", "model", "data", "config", "runtime", "inference",
+              "training", "cli"},  # the shared flag parsing; cli runs bench and plot
 }
 
 
@@ -116,7 +117,7 @@ def test_imports_run_downward():
 
 @pytest.mark.parametrize("low", ["model", "data"])
 def test_model_and_data_import_nothing_above_them(low):
-  above = {"training", "inference", "cli", "tools", "runtime"}
+  above = {"training", "inference", "cli", "tools", "runtime", "config"}
   for module, deps in _graph().items():
     if _part(module) == low:
       assert not {_part(d) for d in deps} & above, (module, deps)

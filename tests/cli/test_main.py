@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from configs import demo
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, sample
 from zebra_jax.training import evaluate, loop
-from tests.helpers import REPO, tiny_word_config, write_wikitext
+from tests.helpers import (REPO, tiny_word_config, trained_char_run,
+                           write_wikitext)
 
 def _cli(*args, timeout=300, cwd=REPO):
   """Runs python -m zebra_jax.main with the test's 8-device environment."""
@@ -82,9 +84,11 @@ def test_cli_train_eval_sample_char_level(tmp_path):
   out = _cli(workdir, "--mode=eval", cwd=tmp_path)
   assert out.returncode == 0, out.stderr
   assert "| valid at step 20" in out.stdout and "| test at step 20" in out.stdout
-  out = _cli(workdir, "--mode=sample", "--prompt=the quick", "--seed=3",
-             "--max_new_tokens=12", cwd=tmp_path)
-  again = _cli(workdir, "--mode=sample", "--prompt=the quick", "--seed=3",
+  out = _cli(workdir, "--mode=sample", "--prompt=the quick",
+             "--config.sample.seed=3", "--config.sample.max_new_tokens=12",
+             cwd=tmp_path)
+  again = _cli(workdir, "--mode=sample", "--config.sample.prompt=the quick",
+               "--config.sample.seed", "3",
                "--config.sample.max_new_tokens=12", cwd=tmp_path)
   assert out.returncode == 0, out.stderr
   assert "the quick" in out.stdout and out.stdout == again.stdout
@@ -202,3 +206,72 @@ def test_prompt_symbols_outside_the_vocabulary(tmp_path, caplog):
 
 def test_devices_seen_by_tests():
   assert jax.device_count() == 8  # conftest's emulated devices
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory):
+  return trained_char_run(tmp_path_factory)
+
+
+def _greedy(*args, cwd):
+  out = _cli(*args, "--mode=sample", "--config.sample.temperature=0",
+             "--prompt=the quick", cwd=cwd)
+  assert out.returncode == 0, out.stderr
+  return out.stdout
+
+
+def test_overrides_apply_to_the_workdirs_config_json(char_run, tmp_path):
+  """--config.sample.temperature=0 without --config: the same greedy text as
+  with the config file the run was trained from."""
+  cfg, workdir = char_run
+  saved = _greedy(f"--workdir={workdir}", cwd=tmp_path)
+  from_file = _greedy(f"--config={REPO}/configs/demo.py:tiny",
+                      f"--workdir={workdir}", "--config.data.source=text",
+                      f"--config.data.path={cfg.data.path}", cwd=tmp_path)
+  assert "temperature 0.0" in saved and saved == from_file
+
+
+def test_config_json_without_newer_fields_evaluates_and_samples(char_run,
+                                                                tmp_path):
+  """A workdir whose config.json predates the adaptive head, grouped stripes,
+  the Pallas recurrence, stop/stream/chunk and the serve limits."""
+  _, workdir = char_run
+  old = str(tmp_path / "old")
+  shutil.copytree(workdir, old)
+  record = json.load(open(f"{old}/config.json"))
+  for field in ("head", "stripe_input", "recurrence", "adaptive_cutoffs",
+                "adaptive_div_val", "adaptive_tie", "adaptive_chunk_rows"):
+    del record["model"][field]
+  for field in ("stop", "stream", "chunk", "repetition_penalty"):
+    del record["sample"][field]
+  del record["serve"]
+  with open(f"{old}/config.json", "w") as f:
+    json.dump(record, f)
+  out = _cli(f"--workdir={old}", "--mode=eval", "--split=valid", cwd=tmp_path)
+  assert out.returncode == 0, out.stderr
+  new = _cli(f"--workdir={workdir}", "--mode=eval", "--split=valid",
+             cwd=tmp_path)
+  loss = lambda text: re.search(r"valid loss ([0-9.]+)", text).group(1)
+  assert loss(out.stdout) == loss(new.stdout)
+  assert _greedy(f"--workdir={old}", cwd=tmp_path) == _greedy(
+      f"--workdir={workdir}", cwd=tmp_path)
+
+
+@pytest.mark.parametrize("flag, field", [
+    ("--temperature=0.7", "--config.sample.temperature=0.7"),
+    ("--max_new_tokens=5", "--config.sample.max_new_tokens=5"),
+    ("--stream", "--config.sample.stream"),
+    ("--stream_chunk=4", "--config.sample.chunk=4"),
+])
+def test_removed_numeric_flag_names_its_config_field(tmp_path, flag, field):
+  out = _cli("--mode=sample", f"--workdir={tmp_path}", flag, cwd=tmp_path)
+  assert out.returncode == 2 and "Traceback" not in out.stderr
+  (line,) = out.stderr.strip().splitlines()
+  assert line.startswith("error: ") and f"use {field}" in line, line
+
+
+def test_modes_that_became_tools_name_their_command(tmp_path):
+  out = _cli("--mode=infer_bench", f"--workdir={tmp_path}", cwd=tmp_path)
+  assert out.returncode == 2
+  (line,) = out.stderr.strip().splitlines()
+  assert "python -m zebra_jax.tools.infer_bench" in line, line

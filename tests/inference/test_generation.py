@@ -108,21 +108,24 @@ def test_cli_prompt_file_and_stream(trained, tmp_path):
   common = [sys.executable, "-m", "zebra_jax.main",
             "--config=configs/demo.py:tiny", f"--workdir={workdir}",
             "--config.data.source=text", f"--config.data.path={cfg.data.path}",
-            "--mode=sample", "--max_new_tokens=16", "--temperature=0"]
+            "--mode=sample", "--config.sample.max_new_tokens=16",
+            "--config.sample.temperature=0"]
   run = lambda *a: subprocess.run(common + list(a), capture_output=True,
                                   text=True, timeout=300, cwd=REPO)
-  out = run(f"--prompt_file={prompts}", "--repetition_penalty=1.2")
+  out = run(f"--prompt_file={prompts}",
+            "--config.sample.repetition_penalty=1.2")
   assert out.returncode == 0, out.stderr
   expected = gen.generate(["the ", "line 12: the quick"], sample.Options(
       max_new_tokens=16, temperature=0.0, repetition_penalty=1.2))
   assert "----- sample 2/2" in out.stdout
   assert all(t in out.stdout for t in expected)
-  out = run("--prompt=the ", "--stream", "--stream_chunk=4")
+  out = run("--prompt=the ", "--config.sample.stream",
+            "--config.sample.chunk=4")
   assert out.returncode == 0, out.stderr
   greedy = gen.generate(["the "], sample.Options(max_new_tokens=16,
                                                  temperature=0.0))[0]
   assert greedy in out.stdout
-  with pytest.raises(UserError, match="--stream prints one text"):
+  with pytest.raises(UserError, match="--config.sample.stream prints one"):
     stream_cfg = cfg.copy_and_resolve_references()
     stream_cfg.sample.stream = True
     sample.run(stream_cfg, workdir, ["the ", "x"])
@@ -142,7 +145,7 @@ def test_infer_bench_reports_throughput_and_latency_percentiles(trained,
       assert 0 < stats["p50"] <= stats["p90"] <= stats["p95"] <= stats["p99"]
   stats = infer_bench.latency_stats([0.001, 0.002, 0.003, 0.004])
   assert stats["avg"] == pytest.approx(2.5) and stats["p50"] == pytest.approx(2.5)
-  with pytest.raises(UserError, match="bench_batch_sizes"):
+  with pytest.raises(UserError, match="--batch_sizes"):
     infer_bench.run(cfg, workdir, ["one"])
 
 

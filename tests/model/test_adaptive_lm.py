@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from zebra_jax.config import base, files
 from zebra_jax.errors import UserError
 from zebra_jax.inference import export, loading, sample, score
 from zebra_jax.model import lm
@@ -24,7 +25,8 @@ V, H = 23, 16
 
 
 def _cfg(**overrides) -> ml_collections.ConfigDict:
-  c = dict(vocab_size=V, embed_size=H, hidden_size=H, num_layers=2,
+  c = base.get_config().model.to_dict()  # every field, then this test's
+  c.update(vocab_size=V, embed_size=H, hidden_size=H, num_layers=2,
            num_stripes=2, dropout_embed=0.0, dropout_hidden=0.0,
            dropout_output=0.0, tie_embeddings=True, dtype="float32",
            unroll=1, remat=False, head="adaptive", adaptive_cutoffs=(4, 9, 15),
@@ -146,23 +148,23 @@ def test_untied_when_widths_differ():
 
 
 def test_configs_without_a_head_field_mean_the_full_head(tmp_path):
-  """Workdirs from before the adaptive head keep loading as what they were."""
-  cfg = _cfg(head="full")
-  del cfg["head"]
-  assert lm.head_kind(cfg) == "full"
-  _, params = lm.abstract(cfg)
-  assert "head_b" in params
-  saved = {"model": {k: v for k, v in cfg.items()
-                     if not k.startswith("adaptive_")}}
-  new = ml_collections.ConfigDict({"model": _cfg(head="full").to_dict()})
+  """Workdirs from before the adaptive head keep loading as what they were,
+  even where today's default head would be another."""
+  old = {k: v for k, v in _cfg(head="adaptive").items()
+         if k != "head" and not k.startswith("adaptive_")}
+  saved = files.upgrade({"model": old})
+  assert saved.model.head == "full"
+  _, params = lm.abstract(saved.model)
+  assert "head_b" in params and "adaptive_softmax" not in params
+  new = _cfg(head="full")
   rundir._check_same_architecture(saved, new, str(tmp_path))  # same model
-  new.model.head = "adaptive"
+  new.head = "adaptive"
   with pytest.raises(UserError, match="model.head=full"):
     rundir._check_same_architecture(saved, new, str(tmp_path))
   # Cutoffs come back from JSON as lists; they are the same cutoffs.
-  saved = json.loads(json.dumps(new.to_dict()))
+  saved = files.upgrade(json.loads(json.dumps({"model": new.to_dict()})))
   rundir._check_same_architecture(saved, new, str(tmp_path))
-  new.model.adaptive_cutoffs = (4, 10, 15)
+  new.adaptive_cutoffs = (4, 10, 15)
   with pytest.raises(UserError, match="adaptive_cutoffs"):
     rundir._check_same_architecture(saved, new, str(tmp_path))
 

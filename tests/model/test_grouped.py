@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from zebra_jax.config import base
 from zebra_jax.errors import UserError
 from zebra_jax.model import lm, recurrence
 from zebra_jax.runtime import config_checks
@@ -24,7 +25,8 @@ from tests.helpers import (assert_trees_close, random_batches,
 
 
 def _cfg(**overrides) -> ml_collections.ConfigDict:
-  c = dict(vocab_size=11, embed_size=8, hidden_size=8, num_layers=2,
+  c = base.get_config().model.to_dict()  # every field, then this test's
+  c.update(vocab_size=11, embed_size=8, hidden_size=8, num_layers=2,
            num_stripes=2, stripe_input="grouped", dropout_embed=0.0,
            dropout_hidden=0.0, dropout_output=0.0, tie_embeddings=False,
            dtype="float32", unroll=1, remat=False)

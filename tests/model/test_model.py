@@ -15,12 +15,14 @@ import optax
 import pytest
 from flax import nnx
 
+from zebra_jax.config import base
 from zebra_jax.model import lm
 from tests import references as ref
 
 
 def _cfg(**overrides) -> ml_collections.ConfigDict:
-  c = dict(vocab_size=11, embed_size=8, hidden_size=8, num_layers=2,
+  c = base.get_config().model.to_dict()  # every field, then this test's
+  c.update(vocab_size=11, embed_size=8, hidden_size=8, num_layers=2,
            num_stripes=1, dropout_embed=0.0, dropout_hidden=0.0,
            dropout_output=0.0, tie_embeddings=True, dtype="float32",
            unroll=1, remat=False)

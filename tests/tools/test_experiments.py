@@ -59,8 +59,8 @@ def test_grouped_settings_count_block_diagonal_weights_and_get_a_classic():
 
 
 def test_table_mean_and_std_over_seeds():
-  runs = [dict(setting="s8_h256", num_stripes=8, hidden_size=256,
-               classic_matched=False, params=620656, seed=seed,
+  runs = [dict(setting="s8_h256", num_stripes=8, stripe_input="dense",
+               hidden_size=256, classic_matched=False, params=620656, seed=seed,
                planned_steps=120,
                tok_per_s=tps, tokens_seen=1e6, steps=100, valid_ppl=v,
                test_ppl=v + 1) for seed, tps, v in ((0, 100, 4.0),

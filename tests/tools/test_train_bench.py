@@ -17,14 +17,14 @@ import sys
 import ml_collections
 import pytest
 
-from zebra_jax.cli import arguments
+from zebra_jax.config import files
 from zebra_jax.errors import UserError
 from zebra_jax.tools import train_bench
 from tests.helpers import REPO
 
 
 def _base() -> ml_collections.ConfigDict:
-  return arguments.load_config_file(os.path.join(REPO, "configs", "base.py"))
+  return files.load_file(os.path.join(REPO, "configs", "base.py"))
 
 
 def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
@@ -95,19 +95,10 @@ def test_too_short_warmup_is_a_user_error():
     train_bench.log_interval(1, 6)
 
 
-def test_grouped_stripes_only_where_the_config_has_them():
-  fields = _base().to_dict()
-  fields["model"].pop("stripe_input", None)
-  without = ml_collections.ConfigDict(fields)
+def test_train_config_sets_the_rows_stripes_and_schedule():
   shape = train_bench.SHAPES["quick"]
-  with pytest.raises(UserError, match="stripe_input"):
-    train_bench.train_config(without, shape, 2, "grouped", 6, 4)
-  assert "stripe_input" not in train_bench.train_config(
-      without, shape, 2, "dense", 6, 4).model
-  fields["model"]["stripe_input"] = "dense"
-  with_field = ml_collections.ConfigDict(fields)
-  cfg = train_bench.train_config(with_field, shape, 2, "grouped", 6, 4)
-  assert cfg.model.stripe_input == "grouped"
+  cfg = train_bench.train_config(_base(), shape, 2, "grouped", 6, 4)
+  assert cfg.model.stripe_input == "grouped" and cfg.model.num_stripes == 2
   assert cfg.train.num_steps == 10 and cfg.train.eval_every > 10
   assert cfg.checkpoint.every_steps > 10
 

@@ -1,15 +1,17 @@
 """Running an absl program with one `error:` line (exit 2) for bad input.
 
 Used by zebra_jax.main and the tools, so every entry point parses flags the
-same way: absl flags, ml_collections --config files, UserError as one line.
+same way: absl flags, --config files, UserError as one line.
 """
 
+import os
 import sys
 from typing import Callable, Sequence
 
 from absl import app, flags
 
-from zebra_jax.cli import arguments
+from zebra_jax.cli import arguments, overrides
+from zebra_jax.config import files
 from zebra_jax.errors import UserError
 
 
@@ -24,36 +26,66 @@ def asks_help(argv: Sequence[str]) -> bool:
 
 
 def parse_flags(argv: list[str],
-                resolve: Callable[[list[str]], list[str]] | None = None):
-  """absl's parser, after `resolve` (argv -> argv) and a --config check."""
+                check: Callable[[list[str]], None] | None = None,
+                own_overrides: bool = False):
+  """absl's parser, after `check(argv)` (a UserError there is one line).
+
+  own_overrides: the --config.x=y overrides are kept out of absl's way and
+  handed to main as argv[1:], (field, text) pairs, for the program to apply
+  to the config it reads once (zebra_jax.main). Otherwise ml_collections'
+  --config flag of the program parses them, and a bad one is one line too.
+  """
   try:
     if not asks_help(argv):
-      argv = resolve(argv) if resolve else argv
+      if check:
+        check(argv)
       spec = arguments.flag_value(argv, "config")
-      if spec:
-        arguments.load_config_file(spec)
+      if spec and not own_overrides:
+        files.load_file(spec)
   except UserError as e:
     usage_error(str(e))
+  if own_overrides:
+    rest, found = overrides.split(argv)
+    try:
+      return [flags.FLAGS(rest)[0], *found]
+    except flags.Error as e:
+      usage_error(" ".join(str(e).split()))
   try:
     return flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    usage_error(arguments.config_field_error(argv) or " ".join(str(e).split()))
+    usage_error(_override_error(argv) or " ".join(str(e).split()))
 
 
-def run_tool(main: Callable[[list[str]], int | None]) -> None:
-  """app.run(main), a UserError from main being one `error:` line, exit 2."""
+def _override_error(argv: list[str]) -> str | None:
+  """For a bad --config.a.b override: the one line cli.overrides gives."""
+  spec = arguments.flag_value(argv, "config")
+  if spec is None:
+    return None
+  try:
+    overrides.apply(files.load_file(spec), overrides.split(argv)[1])
+  except UserError as e:
+    return str(e)
+  return None
+
+
+def run_tool(main: Callable[[list], int | None],
+             own_overrides: bool = False) -> None:
+  """app.run(main), a UserError from main being one `error:` line, exit 2.
+
+  own_overrides: as in parse_flags (main reads its config with
+  cli.arguments.load).
+  """
   def guarded(argv):
     try:
       return main(argv)
     except UserError as e:
       usage_error(str(e))
-  app.run(guarded, flags_parser=parse_flags)
+  app.run(guarded, flags_parser=lambda argv: parse_flags(
+      argv, own_overrides=own_overrides))
 
 
 def default_config(name: str) -> str | None:
   """configs/<name> of the source tree, if the package runs from one."""
-  import os
-  from zebra_jax.cli import saved_config
-  path = os.path.join(saved_config.CONFIGS_DIR, name.partition(":")[0])
-  return os.path.join(saved_config.CONFIGS_DIR, name) if os.path.isfile(
+  path = os.path.join(files.CONFIGS_DIR, name.partition(":")[0])
+  return os.path.join(files.CONFIGS_DIR, name) if os.path.isfile(
       path) else None

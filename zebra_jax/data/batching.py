@@ -59,6 +59,16 @@ class StreamBatcher:
   def __len__(self) -> int:
     return self.batches_per_epoch
 
+  @property
+  def tokens_per_batch(self) -> int:
+    """Input tokens in one global batch (every process's rows)."""
+    return self.batch_size * self.seq_len
+
+  def starts_fresh(self, index: int) -> bool:
+    """Whether batch `index` begins new streams, so the carry restarts at 0:
+    the first batch of an epoch; later ones continue the previous rows."""
+    return index == 0
+
   def get(self, index: int, epoch: int = 0):
     """The index-th window of every local row (`epoch` does not matter here).
 
@@ -99,6 +109,16 @@ class RandomWindowBatcher:
 
   def __len__(self) -> int:
     return self.batches_per_epoch
+
+  @property
+  def tokens_per_batch(self) -> int:
+    """Input tokens in one global batch (every process's rows)."""
+    return self.batch_size * self.seq_len
+
+  def starts_fresh(self, index: int) -> bool:
+    """Every batch: random windows continue nothing, so the carry restarts."""
+    del index
+    return True
 
   def get(self, index: int, epoch: int = 0):
     """Batch `index` of `epoch`: a pure function of (seed, epoch, index).

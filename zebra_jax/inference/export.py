@@ -95,8 +95,8 @@ def write_artifact(loaded: loading.Loaded, folder: str,
       "platforms": list(platforms), "num_params": len(flat),
       "num_layers": m.num_layers, "hidden_size": m.hidden_size,
       "vocab_size": m.vocab_size, "tokenizer": loaded.tokenizer.kind,
-      "head": lm.head_kind(m),
-      "outputs": ("log-probabilities" if lm.head_kind(m) == "adaptive"
+      "head": m.head,
+      "outputs": ("log-probabilities" if m.head == "adaptive"
                   else "logits"),
       "sample": {k: loaded.cfg.sample[k] for k in
                  ("max_new_tokens", "temperature", "top_k", "top_p")},

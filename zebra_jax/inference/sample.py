@@ -212,8 +212,9 @@ def run(cfg, workdir: str, prompts: list[str] | None = None) -> list[str]:
   prompts = prompts or [cfg.sample.prompt]
   stream = bool(cfg.sample.stream)
   if stream and len(prompts) * options.num_samples > 1:
-    raise UserError("--stream prints one text as it grows: use one prompt and "
-                    "--num_samples=1, or drop --stream")
+    raise UserError("--config.sample.stream prints one text as it grows: use "
+                    "one prompt and --config.sample.num_samples=1, or drop "
+                    "--config.sample.stream")
   loaded = loading.load_for_inference(cfg, workdir)
   generator = Generator(loaded)
   show = jax.process_index() == 0

@@ -26,7 +26,6 @@ from absl import logging
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, sample, score
-from zebra_jax.model import lm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +103,7 @@ class Service:
             "tokenizer": self.loaded.tokenizer.kind,
             "vocab_size": m.vocab_size, "num_layers": m.num_layers,
             "hidden_size": m.hidden_size, "num_stripes": m.num_stripes,
-            "head": lm.head_kind(m), "limits": dataclasses.asdict(self.limits)}
+            "head": m.head, "limits": dataclasses.asdict(self.limits)}
 
   def generate(self, body) -> dict:
     body = _check_fields(body, _GENERATE_FIELDS)

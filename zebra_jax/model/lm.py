@@ -25,21 +25,21 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
 from zebra_jax.model import adaptive_softmax as asm, metrics, recurrence
 from zebra_jax.model import pallas_recurrence
+from zebra_jax.model.config import DTYPES, ModelConfig
 
 # One (h, c) pair per layer, each [batch, hidden] float32.
 Carry = tuple[tuple[jax.Array, jax.Array], ...]
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
-           "float16": jnp.float16}
-
 
 def compute_dtype(name: str) -> jnp.dtype:
-  return _DTYPES[name]
+  """The jnp dtype of a model.dtype name (one of config.DTYPES)."""
+  if name not in DTYPES:
+    raise ValueError(f"compute dtype {name!r} is not one of {DTYPES}")
+  return getattr(jnp, name)
 
 
 def _orthogonal_stripes(key, num_stripes, width):
@@ -65,11 +65,11 @@ class ZebraLSTMLayer(nnx.Module):
                rngs: nnx.Rngs, dtype=jnp.float32, unroll: int = 1,
                remat: bool = False, custom_vjp: bool = True,
                grouped: bool = False, kernel: str = "scan"):
-    s, g = num_stripes, hidden_size // num_stripes
+    s, width = num_stripes, hidden_size // num_stripes
     if grouped and in_features % s:
       raise ValueError(f"a grouped layer needs in_features={in_features} "
                        f"divisible by num_stripes={s}")
-    self.num_stripes, self.width, self.grouped = s, g, grouped
+    self.num_stripes, self.width, self.grouped = s, width, grouped
     self.dtype, self.unroll, self.remat = dtype, unroll, remat
     # remat: the backward pass keeps only (h, c) and recomputes the gates.
     # custom_vjp=False: JAX's autodiff of the scan (a reference for tests and
@@ -79,16 +79,17 @@ class ZebraLSTMLayer(nnx.Module):
     # PyTorch nn.LSTM's uniform init range, 1/sqrt(H). A grouped unit reads
     # S times fewer inputs and recurrent units, so 1/sqrt(H/S) keeps its
     # pre-activation's variance (and S = 1 grouped draws the dense weights).
-    bound = 1.0 / (g if grouped else hidden_size) ** 0.5
+    bound = 1.0 / (width if grouped else hidden_size) ** 0.5
     # Gate-major inside each stripe: [i | f | g | o].
     # dense w_x [in, S, 4G]: every stripe reads the whole input;
     # grouped w_x [S, in/S, 4G]: stripe s reads inputs s*in/S .. (s+1)*in/S.
-    shape = (s, in_features // s, 4 * g) if grouped else (in_features, s, 4 * g)
+    shape = ((s, in_features // s, 4 * width) if grouped
+             else (in_features, s, 4 * width))
     self.w_x = nnx.Param(jax.random.uniform(
         rngs.params(), shape, jnp.float32, -bound, bound))
-    self.w_h = nnx.Param(_orthogonal_stripes(rngs.params(), s, g))  # [S, G, 4G]
-    bias = jnp.zeros((s, 4, g), jnp.float32).at[:, 1].set(1.0)  # forget bias 1
-    self.b = nnx.Param(bias.reshape(s, 4 * g))
+    self.w_h = nnx.Param(_orthogonal_stripes(rngs.params(), s, width))  # [S, G, 4G]
+    bias = jnp.zeros((s, 4, width), jnp.float32).at[:, 1].set(1.0)  # forget bias 1
+    self.b = nnx.Param(bias.reshape(s, 4 * width))
 
   def __call__(self, inputs: jax.Array, carry: tuple[jax.Array, jax.Array]):
     """Runs the layer over a window.
@@ -99,13 +100,13 @@ class ZebraLSTMLayer(nnx.Module):
     Returns:
       outputs [batch, time, hidden] in the compute dtype, and the new (h, c).
     """
-    s, g, dt = self.num_stripes, self.width, self.dtype
+    s, width, dt = self.num_stripes, self.width, self.dtype
     b, t, n_in = inputs.shape
     if self.grouped:  # stripe-major [S, T, B, in/S]: stripe s's own slice
       inputs = inputs.reshape(b, t, s, n_in // s).transpose(2, 1, 0, 3)
     else:  # time-major [T, B, in]
       inputs = inputs.transpose(1, 0, 2)
-    to_stripes = lambda a: a.reshape(b, s, g).transpose(1, 0, 2)  # [S, B, G]
+    to_stripes = lambda a: a.reshape(b, s, width).transpose(1, 0, 2)  # [S, B, G]
     args = (inputs.astype(dt), self.w_x[...].astype(dt), self.b[...],
             to_stripes(carry[0]), to_stripes(carry[1]), self.w_h[...].astype(dt))
     if self.custom_vjp:
@@ -114,8 +115,8 @@ class ZebraLSTMLayer(nnx.Module):
       ys, h, c = layer_fn(*args, self.unroll, self.remat)
     else:
       ys, h, c = recurrence.zebra_layer_autodiff(*args, self.unroll)
-    outputs = ys.transpose(2, 1, 0, 3).reshape(b, t, s * g)  # [B, T, H]
-    from_stripes = lambda a: a.transpose(1, 0, 2).reshape(b, s * g)
+    outputs = ys.transpose(2, 1, 0, 3).reshape(b, t, s * width)  # [B, T, H]
+    from_stripes = lambda a: a.transpose(1, 0, 2).reshape(b, s * width)
     return outputs, (from_stripes(h), from_stripes(c))
 
 
@@ -144,10 +145,11 @@ class ZebraLM(nnx.Module):
   because the tied tables live in the LSTM output's width.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    cfg = ModelConfig.of(cfg)
     dt = compute_dtype(cfg.dtype)
     self.dtype = dt
-    self.head = head_kind(cfg)
+    self.head = cfg.head
     self.dropout_embed = float(cfg.dropout_embed)
     self.dropout_hidden = float(cfg.dropout_hidden)
     self.dropout_output = float(cfg.dropout_output)
@@ -165,13 +167,13 @@ class ZebraLM(nnx.Module):
     # grouped: every layer reads its input in stripes, the first one too when
     # embed_size divides by S (else it reads the embedding densely); the
     # layers after the first read the previous one's outputs shuffled.
-    self.shuffle_stripes = stripe_input(cfg) == "grouped" and s > 1
+    grouped = cfg.stripe_input == "grouped"
+    self.shuffle_stripes = grouped and s > 1
     self.layers = nnx.List([
         ZebraLSTMLayer(sizes[i], cfg.hidden_size, s, rngs=rngs,
                        dtype=dt, unroll=cfg.unroll, remat=cfg.remat,
-                       grouped=(stripe_input(cfg) == "grouped"
-                                and sizes[i] % s == 0),
-                       kernel=cfg.get("recurrence", "scan"))
+                       grouped=grouped and sizes[i] % s == 0,
+                       kernel=cfg.recurrence)
         for i in range(cfg.num_layers)])
     if self.head == "adaptive":
       self.tied = hasattr(self, "adaptive_input")
@@ -278,30 +280,19 @@ class ZebraLM(nnx.Module):
     return self.logits(hidden), new_carry
 
 
-def head_kind(cfg: ml_collections.ConfigDict) -> str:
-  """The head type, full or adaptive. Configs written before the adaptive
-  head existed (old workdirs, hand-built benchmark configs) mean full."""
-  return cfg.get("head", "full")
-
-
-def stripe_input(cfg: ml_collections.ConfigDict) -> str:
-  """How a stripe reads its layer's input, dense or grouped. Configs written
-  before grouped layers existed mean dense."""
-  return cfg.get("stripe_input", "dense")
-
-
-def init_carry(cfg: ml_collections.ConfigDict, batch_size: int) -> Carry:
+def init_carry(cfg: ModelConfig, batch_size: int) -> Carry:
   """Zero (h, c) for every layer: the state at the start of a stream."""
+  cfg = ModelConfig.of(cfg)
   zeros = lambda: jnp.zeros((batch_size, cfg.hidden_size), jnp.float32)
   return tuple((zeros(), zeros()) for _ in range(cfg.num_layers))
 
 
-def create(cfg: ml_collections.ConfigDict, seed: int):
+def create(cfg: ModelConfig, seed: int):
   """Builds the model and returns (graphdef, params): params is an nnx.State."""
   return nnx.split(ZebraLM(cfg, rngs=nnx.Rngs(seed)))
 
 
-def abstract(cfg: ml_collections.ConfigDict):
+def abstract(cfg: ModelConfig):
   """(graphdef, params as ShapeDtypeStructs), without allocating: for restores."""
   return nnx.split(nnx.eval_shape(lambda: ZebraLM(cfg, rngs=nnx.Rngs(0))))
 

@@ -419,7 +419,7 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c, launch, interpret):
 def _fused_layer(inputs, w_x, bias, h0, c0, w_h, unroll, remat, launch,
                  interpret):
   del unroll, remat
-  x_proj = recurrence._project(inputs, w_x, bias)  # pylint: disable=protected-access
+  x_proj = recurrence.project_inputs(inputs, w_x, bias)
   ys, h, c, _ = _forward(x_proj, h0, c0, w_h, launch, 0, interpret)
   return ys, h, c
 
@@ -427,7 +427,7 @@ def _fused_layer(inputs, w_x, bias, h0, c0, w_h, unroll, remat, launch,
 def _fused_fwd(inputs, w_x, bias, h0, c0, w_h, unroll, remat, launch,
                interpret):
   del unroll
-  x_proj = recurrence._project(inputs, w_x, bias)  # pylint: disable=protected-access
+  x_proj = recurrence.project_inputs(inputs, w_x, bias)
   ys, h, c, saved = _forward(x_proj, h0, c0, w_h, launch, 1 if remat else 2,
                              interpret)
   return (ys, h, c), (inputs, w_x, bias, h0, c0, w_h, ys, saved)
@@ -447,7 +447,7 @@ def _fused_bwd(unroll, remat, launch, interpret, residuals, cotangents):
   if remat:  # recompute the gates with two large matmuls, as the scan does
     (cs,) = saved
     gates = recurrence._activate(  # pylint: disable=protected-access
-        recurrence._project(inputs, w_x, bias)  # pylint: disable=protected-access
+        recurrence.project_inputs(inputs, w_x, bias)
         + matmul("stbg,sgk->stbk", h_prev, w_h))
   else:
     cs, gates = saved

@@ -68,7 +68,7 @@ def _stripe_cell(x_t, h, c, w_h):
 _cell = jax.vmap(_stripe_cell)  # all stripes: one batched matmul [S, B, G] x [S, G, 4G]
 
 
-def _project(inputs, w_x, bias):
+def project_inputs(inputs, w_x, bias):
   """inputs W_x + b for the whole window -> [S, T, B, 4G] float32.
 
   dense [T, B, I] x [I, S, 4G]; grouped [S, T, B, I/S] x [S, I/S, 4G], a
@@ -131,7 +131,7 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):
 
 
 def _zebra_layer_fwd(inputs, w_x, bias, h0, c0, w_h, unroll, remat):
-  x_proj = _project(inputs, w_x, bias)
+  x_proj = project_inputs(inputs, w_x, bias)
   ys, h, c, saved = _forward(x_proj, h0, c0, w_h, unroll,
                              keep="states" if remat else "gates")
   return (ys, h, c), (inputs, w_x, bias, saved, c0, w_h)
@@ -151,7 +151,7 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
   if remat:
     cs, h_prev = saved
     h_prev = h_prev + tie
-    gates = _activate(_project(inputs, w_x + tie.astype(w_x.dtype), bias)
+    gates = _activate(project_inputs(inputs, w_x + tie.astype(w_x.dtype), bias)
                       + jnp.einsum("stbg,sgk->stbk", h_prev.astype(dt), w_h,
                                    preferred_element_type=jnp.float32))
   else:
@@ -214,9 +214,10 @@ def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0):
 zebra_layer.defvjp(_zebra_layer_fwd, _zebra_layer_bwd)
 
 
+
 def zebra_layer_autodiff(inputs, w_x, bias, h0, c0, w_h, unroll=1):
   """The same function left to JAX's autodiff: the reference that tests and
   the benchmark compare the hand-written backward pass against."""
-  ys, h, c, _ = _forward(_project(inputs, w_x, bias), h0, c0, w_h, unroll,
+  ys, h, c, _ = _forward(project_inputs(inputs, w_x, bias), h0, c0, w_h, unroll,
                          keep=None)
   return ys, h, c

@@ -12,6 +12,7 @@ import os
 import jax
 import ml_collections
 
+from zebra_jax.config import files
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import config_checks, distributed
@@ -20,18 +21,10 @@ from zebra_jax.runtime import config_checks, distributed
 _ARCHITECTURE = ("embed_size", "hidden_size", "num_layers", "num_stripes",
                  "stripe_input", "tie_embeddings", "vocab_size", "head")
 _ADAPTIVE = ("adaptive_cutoffs", "adaptive_div_val", "adaptive_tie")  # if used
-# What a config.json written before the adaptive head and grouped stripes
-# means: the full head, dense stripes.
-_LEGACY_MODEL = dict(head="full", stripe_input="dense")
 
 
 def config_path(workdir: str) -> str:
-  return os.path.join(workdir, "config.json")
-
-
-def _with_legacy_fields(saved: dict) -> dict:
-  """A saved config with the model fields older versions did not write."""
-  return {**saved, "model": {**_LEGACY_MODEL, **saved["model"]}}
+  return files.saved_path(workdir)
 
 
 def _same(a, b) -> bool:
@@ -40,13 +33,14 @@ def _same(a, b) -> bool:
   return as_tuple(a) == as_tuple(b)
 
 
-def _check_same_architecture(saved: dict, cfg: ml_collections.ConfigDict,
+def _check_same_architecture(saved: ml_collections.ConfigDict,
+                             model: ml_collections.ConfigDict,
                              workdir: str) -> None:
-  saved = _with_legacy_fields(saved)["model"]
-  wanted = _with_legacy_fields({"model": cfg.model.to_dict()})["model"]
-  adaptive = wanted["head"] == "adaptive" == saved["head"]
+  """saved: the workdir's (upgraded) config; model: the model section asked for."""
+  saved = saved.model
+  adaptive = model.head == "adaptive" == saved.head
   for field in _ARCHITECTURE + (_ADAPTIVE if adaptive else ()):
-    old, new = saved.get(field), wanted[field]
+    old, new = saved[field], model[field]
     if not _same(old, new):
       raise UserError(
           f"workdir {workdir} holds a model with model.{field}={old}, but the "
@@ -55,23 +49,28 @@ def _check_same_architecture(saved: dict, cfg: ml_collections.ConfigDict,
 
 
 def prepare(cfg: ml_collections.ConfigDict, workdir: str):
-  """Validates, tokenizes (cached), fixes vocab_size; returns (cfg, tok, splits)."""
+  """Validates, tokenizes (cached), writes config.json with the vocabulary size.
+
+  Returns (vocab_size, tokenizer, splits); `cfg` itself is left as it was.
+  """
   config_checks.validate(cfg)
   os.makedirs(workdir, exist_ok=True)
   tokenizer, splits = distributed.process_zero_first(
       lambda: pipeline.prepare_data(cfg, workdir), "preparing the data")
-  cfg = ml_collections.ConfigDict(cfg.to_dict())  # an unlocked, resolved copy
   if cfg.model.vocab_size not in (0, tokenizer.vocab_size):
     raise UserError(
         f"--config.model.vocab_size={cfg.model.vocab_size} differs from the "
         f"tokenizer's {tokenizer.vocab_size}: leave it at 0 (take it from data)")
-  cfg.model.vocab_size = tokenizer.vocab_size
+  record = cfg.to_dict()
+  record["model"]["vocab_size"] = tokenizer.vocab_size
   if os.path.exists(config_path(workdir)):
-    with open(config_path(workdir)) as f:
-      _check_same_architecture(json.load(f), cfg, workdir)
+    _check_same_architecture(
+        files.load_saved(workdir, "delete it to resume with --config's "
+                         "settings"),
+        ml_collections.ConfigDict(record["model"]), workdir)
   if jax.process_index() == 0:
-    _write_atomically(config_path(workdir), cfg.to_dict())
-  return cfg, tokenizer, splits
+    _write_atomically(config_path(workdir), record)
+  return tokenizer.vocab_size, tokenizer, splits
 
 
 def _write_atomically(path: str, record: dict) -> None:
@@ -90,16 +89,15 @@ def load_config(cfg: ml_collections.ConfigDict,
                 workdir: str) -> ml_collections.ConfigDict:
   """The workdir's config.json with `cfg`'s eval, sample and compute settings.
 
-  The architecture comes from the workdir; eval and sample settings, the
-  compute dtype and the head's chunking (memory only) come from `cfg`, so
-  they can be overridden on the command line.
+  The architecture comes from the workdir (config.json of any version,
+  upgraded); eval and sample settings, the compute dtype and the head's
+  chunking (memory only) come from `cfg`, so they can be overridden on the
+  command line.
   """
   if not os.path.exists(config_path(workdir)):
     raise UserError(f"workdir {workdir} has no config.json: train first with "
                     f"--mode=train --workdir={workdir}")
-  with open(config_path(workdir)) as f:
-    saved = _with_legacy_fields(json.load(f))
-  merged = ml_collections.ConfigDict(saved)
+  merged = files.load_saved(workdir)
   merged.eval, merged.sample = cfg.eval, cfg.sample
   merged.model.dtype = cfg.model.dtype  # compute dtype may differ from training
   merged.model.adaptive_chunk_rows = cfg.model.adaptive_chunk_rows  # memory only

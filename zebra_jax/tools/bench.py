@@ -115,6 +115,7 @@ def model_config(shape: dict, stripes: int, grouped=False, head="full",
            stripe_input="grouped" if grouped else "dense", dropout_embed=0.0,
            dropout_hidden=0.0, dropout_output=0.0, tie_embeddings=True,
            dtype=shape["dtype"], unroll=1, remat=False, head=head,
+           recurrence="scan",
            adaptive_cutoffs=tuple(shape.get("cutoffs", ())),
            adaptive_div_val=shape.get("div_val", 1), adaptive_tie=True,
            adaptive_chunk_rows=1024)

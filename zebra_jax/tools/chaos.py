@@ -207,10 +207,10 @@ def main(argv: list[str]) -> int:
 def _final_state(workdir: str):
   """The newest checkpoint's whole train state, as host arrays."""
   import jax
-  from zebra_jax.cli import saved_config
+  from zebra_jax.config import files
   from zebra_jax.runtime import checkpoint, parallel
   from zebra_jax.training import train_state
-  cfg = saved_config.get_config(workdir)
+  cfg = files.load_saved(workdir)
   ckpt = checkpoint.Checkpointer(workdir, create=False)
   _, target = train_state.abstract_state(cfg, parallel.make_mesh())
   return jax.device_get(ckpt.restore(ckpt.latest_step(), target)[0])

@@ -36,7 +36,7 @@ def table(records: Sequence[dict]) -> list[dict]:
   for name, runs in by_setting.items():
     first = runs[0]
     row = {"setting": name, "num_stripes": first["num_stripes"],
-           "stripe_input": first.get("stripe_input", "dense"),
+           "stripe_input": first["stripe_input"],
            "hidden_size": first["hidden_size"],
            "classic_matched": first["classic_matched"],
            "params": first["params"], "seeds": len(runs),
@@ -55,7 +55,7 @@ def markdown(rows: Sequence[dict]) -> str:
            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for r in rows:
     stripes = f"{r['num_stripes']}" + (
-        " grouped" if r.get("stripe_input") == "grouped" else "") + (
+        " grouped" if r["stripe_input"] == "grouped" else "") + (
         " (classic, = params)" if r["classic_matched"] else "")
     lines.append(
         f"| {stripes} | {r['hidden_size']} | {r['params']:,} "

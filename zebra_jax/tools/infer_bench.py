@@ -1,4 +1,7 @@
-"""--mode=infer_bench: generation throughput and latency per batch size.
+"""Generation throughput and latency per batch size, of a trained workdir.
+
+  python -m zebra_jax.tools.infer_bench --workdir=runs/demo --batch_sizes=1,8,64
+
 
 Like the Transformer-XL README's inference tables: for each batch size, a
 request is one prompt of `prompt_len` tokens per row followed by `new_tokens`
@@ -18,7 +21,9 @@ import time
 
 import jax
 import numpy as np
+from absl import flags
 
+from zebra_jax.cli import arguments, entry
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, sample, sampling
 
@@ -79,28 +84,28 @@ def _check(batch_sizes, new_tokens, prompt_len, requests) -> list[int]:
   try:
     sizes = [int(b) for b in batch_sizes]
   except ValueError:
-    raise UserError(f"--bench_batch_sizes={','.join(batch_sizes)} must be "
+    raise UserError(f"--batch_sizes={','.join(batch_sizes)} must be "
                     "whole numbers, e.g. 1,2,4,8") from None
-  for name, value in (("bench_new_tokens", new_tokens),
-                      ("bench_prompt_len", prompt_len),
-                      ("bench_requests", requests)):
+  for name, value in (("new_tokens", new_tokens),
+                      ("prompt_len", prompt_len),
+                      ("requests", requests)):
     if value < 1:
       raise UserError(f"--{name}={value} must be at least 1")
   if not sizes or min(sizes) < 1:
-    raise UserError("--bench_batch_sizes needs positive sizes, e.g. 1,8,64")
+    raise UserError("--batch_sizes needs positive sizes, e.g. 1,8,64")
   return sizes
 
 
 def run(cfg, workdir: str, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *,
         new_tokens: int = 64, prompt_len: int = 32, requests: int = 5,
         json_path: str | None = None) -> dict:
-  """--mode=infer_bench: prints one line per batch size, writes JSON."""
+  """Prints one line per batch size, writes JSON (default WORKDIR/infer_bench.json)."""
   sizes = _check(batch_sizes, new_tokens, prompt_len, requests)
   loaded = loading.load_for_inference(cfg, workdir)
   valid = np.asarray(loaded.splits["valid"])
   if len(valid) < prompt_len:
     raise UserError(f"the valid split has {len(valid)} tokens, fewer than "
-                    f"--bench_prompt_len={prompt_len}: use a shorter prompt")
+                    f"--prompt_len={prompt_len}: use a shorter prompt")
   prompt = valid[:prompt_len].astype(np.int32)  # real text as the prompt
   generator = sample.Generator(loaded)
   results = []
@@ -119,3 +124,25 @@ def run(cfg, workdir: str, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *,
     json.dump(report, f, indent=2)
   print(f"| wrote {json_path}", flush=True)
   return report
+
+
+def main(argv) -> None:
+  """argv[1:]: the --config.x=y overrides, applied to the config read once."""
+  f = flags.FLAGS
+  cfg, workdir = arguments.load("infer_bench", f.config, f.workdir, argv[1:])
+  run(cfg, workdir, f.batch_sizes, new_tokens=f.new_tokens,
+      prompt_len=f.prompt_len, requests=f.requests, json_path=f.json)
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("config", None, "Config file[:variant] (default: the "
+                      "workdir's config.json); --config.x=y sets a field.")
+  flags.DEFINE_string("workdir", None, "A trained run directory.")
+  flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32", "64"],
+                    "Batch sizes to measure.")
+  flags.DEFINE_integer("new_tokens", 64, "Tokens generated per request.")
+  flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per request.")
+  flags.DEFINE_integer("requests", 5, "Timed requests per batch size.")
+  flags.DEFINE_string("json", None, "JSON output (default "
+                      "WORKDIR/infer_bench.json).")
+  entry.run_tool(main, own_overrides=True)

@@ -98,11 +98,7 @@ def train_config(base: ml_collections.ConfigDict, shape: dict, stripes: int,
   cfg.model.update(vocab_size=0, embed_size=shape["hidden"],
                    hidden_size=shape["hidden"], num_layers=shape["layers"],
                    num_stripes=stripes, head="full")
-  if "stripe_input" in cfg.model:
-    cfg.model.stripe_input = stripe_input
-  elif stripe_input != "dense":
-    raise UserError("this config has no model.stripe_input, so it has no "
-                    "grouped stripes: use --stripe_input=dense")
+  cfg.model.stripe_input = stripe_input
   cfg.train.update(num_steps=num_steps, time_budget_minutes=0.0,
                    log_every=log_interval(warmup, steps),
                    eval_every=num_steps + 1, eval_max_batches=1,
@@ -141,7 +137,7 @@ def time_jax_loop(cfg: ml_collections.ConfigDict, warmup: int,
   """One `loop.run` in a scratch workdir; its timed part, as a row."""
   from zebra_jax.training import loop  # pylint: disable=g-import-not-at-top
   name = (f"jax_S{cfg.model.num_stripes}_"
-          f"{cfg.model.get('stripe_input', 'dense')}")
+          f"{cfg.model.stripe_input}")
   with tempfile.TemporaryDirectory(prefix="train_bench_") as workdir:
     load_before = os.getloadavg()[0]
     loop.run(cfg, workdir)
@@ -394,8 +390,7 @@ def _define_flags() -> None:
                     "A: hidden 512, characters. word: hidden 256, 16k words.")
   flags.DEFINE_list("stripes", ["1", "8"], "num_stripes of the JAX rows.")
   flags.DEFINE_enum("stripe_input", "dense", ["dense", "grouped"],
-                    "model.stripe_input of the JAX rows (where the config "
-                    "has that field).")
+                    "model.stripe_input of the JAX rows.")
   flags.DEFINE_integer("steps", 0, "Timed steps per row (0 = the shape's).")
   flags.DEFINE_integer("warmup", 0, "Steps before the timing starts, "
                        "compilation included (0 = the shape's).")

@@ -22,6 +22,7 @@ from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, sample
 from zebra_jax.model import lm, metrics
+from zebra_jax.model.config import ModelConfig
 from zebra_jax.runtime import checkpoint, parallel, profiling, progress, rundir, writer
 from zebra_jax.training import evaluate, loss_scale, optim, preemption
 from zebra_jax.training.train_state import init_state, TrainState
@@ -145,134 +146,62 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
 
 
 def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
-  cfg, tokenizer, splits = rundir.prepare(cfg, workdir)
+  vocab_size, tokenizer, splits = rundir.prepare(cfg, workdir)
+  model = dataclasses.replace(ModelConfig.of(cfg.model), vocab_size=vocab_size)
   mesh = parallel.make_mesh()
-  accum = cfg.train.grad_accum_steps
-  parallel.check_batch(cfg.data.batch_size, "data.batch_size", mesh, accum)
-  graphdef, tx, state = init_state(cfg, mesh)
+  parallel.check_batch(cfg.data.batch_size, "data.batch_size", mesh,
+                       cfg.train.grad_accum_steps)
+  graphdef, tx, state = init_state(cfg, mesh, model)
   log = writer.MetricWriter(workdir)
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint.keep_latest,
                                  cfg.checkpoint.keep_best)
-  position = pipeline.DataPosition()
-  best_valid, best_step = float("inf"), None
+  run = _Run(cfg, log, ckpt, stop_request, state)
   if (restored := ckpt.restore_latest(state, log.info)) is not None:
-    latest, state, meta = restored
-    position = pipeline.DataPosition.from_dict(meta["position"])
-    best_valid = meta.get("best_valid_loss", best_valid)
-    best_step = meta.get("best_valid_step", best_step)
-    log.info(f"resuming from checkpoint at step {latest} "
-             f"(epoch {position.epoch}, batch {position.index})")
+    run.resume(*restored)
   batcher = pipeline.make_batcher(cfg.data, splits["train"], cfg.seed,
-                              jax.process_index(), jax.process_count())
-  step_fn = compile_train_step(graphdef, tx, mesh, state, accum)
-  evaluator = evaluate.Evaluator(graphdef, mesh, cfg.model,
-                                 cfg.eval.batch_size, cfg.eval.seq_len)
-  lr_at = optim.learning_rate_schedule(cfg.optim, cfg.train.num_steps)
-  float(lr_at(0))  # compiles the lookup now, not inside the first timed window
-  n_params = lm.num_params(state.params)
-  log.info(f"model: {n_params:,} parameters | {cfg.model.num_layers} layers x "
-           f"hidden {cfg.model.hidden_size} in {cfg.model.num_stripes} stripes "
-           f"| vocab {cfg.model.vocab_size} | {jax.device_count()} "
+                                  jax.process_index(), jax.process_count())
+  step_fn = compile_train_step(graphdef, tx, mesh, state,
+                               cfg.train.grad_accum_steps)
+  evaluator = evaluate.Evaluator(graphdef, mesh, model, cfg.eval.batch_size,
+                                 cfg.eval.seq_len)
+  float(run.lr_at(0))  # compiles the lookup now, not inside the first timed window
+  n_params = lm.num_params(run.state.params)
+  log.info(f"model: {n_params:,} parameters | {model.num_layers} layers x "
+           f"hidden {model.hidden_size} in {model.num_stripes} stripes "
+           f"| vocab {model.vocab_size} | {jax.device_count()} "
            f"{jax.devices()[0].platform} device(s)")
-
-  step = first_step = int(state.step)
-  budget_s = cfg.train.time_budget_minutes * 60.0
-  started = time.perf_counter()
-  window, valid, last_saved, first = _Window(), None, step, True
-  evals, bad_run = 0, 0
-  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-  random_windows = cfg.data.batching == "random"
+  eval_sampler = _make_eval_sampler(cfg, model, tokenizer, splits, graphdef)
+  step = first_step = int(run.state.step)
   profiler = profiling.StepProfiler(workdir, cfg.profile.start_step,
-                                   cfg.profile.num_steps)
-  eval_sampler = _make_eval_sampler(cfg, tokenizer, splits, graphdef)
-  # One process polls its own flags every step; several agree on a stop in a
-  # collective, every few steps (a host sync each step would stall dispatch).
-  polls_every_step = jax.process_count() == 1
-  poll_every = max(1, min(cfg.train.log_every, _POLL_EVERY))
+                                    cfg.profile.num_steps)
   bar = progress.Progress(cfg.train.num_steps, initial_step=step,
                           enabled=None if jax.process_index() == 0 else False)
   log.record("start", step, {})  # wall-clock origin for plots
+  started = time.perf_counter()
   try:
     with stop_request:
-      stop, preempted = step >= cfg.train.num_steps, False
+      stop = step >= cfg.train.num_steps
       while not stop:
-        inputs, targets = batcher.get(position.index, position.epoch)
+        inputs, targets = batcher.get(run.position.index, run.position.epoch)
         batch = {"inputs": parallel.global_batch(mesh, inputs),
                  "targets": parallel.global_batch(mesh, targets),
-                 "reset": np.asarray(random_windows or position.index == 0)}
+                 "reset": np.asarray(batcher.starts_fresh(run.position.index))}
         profiler.before_step(step)
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
-          state, sums = step_fn(state, batch)
+          run.state, sums = step_fn(run.state, batch)
         profiler.after_step(step, sums)
         step += 1
-        position = position.advance(batcher.batches_per_epoch)
+        run.position = run.position.advance(batcher.batches_per_epoch)
         bar.update(step)
-        window.sums.append(sums)
-        if first:  # The first step includes compiling: keep it out of ms/batch.
-          jax.block_until_ready(sums)
-          log.info(f"first step (compiling included) took "
-                   f"{time.perf_counter() - window.start:.1f} s")
-          window, first = _Window(), False
-        if step % cfg.train.log_every == 0 and window.sums:
-          per_step, elapsed = window.flush()
-          # The sums are all-reduced, so every process sees the same skips
-          # and stops at the same step.
-          bad_run = _consecutive_skips(per_step, bad_run)
-          if bad_run >= cfg.train.max_consecutive_skips:
-            raise UserError(
-                f"{bad_run} steps in a row up to step {step} had non-finite "
-                f"gradients; stopped without saving them (the last good "
-                f"checkpoint is kept): lower --config.optim.learning_rate, set "
-                f"--config.optim.clip_norm, or use --config.model.dtype=float32")
-          good = [m for m in per_step if not m["skipped"]] or per_step
-          total = {k: float(np.sum([m[k] for m in good], dtype=np.float64))
-                   for k in good[0]}
-          summary = metrics.summarize(total["loss_sum"], total.get("correct"),
-                                      total["count"])
-          log.train_line(
-              epoch=position.epoch + 1, step=step,
-              batch=position.index or batcher.batches_per_epoch,
-              batches=batcher.batches_per_epoch, lr=float(lr_at(step - 1)),
-              ms_per_batch=1000 * elapsed / len(per_step),
-              tok_per_s=len(per_step) * tokens_per_step / elapsed,
-              loss=summary["loss"], ppl=summary["ppl"], acc=summary["acc"],
-              grad_norm=total["grad_norm"] / len(good),
-              loss_scale=float(state.loss_scale.scale)
-              if state.loss_scale.dynamic else None,
-              skipped=int(state.loss_scale.skipped))
-          bar.update(step, tok_s=len(per_step) * tokens_per_step / elapsed,
-                     loss=summary["loss"])
+        run.window.sums.append(sums)
+        run.close_first_window()
+        if step % cfg.train.log_every == 0 and run.window.sums:
+          tok_s, loss = run.log_window(step, batcher)
+          bar.update(step, tok_s=tok_s, loss=loss)
         stop = step >= cfg.train.num_steps
-        if polls_every_step or step % poll_every == 0:  # same steps everywhere
-          out_of_time = bool(budget_s) and (
-              time.perf_counter() - started > budget_s)
-          reason = stop_request.poll(step, out_of_time)
-          if reason == "time budget":
-            log.info(f"time budget of {cfg.train.time_budget_minutes} min "
-                     f"reached at step {step}")
-            stop = True
-          elif reason is not None:
-            who = (f" (process {', '.join(map(str, stop_request.senders))})"
-                   if jax.process_count() > 1 else "")
-            log.info(f"received {reason}{who}: saving a checkpoint at step "
-                     f"{step} and stopping; rerun the same command to resume")
-            stop = preempted = True
-        valid = None
-        if step % cfg.train.eval_every == 0 or (stop and not preempted):
-          valid = evaluator.run(state.params, splits["valid"],
-                                cfg.train.eval_max_batches)
-          if valid["loss"] < best_valid:
-            best_valid, best_step = valid["loss"], step
-          evals += 1
-          log.eval_line(evals, step, "valid", valid)
-          if eval_sampler is not None:
-            log.text("sample", eval_sampler(state.params), step)
-          window = _Window()  # Keep eval time out of the next ms/batch.
-        if step % cfg.checkpoint.every_steps == 0 or valid is not None:
-          _save(ckpt, step, state, position, (best_valid, best_step), valid)
-          last_saved = step
-      if last_saved != step:
-        _save(ckpt, step, state, position, (best_valid, best_step), valid)
+        stop = run.poll_stop(step, started) or stop
+        run.eval_and_save(step, stop, evaluator, splits["valid"], eval_sampler)
+      run.save_last(step)
       bar.close()
       profiler.close()
       ckpt.close()
@@ -283,19 +212,143 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
     raise
   wall = time.perf_counter() - started
   trained = step - first_step
-  summary = {"steps": step, "best_valid_loss": best_valid,
-             "best_valid_ppl": float(np.exp(min(best_valid, 700))),
-             "best_valid_step": best_step,
-             "tokens_seen": step * tokens_per_step,
-             "tok_per_s": trained * tokens_per_step / max(wall, 1e-9),
-             "wall_s": wall, "params": n_params, "preempted": preempted,
+  tokens_per_batch = batcher.tokens_per_batch
+  summary = {"steps": step, "best_valid_loss": run.best_valid,
+             "best_valid_ppl": float(np.exp(min(run.best_valid, 700))),
+             "best_valid_step": run.best_step,
+             "tokens_seen": step * tokens_per_batch,
+             "tok_per_s": trained * tokens_per_batch / max(wall, 1e-9),
+             "wall_s": wall, "params": n_params, "preempted": run.preempted,
              "checkpoints": ckpt.directory}
   log.summary(summary, workdir, config_path)
   log.close()
   return summary
 
 
-def _make_eval_sampler(cfg, tokenizer, splits, graphdef):
+class _Run:
+  """What the loop carries between steps besides the batch: the train state,
+  the data position, the best validation loss, the open log window, and the
+  named steps that read them (log a window, poll for a stop, eval and save)."""
+
+  def __init__(self, cfg, log, ckpt, stop_request, state):
+    self.cfg, self.log, self.ckpt = cfg, log, ckpt
+    self.stop_request = stop_request
+    self.state = state
+    self.position = pipeline.DataPosition()
+    self.best_valid, self.best_step = float("inf"), None
+    self.window, self.first = _Window(), True
+    self.evals, self.bad_run, self.preempted = 0, 0, False
+    self.last_valid = None  # the latest step's valid metrics, if it evaluated
+    self.last_saved = int(state.step)
+    self.lr_at = optim.learning_rate_schedule(cfg.optim, cfg.train.num_steps)
+    # One process polls its own flags every step; several agree on a stop in
+    # a collective, every few steps (a host sync each step would stall
+    # dispatch).
+    self.poll_every = (1 if jax.process_count() == 1
+                       else max(1, min(cfg.train.log_every, _POLL_EVERY)))
+
+  def resume(self, latest: int, state, meta) -> None:
+    """Continue from a restored checkpoint."""
+    self.state, self.last_saved = state, int(state.step)
+    self.position = pipeline.DataPosition.from_dict(meta["position"])
+    self.best_valid = meta["best_valid_loss"]
+    self.best_step = meta["best_valid_step"]
+    self.log.info(f"resuming from checkpoint at step {latest} "
+                  f"(epoch {self.position.epoch}, batch {self.position.index})")
+
+  def close_first_window(self) -> None:
+    """The first step includes compiling: keep it out of ms/batch."""
+    if not self.first:
+      return
+    jax.block_until_ready(self.window.sums[-1])
+    self.log.info(f"first step (compiling included) took "
+                  f"{time.perf_counter() - self.window.start:.1f} s")
+    self.window, self.first = _Window(), False
+
+  def log_window(self, step: int, batcher) -> tuple[float, float]:
+    """One train log line for the steps since the last; (tok/s, loss)."""
+    per_step, elapsed = self.window.flush()
+    # The sums are all-reduced, so every process sees the same skips and
+    # stops at the same step.
+    self.bad_run = _consecutive_skips(per_step, self.bad_run)
+    if self.bad_run >= self.cfg.train.max_consecutive_skips:
+      raise UserError(
+          f"{self.bad_run} steps in a row up to step {step} had non-finite "
+          f"gradients; stopped without saving them (the last good "
+          f"checkpoint is kept): lower --config.optim.learning_rate, set "
+          f"--config.optim.clip_norm, or use --config.model.dtype=float32")
+    good = [m for m in per_step if not m["skipped"]] or per_step
+    total = {k: float(np.sum([m[k] for m in good], dtype=np.float64))
+             for k in good[0]}
+    summary = metrics.summarize(total["loss_sum"], total.get("correct"),
+                                total["count"])
+    tok_s = len(per_step) * batcher.tokens_per_batch / elapsed
+    scale = self.state.loss_scale
+    self.log.train_line(
+        epoch=self.position.epoch + 1, step=step,
+        batch=self.position.index or batcher.batches_per_epoch,
+        batches=batcher.batches_per_epoch, lr=float(self.lr_at(step - 1)),
+        ms_per_batch=1000 * elapsed / len(per_step), tok_per_s=tok_s,
+        loss=summary["loss"], ppl=summary["ppl"], acc=summary["acc"],
+        grad_norm=total["grad_norm"] / len(good),
+        loss_scale=float(scale.scale) if scale.dynamic else None,
+        skipped=int(scale.skipped))
+    return tok_s, summary["loss"]
+
+  def poll_stop(self, step: int, started: float) -> bool:
+    """Whether the time budget or a stop signal ends the run at this step
+    (polled on the same steps in every process)."""
+    if step % self.poll_every:
+      return False
+    budget_s = self.cfg.train.time_budget_minutes * 60.0
+    out_of_time = bool(budget_s) and time.perf_counter() - started > budget_s
+    reason = self.stop_request.poll(step, out_of_time)
+    if reason == "time budget":
+      self.log.info(f"time budget of {self.cfg.train.time_budget_minutes} min "
+                    f"reached at step {step}")
+      return True
+    if reason is not None:
+      who = (f" (process {', '.join(map(str, self.stop_request.senders))})"
+             if jax.process_count() > 1 else "")
+      self.log.info(f"received {reason}{who}: saving a checkpoint at step "
+                    f"{step} and stopping; rerun the same command to resume")
+      self.preempted = True
+      return True
+    return False
+
+  def eval_and_save(self, step: int, stop: bool, evaluator, valid_ids,
+                    eval_sampler) -> None:
+    """Evaluates on valid every eval_every steps and at a normal end; saves
+    every checkpoint.every_steps and after every evaluation."""
+    cfg, valid = self.cfg, None
+    if step % cfg.train.eval_every == 0 or (stop and not self.preempted):
+      valid = evaluator.run(self.state.params, valid_ids,
+                            cfg.train.eval_max_batches)
+      if valid["loss"] < self.best_valid:
+        self.best_valid, self.best_step = valid["loss"], step
+      self.evals += 1
+      self.log.eval_line(self.evals, step, "valid", valid)
+      if eval_sampler is not None:
+        self.log.text("sample", eval_sampler(self.state.params), step)
+      self.window = _Window()  # Keep eval time out of the next ms/batch.
+    self.last_valid = valid
+    if step % cfg.checkpoint.every_steps == 0 or valid is not None:
+      self._save(step, valid)
+
+  def save_last(self, step: int) -> None:
+    """The final step's checkpoint, unless the last step saved already."""
+    if self.last_saved != step:
+      self._save(step, self.last_valid)
+
+  def _save(self, step: int, valid) -> None:
+    meta = {"step": step, "position": self.position.to_dict(),
+            "best_valid_loss": self.best_valid,
+            "best_valid_step": self.best_step}
+    self.ckpt.save(step, self.state, meta, valid["loss"] if valid else None)
+    self.last_saved = step
+
+
+def _make_eval_sampler(cfg, model, tokenizer, splits, graphdef):
   """A function params -> a short text from cfg.sample.prompt, for TensorBoard.
 
   One Generator is reused so its compiled loop is too. Single-process only:
@@ -312,7 +365,8 @@ def _make_eval_sampler(cfg, tokenizer, splits, graphdef):
     nonlocal generator
     if generator is None:
       generator = sample.Generator(
-          loading.Loaded(cfg, tokenizer, splits, graphdef, params, 0))
+          loading.Loaded(_with_model(cfg, model), tokenizer, splits,
+                         graphdef, params, 0))
     else:  # same compiled code, new weights
       generator.params = jax.device_put(params, jax.local_devices()[0])
     return generator.generate([cfg.sample.prompt], options)[0]
@@ -332,7 +386,9 @@ def _consecutive_skips(per_step: list[dict[str, float]], run: int) -> int:
   return run
 
 
-def _save(ckpt, step, state, position, best, valid):
-  meta = {"step": step, "position": position.to_dict(),
-          "best_valid_loss": best[0], "best_valid_step": best[1]}
-  ckpt.save(step, state, meta, valid["loss"] if valid else None)
+def _with_model(cfg: ml_collections.ConfigDict,
+                model: ModelConfig) -> ml_collections.ConfigDict:
+  """cfg whose model section is `model` (the vocabulary size resolved)."""
+  cfg = ml_collections.ConfigDict(cfg.to_dict())
+  cfg.model = dataclasses.asdict(model)
+  return cfg

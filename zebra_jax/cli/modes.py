@@ -1,0 +1,55 @@
+"""What each --mode runs: MODES[mode](cfg, workdir, **nouns).
+
+Every function takes the config, the workdir and the command line's nouns
+(which prompt file, which texts, where to export...) by keyword, and uses
+the ones its mode needs. Modules are imported inside so that `--help` and
+flag errors answer before JAX starts.
+"""
+
+
+def train(cfg, workdir, *, config, **_):
+  """Trains; then, unless stopped early, evaluates valid/test and samples."""
+  from zebra_jax.inference import sample
+  from zebra_jax.training import evaluate, loop
+  summary = loop.run(cfg, workdir, config)  # config: for the printed hints
+  if cfg.train.report_at_end and not summary["preempted"]:
+    evaluate.run(cfg, workdir)
+    sample.run(cfg, workdir)
+
+
+def evaluate(cfg, workdir, *, split, **_):
+  from zebra_jax.training import evaluate as evaluation
+  evaluation.run(cfg, workdir, split)
+
+
+def sample(cfg, workdir, *, prompt_file, **_):
+  from zebra_jax.inference import sample as sampling
+  prompts = sampling.read_prompt_file(prompt_file) if prompt_file else None
+  sampling.run(cfg, workdir, prompts)
+
+
+def score(cfg, workdir, *, text, text_file, verbose, **_):
+  from zebra_jax.inference import score as scoring
+  scoring.run(cfg, workdir, text, text_file, verbose)
+
+
+def export(cfg, workdir, *, export_dir, **_):
+  from zebra_jax.inference import export as exporting
+  exporting.run(cfg, workdir, export_dir)
+
+
+def serve(cfg, workdir, *, host, port, **_):
+  from zebra_jax.inference import serve as serving
+  serving.run(cfg, workdir, host, port)
+
+
+def plot(cfg, workdir, *, compare, plot_out, **_):
+  del cfg  # curves come from the workdirs' metrics.jsonl
+  from zebra_jax.tools import plot as plotting
+  plotting.run([workdir, *compare], plot_out)
+
+
+MODES = {"train": train, "eval": evaluate, "sample": sample, "score": score,
+         "export": export, "serve": serve, "plot": plot}
+# Modes that read no config (neither --config nor the workdir's config.json).
+CONFIGLESS = ("plot",)

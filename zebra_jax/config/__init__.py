@@ -1,0 +1,1 @@
+"""Every config field's default, meaning and allowed values; config files."""

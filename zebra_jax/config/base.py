@@ -1,0 +1,189 @@
+"""Every config field, defined once: its default, what it may hold, what it means.
+
+Experiment configs (configs/demo.py, configs/wt103.py) start from
+`get_config()` here and state only what differs. Any field can be overridden
+on the command line, e.g. --config.model.num_stripes=8. Validation
+(runtime/config_checks.py) reads each field's rule from `FIELDS`.
+"""
+
+import ml_collections
+
+from zebra_jax.config.rules import (
+    BOOL, CHECKED_WITH_OTHERS, FRACTION, GROWTH_FACTOR, INT, NON_NEGATIVE,
+    NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, PROBABILITY_MASS, RATE, RATIO,
+    SHRINK_FACTOR, TEXT, Field as F, one_of)
+from zebra_jax.data import batching, sources, tokenizers
+from zebra_jax.model import config as model_config
+
+FIELDS = dict(
+    seed=F(0, INT, "parameters, dropout and data order"),
+    data=dict(
+        source=F("embedded", one_of(sources.SOURCES), "embedded (offline, "
+                 "ships with Python) | wikitext (a folder) | text (files) | hf "
+                 "(a hub dataset)"),
+        path=F("", TEXT, "wikitext/text: the folder or file(s) to read"),
+        hf_name=F("Salesforce/wikitext", TEXT, "source=hf: the hub dataset "
+                  "(or a local parquet/arrow dir)"),
+        hf_config=F("wikitext-2-raw-v1", TEXT, "source=hf: wikitext-103-v1 | "
+                    "wikitext-103-raw-v1 | wikitext-2-v1 | wikitext-2-raw-v1"),
+        hf_cache_dir=F("", TEXT, "source=hf: datasets cache ('' = HF "
+                       "default); HF_HUB_OFFLINE=1 reads only this"),
+        tokenizer=F("char", one_of(tokenizers.TOKENIZERS), "char | word "
+                    "(whitespace tokens, <eos>) | bpe (byte-level)"),
+        bpe_vocab_size=F(4096, POSITIVE_INT,
+                         "tokenizer=bpe: vocabulary size to learn"),
+        min_freq=F(1, NON_NEGATIVE_INT, "word: rarer words become <unk>"),
+        max_vocab_size=F(0, NON_NEGATIVE_INT,
+                         "word: keep the most frequent words; 0 = all"),
+        valid_fraction=F(0.05, FRACTION,
+                         "text/embedded sources: share held out for valid"),
+        test_fraction=F(0.05, FRACTION, "text/embedded sources: share held "
+                        "out for test (wikitext and hf have their own splits)"),
+        batching=F("streams", one_of(batching.BATCHERS), "streams (truncated "
+                   "BPTT, carry kept) | random windows"),
+        batch_size=F(32, POSITIVE_INT, "global rows; split evenly over "
+                     "devices"),
+        seq_len=F(64, POSITIVE_INT, "tokens per truncated-BPTT window"),
+    ),
+    model=dict(
+        vocab_size=F(0, NON_NEGATIVE_INT, "0 = taken from the tokenizer"),
+        embed_size=F(256, POSITIVE_INT, "width of the token embedding (the "
+                     "first layer's input)"),
+        hidden_size=F(256, POSITIVE_INT, "units per ZebraLSTM layer, all "
+                      "stripes together"),
+        num_layers=F(2, POSITIVE_INT, "stacked ZebraLSTM layers"),
+        num_stripes=F(4, POSITIVE_INT, "hidden_size % num_stripes == 0; 1 = "
+                      "classic LSTM"),
+        stripe_input=F("dense", one_of(model_config.STRIPE_INPUTS), "dense: "
+                       "every stripe reads the whole layer input | grouped: "
+                       "its own 1/S slice (every matmul / S; stripes shuffled "
+                       "between layers)"),
+        dropout_embed=F(0.0, RATE, "on the embeddings"),
+        dropout_hidden=F(0.1, RATE, "between layers"),
+        dropout_output=F(0.1, RATE, "before the softmax head"),
+        tie_embeddings=F(True, BOOL, "head=full: share the embedding when "
+                         "embed_size == hidden_size"),
+        head=F("full", one_of(model_config.HEADS), "full softmax | adaptive "
+               "(Grave et al. 2017, for large vocabularies)"),
+        adaptive_cutoffs=F((20000, 40000, 200000), CHECKED_WITH_OTHERS,
+                           "head=adaptive: cluster edges (ids sorted by "
+                           "frequency); those >= vocab are dropped"),
+        adaptive_div_val=F(4, POSITIVE_INT, "head=adaptive: cluster i has "
+                           "width hidden_size // div_val**i"),
+        adaptive_tie=F(True, BOOL, "head=adaptive: the input is an "
+                       "AdaptiveInput sharing the head's tables (needs "
+                       "embed_size == hidden_size)"),
+        adaptive_chunk_rows=F(1024, POSITIVE_INT, "head=adaptive: loss rows "
+                              "per tail-cluster chunk (memory: chunk x "
+                              "cluster size)"),
+        dtype=F("float32", one_of(model_config.DTYPES), "compute dtype; "
+                "parameters stay float32"),
+        unroll=F(1, POSITIVE_INT, "lax.scan unroll factor"),
+        remat=F(False, BOOL, "recompute the gates in the backward pass (long "
+                "windows, less memory)"),
+        recurrence=F("scan", one_of(model_config.RECURRENCES), "scan "
+                     "(lax.scan) | pallas: one fused kernel per stripe on "
+                     "GPUs (interpret mode elsewhere: slow)"),
+    ),
+    optim=dict(
+        name=F("adam", one_of(("adam", "adamw", "sgd", "lamb")),
+               "the optax optimizer"),
+        learning_rate=F(3e-3, POSITIVE, "peak, after warmup"),
+        weight_decay=F(0.0, NON_NEGATIVE, "adamw / lamb"),
+        momentum=F(0.9, RATE, "sgd only"),
+        b1=F(0.9, RATE, "adam family: first-moment decay"),
+        b2=F(0.999, RATE, "adam family: second-moment decay"),
+        eps=F(1e-8, POSITIVE, "adam family: denominator floor"),
+        warmup_steps=F(100, NON_NEGATIVE_INT, "linear warmup from 0"),
+        min_lr_ratio=F(0.1, RATIO, "cosine decays to learning_rate * this at "
+                       "train.num_steps"),
+        clip_norm=F(1.0, NON_NEGATIVE, "global-norm clipping; 0 = off"),
+    ),
+    train=dict(
+        num_steps=F(10_000, POSITIVE_INT, "optimizer updates"),
+        time_budget_minutes=F(0.0, NON_NEGATIVE, "> 0: stop (and save) after "
+                              "this long"),
+        log_every=F(100, POSITIVE_INT, "steps between train log lines"),
+        eval_every=F(1000, POSITIVE_INT, "steps between valid evaluations "
+                     "(and best-checkpoint saves)"),
+        eval_max_batches=F(0, NON_NEGATIVE_INT, "valid windows per in-loop "
+                           "evaluation; 0 = the whole split"),
+        report_at_end=F(True, BOOL, "end with valid/test evaluation and a "
+                        "sample"),
+        sample_at_eval=F(True, BOOL, "a short sample from sample.prompt in "
+                         "TensorBoard"),
+        grad_accum_steps=F(1, POSITIVE_INT, "k micro-batches per update (same "
+                           "update, less memory)"),
+        max_consecutive_skips=F(100, POSITIVE_INT, "stop after this many "
+                                "non-finite steps in a row"),
+        loss_scale=dict(  # dynamic loss scaling, used when model.dtype=float16
+            initial_scale=F(2.0 ** 15, POSITIVE, "start here"),
+            growth_interval=F(2000, POSITIVE_INT, "finite steps before the "
+                              "scale grows"),
+            growth_factor=F(2.0, GROWTH_FACTOR, "applied when it grows"),
+            backoff_factor=F(0.5, SHRINK_FACTOR, "applied after a non-finite "
+                             "step"),
+            min_scale=F(1.0, POSITIVE, "never below this"),
+        ),
+    ),
+    eval=dict(  # --mode=eval and the end-of-train report
+        batch_size=F(16, POSITIVE_INT, "rows per evaluation batch"),
+        seq_len=F(128, POSITIVE_INT, "tokens per evaluation window"),
+    ),
+    checkpoint=dict(
+        every_steps=F(1000, POSITIVE_INT, "steps between saves (evaluations "
+                      "save too)"),
+        keep_latest=F(2, POSITIVE_INT, "newest checkpoints kept for resuming"),
+        keep_best=F(1, NON_NEGATIVE_INT, "best-valid checkpoints kept for "
+                    "eval/sample/serve"),
+    ),
+    profile=dict(
+        start_step=F(0, NON_NEGATIVE_INT, "first traced step (>= 2 skips "
+                     "compilation)"),
+        num_steps=F(0, NON_NEGATIVE_INT, "steps traced into workdir/profile; "
+                    "0 = off"),
+    ),
+    sample=dict(  # --mode=sample, the end-of-train sample, serve's defaults
+        prompt=F("The ", TEXT, "text to continue (--prompt)"),
+        max_new_tokens=F(200, POSITIVE_INT, "tokens generated"),
+        temperature=F(0.8, NON_NEGATIVE, "0 = greedy"),
+        top_k=F(0, NON_NEGATIVE_INT, "keep the k most likely tokens; 0 = off"),
+        top_p=F(0.95, PROBABILITY_MASS, "nucleus mass kept; 1 = off"),
+        num_samples=F(1, POSITIVE_INT, "continuations per prompt"),
+        seed=F(0, INT, "token i is drawn with fold_in(seed, i): the same seed "
+               "gives the same text"),
+        repetition_penalty=F(1.0, POSITIVE, "> 1 discourages tokens already "
+                             "in the text; 1 = off"),
+        stop=F("", TEXT, "end each text before this string ('' = off); in a "
+               "--config.sample.* override, \\n and \\t mean newline and tab"),
+        stream=F(False, BOOL, "print tokens as they are generated"),
+        chunk=F(32, POSITIVE_INT, "tokens per jitted call: stream and stop "
+                "granularity"),
+    ),
+    serve=dict(  # --mode=serve: what one request may ask for (else HTTP 400)
+        max_body_bytes=F(1 << 20, POSITIVE_INT, "request body size"),
+        max_new_tokens=F(1024, POSITIVE_INT, "tokens generated per row"),
+        max_prompt_tokens=F(4096, POSITIVE_INT, "tokens in one prompt"),
+        max_rows=F(64, POSITIVE_INT, "prompts x num_samples"),
+        max_score_tokens=F(100_000, POSITIVE_INT, "tokens scored per request"),
+    ),
+)
+
+
+def fields(tree=None, prefix: str = ""):
+  """(dotted name, Field) for every field, in definition order."""
+  for key, value in (FIELDS if tree is None else tree).items():
+    if isinstance(value, dict):
+      yield from fields(value, f"{prefix}{key}.")
+    else:
+      yield f"{prefix}{key}", value
+
+
+def _defaults(tree) -> dict:
+  return {key: _defaults(value) if isinstance(value, dict) else value.default
+          for key, value in tree.items()}
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """A fresh config holding every field's default."""
+  return ml_collections.ConfigDict(_defaults(FIELDS))
