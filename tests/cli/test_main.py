@@ -17,8 +17,8 @@ from configs import demo
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, sample
 from zebra_jax.training import evaluate, loop
-from tests.helpers import (REPO, tiny_word_config, trained_char_run,
-                           write_wikitext)
+from tests.helpers import REPO, tiny_word_config, write_wikitext
+
 
 def _cli(*args, timeout=300, cwd=REPO):
   """Runs python -m zebra_jax.main with the test's 8-device environment."""
@@ -206,11 +206,6 @@ def test_prompt_symbols_outside_the_vocabulary(tmp_path, caplog):
 
 def test_devices_seen_by_tests():
   assert jax.device_count() == 8  # conftest's emulated devices
-
-
-@pytest.fixture(scope="module")
-def char_run(tmp_path_factory):
-  return trained_char_run(tmp_path_factory)
 
 
 def _greedy(*args, cwd):
