@@ -96,9 +96,12 @@ EOF
 "$venv/bin/python" - "$report/gpu-results.json" <<'EOF'
 import json, sys
 report = json.load(open(sys.argv[1]))
-stages = [s for s in ("bench", "wt103", "precision", "infer", "scaling")
-          if s in report]
-print(f"== rehearsal passed: dry run of {', '.join(stages)} without network "
+status = report["stages"]
+failed = [f"{s}: {v['status']}" for s, v in status.items()
+          if v["status"] != "done"]
+if failed:
+  raise SystemExit(f"== rehearsal failed: {'; '.join(failed)}")
+print(f"== rehearsal passed: dry run of {', '.join(status)} without network "
       f"(jax {report['machine']['jax']}, Python {report['machine']['python']});"
       f" report in {sys.argv[1].rsplit('/', 1)[0]}")
 EOF
