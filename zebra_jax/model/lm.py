@@ -57,6 +57,11 @@ def stripe_parallel(mesh):
     _STRIPE_MESH.reset(token)
 
 
+def stripe_mesh():
+  """The mesh `stripe_parallel` set for the trace under way, or None."""
+  return _STRIPE_MESH.get()
+
+
 def with_stripe_parallel(fn, mesh):
   """fn, traced inside `stripe_parallel(mesh)` (fn itself where the mesh's
   stripe axis has one device)."""

@@ -91,6 +91,12 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef,
     sums = jax.tree.map(jnp.sum, sums)
 
   grads = scale.unscale(grads)
+  if (mesh := lm.stripe_mesh()) is not None:
+    # Gradients laid out as the parameters: the embedding's arrives split
+    # over "stripe" (from a grouped first layer) and is gathered once here,
+    # not as the updated parameter and every optimizer moment after it.
+    grads = jax.lax.with_sharding_constraint(
+        grads, parallel.param_shardings(mesh, grads))
   finite = loss_scale.all_finite(grads)
   with jax.named_scope("optimizer"):
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
