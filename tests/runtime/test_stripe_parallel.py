@@ -124,7 +124,7 @@ def _design(cfg, data, stripe):
     expect["all-gather"] += boundaries
     expect["reduce-scatter"] += boundaries
   if m.stripe_input == "grouped" and m.embed_size % m.num_stripes == 0:
-    expect["all-gather"] += 1  # the embedding's gradient, read in stripes
+    expect["all-gather"] += 1  # the first layer's input gradient
   return expect
 
 
@@ -154,6 +154,9 @@ def test_no_collective_inside_the_time_loop(stripe_input, data, stripe):
   # or this device's [B/data, T, H/stripe] share for all-to-all.
   rows, t, h = 8 // data, 4, 32
   found = hc.collectives_in(text)
+  # Every all-gather is one window of activations: the exchange (or the
+  # shuffle's gather), the head's input, the first layer's input gradient.
+  assert {b for k, b in found if k == "all-gather"} == {rows * t * h * 4}
   if stripe_input == "grouped" and (h // 8) % stripe == 0:
     assert [b for k, b in found if k == "all-to-all"] == [
         rows * t * h // stripe * 4] * 2

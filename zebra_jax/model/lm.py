@@ -23,6 +23,7 @@ steps need, which for the adaptive head never builds [B*T, V].
 
 import contextlib
 import contextvars
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -210,6 +211,8 @@ class ZebraLSTMLayer(nnx.Module):
     # axis: over "data", the data-parallel gradient all-reduce of w_x, w_h
     # and b; over "stripe", the first layer's input gradient (each device's
     # stripes read the whole embedding).
+    if exchange is None and self.grouped:
+      inputs = _gather_cotangent(inputs, mesh)
     y, h, c = jax.shard_map(
         local, mesh=mesh, check_vma=False,
         in_specs=(x_spec, w_x_spec, P(stripe), carry_spec, carry_spec,
@@ -218,6 +221,32 @@ class ZebraLSTMLayer(nnx.Module):
             inputs, self.w_x[...], self.b[...], carry[0], carry[1],
             self.w_h[...])
     return y, (h, c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_cotangent(x, mesh):
+  """The identity, whose gradient is gathered over "stripe" at once.
+
+  A grouped first layer reads the replicated embedding in stripes, so its
+  input gradient arrives split over "stripe". Gathered here it is one
+  window of activations; left to the compiler, the embedding's gradient (a
+  vocabulary-sized table) was gathered instead.
+  """
+  del mesh
+  return x
+
+
+def _gather_cotangent_fwd(x, mesh):
+  del mesh
+  return x, None
+
+
+def _gather_cotangent_bwd(mesh, _, ct):
+  return (jax.lax.with_sharding_constraint(
+      ct, NamedSharding(mesh, P(parallel.DATA_AXIS))),)
+
+
+_gather_cotangent.defvjp(_gather_cotangent_fwd, _gather_cotangent_bwd)
 
 
 def _shuffle_exchange(x, num_stripes: int, devices: int):
