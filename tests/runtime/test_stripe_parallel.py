@@ -18,6 +18,7 @@ from zebra_jax.model import lm
 from zebra_jax.model.config import ModelConfig
 from zebra_jax.runtime import checkpoint, config_checks, parallel
 from zebra_jax.runtime import hlo_collectives as hc
+from zebra_jax.runtime import scaling
 from zebra_jax.training import loop, train_state
 from tests.helpers import random_batches
 
@@ -186,6 +187,39 @@ def test_accumulation_loop_holds_only_the_layer_exchanges():
            if not any(hc._opcode(l)[0] == "while" for l in comps[b])]
   assert len(inner) == 4
   assert hc.collectives_in(text, inner) == []
+
+
+@pytest.mark.parametrize("stripe_input,data", [("dense", 1), ("grouped", 1),
+                                               ("grouped", 2)])
+def test_scaling_model_counts_the_bytes_the_step_sends(stripe_input, data):
+  """docs/scaling.md's stripe-axis bytes per device and step are those of the
+  collectives in the compiled step (without a data axis to mix in, or with
+  only all-to-alls and all-gathers on the stripe axis)."""
+  stripe = 8 // data
+  cfg = tiny_config(stripe_input, stripe)
+  text = compiled_train_step(cfg, data, stripe).as_text()
+  stripe_kinds = ("all-gather", "reduce-scatter", "all-to-all") + (
+      ("all-reduce",) if data == 1 else ())
+  sent = sum(hc.ring_bytes_sent(k, b, stripe)
+             for k, b in hc.collectives_in(text) if k in stripe_kinds)
+  model = ModelConfig.of(cfg.model)
+  predicted = scaling.sent_per_step(model, 8, 4, data, stripe, act_bytes=4)
+  assert sent == pytest.approx(predicted["stripe"], rel=1e-9)
+
+
+def test_parameter_state_per_device_shrinks_by_the_stripe_devices():
+  """compiled.memory_analysis(): the step's arguments on one device hold
+  1/p of the layers' parameters and optimizer state (SGD: one moment)."""
+  cfg = tiny_config("grouped")
+  sizes = {}
+  for data, stripe in ((8, 1), (1, 8)):
+    cfg.parallel.stripe_devices = stripe
+    sizes[stripe] = compiled_train_step(
+        cfg, data, stripe).memory_analysis().argument_size_in_bytes
+  lstm, _ = scaling.param_counts(ModelConfig.of(cfg.model))
+  # 8 rows per device instead of 1: inputs and targets, int32 [rows, 4].
+  batch = 2 * (8 - 1) * 4 * 4
+  assert sizes[1] - sizes[8] == 2 * 4 * lstm * 7 // 8 - batch
 
 
 # ------------------------------------------------------- the same numbers

@@ -80,6 +80,8 @@ def _called(line: str) -> list[str]:
 def _bytes(shape_text: str) -> int:
   total = 0
   for dtype, dims in _SHAPE.findall(shape_text):
+    if not dims:  # scalars (loss sums, norms, flags): left out
+      continue
     size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
     total += size * _DTYPE_BYTES.get(dtype, 4)
   return total
@@ -108,7 +110,7 @@ def while_bodies(hlo: str) -> list[str]:
 
 
 def collectives_in(hlo: str, roots=None) -> list[tuple[str, int]]:
-  """(kind, result bytes) of every collective in the computations reachable
+  """(kind, result bytes without scalars) of every collective in the computations reachable
   from `roots` (default: the whole program)."""
   comps = computations(hlo)
   names = comps if roots is None else _reachable(comps, roots)
@@ -120,6 +122,17 @@ def collectives_in(hlo: str, roots=None) -> list[tuple[str, int]]:
       if kind and _group_size(line) != 1:  # groups of one device: no-ops
         found.append((kind, _bytes(shape)))
   return found
+
+
+def ring_bytes_sent(kind: str, result_bytes: int, group: int) -> float:
+  """Bytes one device sends for a collective over `group` devices whose
+  result has `result_bytes` (ring algorithms; all-to-all sends all but its
+  own share)."""
+  share = (group - 1) / group
+  return {"all-gather": share * result_bytes,
+          "reduce-scatter": (group - 1) * result_bytes,
+          "all-to-all": share * result_bytes,
+          "all-reduce": 2 * share * result_bytes}.get(kind, result_bytes)
 
 
 def count(hlo: str, roots=None) -> dict[str, int]:
