@@ -21,6 +21,8 @@ With stripe_devices = 1 every sharding below is the data-parallel one, and the
 model runs exactly the single-program code it runs on one device.
 """
 
+import math
+
 import jax
 import numpy as np
 from flax import nnx
@@ -36,16 +38,15 @@ STRIPE_AXIS = "stripe"
 def check_stripe_devices(stripe_devices: int, num_stripes: int,
                          num_devices: int) -> None:
   """stripe_devices must divide model.num_stripes and the device count."""
+  example = math.gcd(num_stripes, num_devices)
+  fix = (f": set --config.parallel.stripe_devices to a divisor of both, e.g. "
+         f"{example}")
   if num_stripes % stripe_devices:
-    raise UserError(
-        f"parallel.stripe_devices={stripe_devices} does not divide "
-        f"model.num_stripes={num_stripes}: set --config.parallel."
-        f"stripe_devices to a divisor of {num_stripes}")
+    raise UserError(f"--config.parallel.stripe_devices={stripe_devices} does "
+                    f"not divide model.num_stripes={num_stripes}{fix}")
   if num_devices % stripe_devices:
-    raise UserError(
-        f"parallel.stripe_devices={stripe_devices} does not divide the "
-        f"{num_devices} devices: set --config.parallel.stripe_devices to a "
-        f"divisor of {num_devices}")
+    raise UserError(f"--config.parallel.stripe_devices={stripe_devices} does "
+                    f"not divide the {num_devices} devices{fix}")
 
 
 def make_mesh(devices=None, stripe_devices: int = 1) -> jax.sharding.Mesh:
@@ -59,9 +60,8 @@ def make_mesh(devices=None, stripe_devices: int = 1) -> jax.sharding.Mesh:
   devices = jax.devices() if devices is None else list(devices)
   n, p = len(devices), stripe_devices
   if n % p:
-    raise UserError(f"parallel.stripe_devices={p} does not divide the {n} "
-                    f"devices: set --config.parallel.stripe_devices to a "
-                    f"divisor of {n}")
+    raise UserError(f"--config.parallel.stripe_devices={p} does not divide "
+                    f"the {n} devices: set it to a divisor of {n}, e.g. 1")
   processes = len({d.process_index for d in devices})
   if p > 1 and processes > 1:
     local = n // processes
