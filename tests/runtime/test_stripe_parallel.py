@@ -272,6 +272,15 @@ def test_remat_and_accumulation_equal_single_device(stripe_input):
   assert m1[-1]["loss_sum"] == pytest.approx(mn[-1]["loss_sum"], rel=1e-6)
 
 
+def test_pallas_kernel_on_each_devices_stripes():
+  """The fused kernel (interpret mode off GPUs) runs inside shard_map too."""
+  cfg = tiny_config("grouped", 4, recurrence="pallas")
+  batches = random_batches(cfg, 1)
+  one, _ = _run(cfg, _mesh(1, 1), batches)
+  many, _ = _run(cfg, _mesh(2, 4), batches)
+  _assert_close(jax.device_get(one.params), jax.device_get(many.params))
+
+
 def test_checkpoint_moves_between_meshes(tmp_path):
   cfg = tiny_config("grouped", 8)
   batches = random_batches(cfg, 2)
