@@ -28,9 +28,9 @@ MESHES = [(1, 8), (2, 4), (4, 2)]  # (data, stripe)
 def tiny_config(stripe_input="dense", stripe_devices=1, **model):
   """2 layers x hidden 32 in 8 stripes, window 4, batch 8, SGD, no dropout."""
   cfg = demo.get_config("tiny")
+  model = {"dropout_hidden": 0.0, "dropout_output": 0.0, **model}
   cfg.model.update(vocab_size=29, embed_size=32, hidden_size=32, num_layers=2,
-                   num_stripes=8, stripe_input=stripe_input,
-                   dropout_hidden=0.0, dropout_output=0.0, **model)
+                   num_stripes=8, stripe_input=stripe_input, **model)
   cfg.data.update(batch_size=8, seq_len=4)
   cfg.optim.update(name="sgd", momentum=0.9, learning_rate=0.5,
                    warmup_steps=0)
@@ -238,6 +238,16 @@ def test_steps_equal_single_device(stripe_input, data, stripe):
   for a, b in zip(m1, mn):
     assert a["loss_sum"] == pytest.approx(b["loss_sum"], rel=1e-6)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+
+
+def test_dropout_masks_equal_single_device():
+  """Dropout between layers draws the same mask on a stripe-split window."""
+  cfg = tiny_config("dense", 4, dropout_hidden=0.3, dropout_output=0.3)
+  batches = random_batches(cfg, 2)
+  one, m1 = _run(cfg, _mesh(1, 1), batches)
+  many, mn = _run(cfg, _mesh(2, 4), batches)
+  _assert_close(jax.device_get(one.params), jax.device_get(many.params))
+  assert m1[-1]["loss_sum"] == pytest.approx(mn[-1]["loss_sum"], rel=1e-6)
 
 
 @pytest.mark.parametrize("stripe_input", ["dense", "grouped"])

@@ -9,7 +9,10 @@ S; a fixed stripe shuffle between layers lets stripes meet). S = 1 is exactly
 the classic LSTM (PyTorch `nn.LSTM`, gate order i, f, g, o, with its two
 biases summed), under either.
 The layer's arithmetic and its hand-written backward pass live in
-`recurrence.py`.
+`recurrence.py`. Traced inside `stripe_parallel(mesh)`, each layer's stripes
+are split over the mesh's "stripe" axis (`ZebraLSTMLayer.sharded`): every
+device runs the same recurrence on its own stripes, and layer outputs are
+exchanged once per window at layer boundaries.
 
 Parameters are float32; matmuls run in `dtype` with float32 accumulation, and the
 cell state `c`, the carry and the logits stay float32.
