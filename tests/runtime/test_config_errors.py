@@ -29,7 +29,7 @@ POSITIVE_INTS = (
     "checkpoint.every_steps", "checkpoint.keep_latest", "sample.max_new_tokens",
     "sample.num_samples", "sample.chunk", "serve.max_body_bytes",
     "serve.max_new_tokens", "serve.max_prompt_tokens", "serve.max_rows",
-    "serve.max_score_tokens")
+    "serve.max_score_tokens", "parallel.stripe_devices")
 NON_NEGATIVE_INTS = (
     "data.min_freq", "data.max_vocab_size", "model.vocab_size",
     "optim.warmup_steps", "train.eval_max_batches", "checkpoint.keep_best",
@@ -78,6 +78,10 @@ CASES = (
        ("model.recurrence", "cuda", "is not one of"),
        ("optim.name", "adagrad", "is not one of"),
        ("model.num_stripes", 3, "not divisible by model.num_stripes=3"),
+       ("parallel.stripe_devices", 3,
+        "does not divide model.num_stripes=4: set --config.parallel."
+        "stripe_devices to a divisor of both, e.g. 4"),
+       ("parallel.stripe_devices", 16, "does not divide model.num_stripes"),
        ("model.adaptive_cutoffs", (60, 20), "strictly increasing"),
        ("model.adaptive_cutoffs", (0.5,), "is not a tuple of word ids")]
 )

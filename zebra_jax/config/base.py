@@ -130,6 +130,12 @@ FIELDS = dict(
         batch_size=F(16, POSITIVE_INT, "rows per evaluation batch"),
         seq_len=F(128, POSITIVE_INT, "tokens per evaluation window"),
     ),
+    parallel=dict(
+        stripe_devices=F(1, POSITIVE_INT, "devices that share one model, each "
+                         "running its share of every layer's stripes (must "
+                         "divide model.num_stripes and the device count); "
+                         "the rest split the batch. 1 = data parallel only"),
+    ),
     checkpoint=dict(
         every_steps=F(1000, POSITIVE_INT, "steps between saves (evaluations "
                       "save too)"),

@@ -9,7 +9,10 @@ S; a fixed stripe shuffle between layers lets stripes meet). S = 1 is exactly
 the classic LSTM (PyTorch `nn.LSTM`, gate order i, f, g, o, with its two
 biases summed), under either.
 The layer's arithmetic and its hand-written backward pass live in
-`recurrence.py`.
+`recurrence.py`. Traced inside `stripe_parallel(mesh)`, each layer's stripes
+are split over the mesh's "stripe" axis (`ZebraLSTMLayer.sharded`): every
+device runs the same recurrence on its own stripes, and layer outputs are
+exchanged once per window at layer boundaries.
 
 Parameters are float32; matmuls run in `dtype` with float32 accumulation, and the
 cell state `c`, the carry and the logits stay float32.
@@ -21,18 +24,58 @@ with the adaptive head); `token_sums` gives the loss sums that train and eval
 steps need, which for the adaptive head never builds [B*T, V].
 """
 
+import contextlib
+import contextvars
+import functools
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zebra_jax.model import adaptive_softmax as asm, metrics, recurrence
 from zebra_jax.model import pallas_recurrence
 from zebra_jax.model.config import DTYPES, ModelConfig
+from zebra_jax.runtime import parallel
 
 # One (h, c) pair per layer, each [batch, hidden] float32.
 Carry = tuple[tuple[jax.Array, jax.Array], ...]
+
+
+# The mesh whose "stripe" axis the layers' stripes are split over while a
+# function is traced (`stripe_parallel`); None: every device runs the whole
+# model (data parallelism only).
+_STRIPE_MESH = contextvars.ContextVar("stripe_mesh", default=None)
+
+
+@contextlib.contextmanager
+def stripe_parallel(mesh):
+  """Traces inside this context split each layer's stripes over `mesh`'s
+  "stripe" axis (a no-op for a mesh whose stripe axis has one device)."""
+  token = _STRIPE_MESH.set(
+      mesh if mesh is not None and parallel.stripe_devices(mesh) > 1 else None)
+  try:
+    yield
+  finally:
+    _STRIPE_MESH.reset(token)
+
+
+def stripe_mesh():
+  """The mesh `stripe_parallel` set for the trace under way, or None."""
+  return _STRIPE_MESH.get()
+
+
+def with_stripe_parallel(fn, mesh):
+  """fn, traced inside `stripe_parallel(mesh)` (fn itself where the mesh's
+  stripe axis has one device)."""
+  if parallel.stripe_devices(mesh) == 1:
+    return fn
+
+  def traced(*args):
+    with stripe_parallel(mesh):
+      return fn(*args)
+  return traced
 
 
 def compute_dtype(name: str) -> jnp.dtype:
@@ -85,11 +128,15 @@ class ZebraLSTMLayer(nnx.Module):
     # grouped w_x [S, in/S, 4G]: stripe s reads inputs s*in/S .. (s+1)*in/S.
     shape = ((s, in_features // s, 4 * width) if grouped
              else (in_features, s, 4 * width))
+    # stripe_axis: the axis that counts stripes, split over the mesh's
+    # "stripe" axis under stripe parallelism (runtime/parallel.py).
     self.w_x = nnx.Param(jax.random.uniform(
-        rngs.params(), shape, jnp.float32, -bound, bound))
-    self.w_h = nnx.Param(_orthogonal_stripes(rngs.params(), s, width))  # [S, G, 4G]
+        rngs.params(), shape, jnp.float32, -bound, bound),
+                         stripe_axis=0 if grouped else 1)
+    self.w_h = nnx.Param(_orthogonal_stripes(rngs.params(), s, width),
+                         stripe_axis=0)  # [S, G, 4G]
     bias = jnp.zeros((s, 4, width), jnp.float32).at[:, 1].set(1.0)  # forget bias 1
-    self.b = nnx.Param(bias.reshape(s, 4 * width))
+    self.b = nnx.Param(bias.reshape(s, 4 * width), stripe_axis=0)
 
   def __call__(self, inputs: jax.Array, carry: tuple[jax.Array, jax.Array]):
     """Runs the layer over a window.
@@ -100,15 +147,22 @@ class ZebraLSTMLayer(nnx.Module):
     Returns:
       outputs [batch, time, hidden] in the compute dtype, and the new (h, c).
     """
-    s, width, dt = self.num_stripes, self.width, self.dtype
+    return self._window(inputs, self.w_x[...], self.b[...], carry[0],
+                        carry[1], self.w_h[...])
+
+  def _window(self, inputs, w_x, bias, h0, c0, w_h):
+    """`__call__` on the stripes that w_h holds (all, or a device's share):
+    inputs [B, T, in] (for a grouped layer: those stripes' inputs), h0 and c0
+    [B, their units] -> (outputs [B, T, their units], (h, c))."""
+    s, width, dt = w_h.shape[0], self.width, self.dtype
     b, t, n_in = inputs.shape
     if self.grouped:  # stripe-major [S, T, B, in/S]: stripe s's own slice
       inputs = inputs.reshape(b, t, s, n_in // s).transpose(2, 1, 0, 3)
     else:  # time-major [T, B, in]
       inputs = inputs.transpose(1, 0, 2)
     to_stripes = lambda a: a.reshape(b, s, width).transpose(1, 0, 2)  # [S, B, G]
-    args = (inputs.astype(dt), self.w_x[...].astype(dt), self.b[...],
-            to_stripes(carry[0]), to_stripes(carry[1]), self.w_h[...].astype(dt))
+    args = (inputs.astype(dt), w_x.astype(dt), bias,
+            to_stripes(h0), to_stripes(c0), w_h.astype(dt))
     if self.custom_vjp:
       layer_fn = (pallas_recurrence.zebra_layer if self.kernel == "pallas"
                   else recurrence.zebra_layer)
@@ -118,6 +172,111 @@ class ZebraLSTMLayer(nnx.Module):
     outputs = ys.transpose(2, 1, 0, 3).reshape(b, t, s * width)  # [B, T, H]
     from_stripes = lambda a: a.transpose(1, 0, 2).reshape(b, s * width)
     return outputs, (from_stripes(h), from_stripes(c))
+
+  def sharded(self, inputs: jax.Array, carry, mesh, exchange: str | None):
+    """`__call__` with the stripes split over the mesh's "stripe" axis (and
+    the batch over "data"): every device runs the unchanged recurrence on its
+    own stripes, with no communication inside the time loop.
+
+    Args:
+      inputs: [batch, time, in_features]. exchange=None: the embedding,
+        replicated over "stripe". Otherwise the previous layer's outputs,
+        split along the last axis over "stripe" (each device holds its
+        stripes' units), which become this layer's input in one exchange
+        per window: "gather" (a dense layer reads all of them: all-gather)
+        or "shuffle" (a grouped layer reads its share of the stripe shuffle:
+        all-to-all).
+      carry: (h, c), each [batch, hidden], split (batch, hidden) over
+        ("data", "stripe").
+      mesh: the ("data", "stripe") mesh.
+    Returns:
+      outputs [batch, time, hidden] split along hidden over "stripe", and
+      the new (h, c) split as the carry came.
+    """
+    data, stripe = parallel.DATA_AXIS, parallel.STRIPE_AXIS
+    split_in = exchange is not None or self.grouped
+    x_spec = P(data, None, stripe) if split_in else P(data)
+    w_x_spec = P(stripe) if self.grouped else P(None, stripe)
+    carry_spec, out_spec = P(data, stripe), P(data, None, stripe)
+    devices = parallel.stripe_devices(mesh)
+
+    def local(x, w_x, bias, h, c, w_h):
+      if exchange == "gather":
+        x = jax.lax.all_gather(x, stripe, axis=2, tiled=True)
+      elif exchange == "shuffle":
+        x = _shuffle_exchange(x, self.num_stripes, devices)
+      y, (h, c) = self._window(x, w_x, bias, h, c, w_h)
+      return y, h, c
+
+    # check_vma=False: the recurrence's scan buffers start as replicated
+    # zeros, which varying-type checks reject. shard_map's transpose then
+    # sums the gradient of every argument replicated over an axis over that
+    # axis: over "data", the data-parallel gradient all-reduce of w_x, w_h
+    # and b; over "stripe", the first layer's input gradient (each device's
+    # stripes read the whole embedding).
+    if exchange is None and self.grouped:
+      inputs = _gather_cotangent(inputs, mesh)
+    y, h, c = jax.shard_map(
+        local, mesh=mesh, check_vma=False,
+        in_specs=(x_spec, w_x_spec, P(stripe), carry_spec, carry_spec,
+                  P(stripe)),
+        out_specs=(out_spec, carry_spec, carry_spec))(
+            inputs, self.w_x[...], self.b[...], carry[0], carry[1],
+            self.w_h[...])
+    return y, (h, c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_cotangent(x, mesh):
+  """The identity, whose gradient is gathered over "stripe" at once.
+
+  A grouped first layer reads the replicated embedding in stripes, so its
+  input gradient arrives split over "stripe". Gathered here it is one
+  window of activations; left to the compiler, the embedding's gradient (a
+  vocabulary-sized table) was gathered instead.
+  """
+  del mesh
+  return x
+
+
+def _gather_cotangent_fwd(x, mesh):
+  del mesh
+  return x, None
+
+
+def _gather_cotangent_bwd(mesh, _, ct):
+  return (jax.lax.with_sharding_constraint(
+      ct, NamedSharding(mesh, P(parallel.DATA_AXIS))),)
+
+
+_gather_cotangent.defvjp(_gather_cotangent_fwd, _gather_cotangent_bwd)
+
+
+def _shuffle_exchange(x, num_stripes: int, devices: int):
+  """`stripe_shuffle` between devices that each hold a share of the stripes.
+
+  x: [b, T, H/p], this device's S/p stripes' units (stripe-major). Returns
+  this device's H/p positions of the shuffled [b, T, H], which are the inputs
+  of its stripes in the next grouped layer. Position g*S + s of the shuffle
+  is unit g of stripe s, so device k needs units k*G/p .. (k+1)*G/p of every
+  stripe: one all-to-all when p divides G; otherwise every device gathers
+  all units and keeps its share.
+  """
+  stripe = parallel.STRIPE_AXIS
+  b, t, local_units = x.shape
+  s, p = num_stripes, devices
+  width = local_units * p // s
+  x = x.reshape(b, t, s // p, width)
+  if width % p == 0:
+    # chunk k of every stripe's units goes to device k; the received
+    # chunks stack up by source device: [b, T, S, G/p], stripes in order.
+    mine = jax.lax.all_to_all(x, stripe, split_axis=3, concat_axis=2,
+                              tiled=True)
+    return mine.swapaxes(-1, -2).reshape(b, t, local_units)
+  full = jax.lax.all_gather(x, stripe, axis=2, tiled=True)  # [b, T, S, G]
+  shuffled = full.swapaxes(-1, -2).reshape(b, t, s * width)
+  start = jax.lax.axis_index(stripe) * local_units
+  return jax.lax.dynamic_slice_in_dim(shuffled, start, local_units, axis=2)
 
 
 def stripe_shuffle(x: jax.Array, num_stripes: int) -> jax.Array:
@@ -211,15 +370,24 @@ class ZebraLM(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, E]
       x = dropout(x, self.dropout_embed, rngs[0])
     new_carry = []
+    mesh = _STRIPE_MESH.get()
     for i, layer in enumerate(self.layers):
       with jax.named_scope(f"zebra_lstm_{i}"):
-        if i > 0 and self.shuffle_stripes:
-          x = stripe_shuffle(x, layer.num_stripes)
-        x, layer_carry = layer(x, carry[i])
+        if mesh is not None:  # the exchange between layers is in `sharded`
+          exchange = (None if i == 0 else
+                      "shuffle" if self.shuffle_stripes else "gather")
+          x, layer_carry = layer.sharded(x, carry[i], mesh, exchange)
+        else:
+          if i > 0 and self.shuffle_stripes:
+            x = stripe_shuffle(x, layer.num_stripes)
+          x, layer_carry = layer(x, carry[i])
         new_carry.append(layer_carry)
         last = i == len(self.layers) - 1
         rate = self.dropout_output if last else self.dropout_hidden
         x = dropout(x, rate, rngs[i + 1])
+    if mesh is not None:  # the replicated head reads every unit: one gather
+      x = jax.lax.with_sharding_constraint(
+          x, NamedSharding(mesh, P(parallel.DATA_AXIS)))
     return x, tuple(new_carry)
 
   def logits(self, hidden: jax.Array) -> jax.Array:

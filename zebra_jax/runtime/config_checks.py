@@ -4,12 +4,14 @@ Each field's own rule comes with its definition in config/base.py; the checks
 here are those that read several fields together.
 """
 
+import jax
 import ml_collections
 
 from zebra_jax.config import base
 from zebra_jax.data import sources
 from zebra_jax.errors import UserError
 from zebra_jax.model.adaptive_softmax import cluster_bounds
+from zebra_jax.runtime import parallel
 
 
 def _get(cfg, dotted):
@@ -34,6 +36,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         f"model.hidden_size={m.hidden_size} is not divisible by "
         f"model.num_stripes={m.num_stripes}: pick num_stripes that divides "
         f"hidden_size (e.g. {_divisor_hint(m.hidden_size, m.num_stripes)})")
+  parallel.check_stripe_devices(cfg.parallel.stripe_devices, m.num_stripes,
+                                jax.device_count())
   if m.head == "adaptive":
     _check_cutoffs(m.adaptive_cutoffs)
   if sources.SOURCES[cfg.data.source].needs_path and not cfg.data.path:

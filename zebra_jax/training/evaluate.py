@@ -37,10 +37,11 @@ class Evaluator:
   """Scores token-id splits with a fixed batch and window on the mesh."""
 
   def __init__(self, graphdef, mesh, model_cfg, batch_size: int, seq_len: int):
-    if batch_size <= 0 or batch_size % mesh.size:
+    rows = mesh.shape[parallel.DATA_AXIS]  # devices that split the batch
+    if batch_size <= 0 or batch_size % rows:
       raise UserError(
-          f"eval.batch_size={batch_size} does not divide over {mesh.size} "
-          f"devices: set --config.eval.batch_size to a multiple of {mesh.size}")
+          f"eval.batch_size={batch_size} does not divide over {rows} "
+          f"devices: set --config.eval.batch_size to a multiple of {rows}")
     if seq_len <= 0:
       raise UserError(f"eval.seq_len={seq_len} must be positive: set "
                       "--config.eval.seq_len to e.g. 128")
@@ -48,9 +49,13 @@ class Evaluator:
     self.model_cfg = model_cfg
     self.graphdef = graphdef
     rep, bat = parallel.replicated(mesh), parallel.batch_sharded(mesh)
-    self._step = jax.jit(functools.partial(eval_step, graphdef=graphdef),
-                         in_shardings=(rep, bat, bat, bat),
-                         out_shardings=(bat, rep), donate_argnums=1)
+    carry = parallel.carry_sharded(mesh)
+    step = functools.partial(eval_step, graphdef=graphdef)
+    params_in = rep
+    if parallel.stripe_devices(mesh) > 1:  # params come split as in training
+      step, params_in = lm.with_stripe_parallel(step, mesh), None
+    self._step = jax.jit(step, in_shardings=(params_in, carry, bat, bat),
+                         out_shardings=(carry, rep), donate_argnums=1)
 
   def rows(self, ids: np.ndarray) -> np.ndarray:
     """This process's rows of the split, [local_batch, row_len]."""
@@ -68,9 +73,9 @@ class Evaluator:
     """Sums over the split (or its first max_batches windows) -> summary."""
     rows = self.rows(ids)
     # A no-op when params already live on this mesh (tests use a smaller one).
-    params = jax.device_put(params, parallel.replicated(self.mesh))
+    params = jax.device_put(params, parallel.param_shardings(self.mesh, params))
     carry = jax.device_put(lm.init_carry(self.model_cfg, self.batch_size),
-                           parallel.batch_sharded(self.mesh))
+                           parallel.carry_sharded(self.mesh))
     starts = list(range(0, rows.shape[1] - 1, self.seq_len))
     if max_batches:
       starts = starts[:max_batches]
@@ -133,7 +138,8 @@ def run(cfg, workdir: str, splits_to_eval=("valid", "test"),
                       f"{', '.join(SPLIT_CHOICES)}")
     splits_to_eval = SPLIT_CHOICES[splits_to_eval]
   loaded = loading.load_for_inference(cfg, workdir)
-  mesh = mesh or parallel.make_mesh()
+  mesh = mesh or parallel.make_mesh(
+      stripe_devices=loaded.cfg.parallel.stripe_devices)
   evaluator = Evaluator(loaded.graphdef, mesh, loaded.cfg.model,
                         cfg.eval.batch_size, cfg.eval.seq_len)
   char_level = loaded.tokenizer.char_level

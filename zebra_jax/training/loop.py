@@ -91,6 +91,12 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef,
     sums = jax.tree.map(jnp.sum, sums)
 
   grads = scale.unscale(grads)
+  if (mesh := lm.stripe_mesh()) is not None:
+    # Gradients laid out as the parameters: the embedding's arrives split
+    # over "stripe" (from a grouped first layer) and is gathered once here,
+    # not as the updated parameter and every optimizer moment after it.
+    grads = jax.lax.with_sharding_constraint(
+        grads, parallel.param_shardings(mesh, grads))
   finite = loss_scale.all_finite(grads)
   with jax.named_scope("optimizer"):
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -113,6 +119,8 @@ def compile_train_step(graphdef, tx, mesh, state, accum_steps: int = 1):
   batch_shardings = {"inputs": bat, "targets": bat, "reset": rep}
   step = functools.partial(train_step, graphdef=graphdef, tx=tx,
                            accum_steps=accum_steps)
+  if parallel.stripe_devices(mesh) > 1:
+    step = lm.with_stripe_parallel(step, mesh)
   return jax.jit(step, in_shardings=(shardings, batch_shardings),
                  out_shardings=(shardings, rep), donate_argnums=0)
 
@@ -148,7 +156,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
 def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
   vocab_size, tokenizer, splits = rundir.prepare(cfg, workdir)
   model = dataclasses.replace(ModelConfig.of(cfg.model), vocab_size=vocab_size)
-  mesh = parallel.make_mesh()
+  mesh = parallel.make_mesh(stripe_devices=cfg.parallel.stripe_devices)
   parallel.check_batch(cfg.data.batch_size, "data.batch_size", mesh,
                        cfg.train.grad_accum_steps)
   graphdef, tx, state = init_state(cfg, mesh, model)

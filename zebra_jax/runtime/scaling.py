@@ -1,0 +1,178 @@
+"""The scaling model of docs/scaling.md: bytes, seconds and memory per device.
+
+Arithmetic on paper, not a measurement. Parameter counts come from the model
+itself (`lm.abstract`, no memory allocated); everything else is the formula
+beside it, its assumptions named in docs/scaling.md. `python -m
+zebra_jax.runtime.scaling` prints the tables of that document.
+"""
+
+import dataclasses
+
+import jax
+
+from zebra_jax.model import lm
+from zebra_jax.model.config import ModelConfig
+
+NVLINK = 450e9      # bytes/s one way per H100 (900 GB/s both ways together)
+INFINIBAND = 50e9   # bytes/s one way: one 400 Gb/s port per GPU
+GPU_FLOPS = 300e12  # matmul FLOP/s reached: ~30% of the H100's 989 bf16
+RECURRENCE_S = 0.010  # the step's sequential time loops, whatever the GPU count
+GPU_MEMORY = 80e9
+PER_NODE = 8        # GPUs per node: the stripe axis stays inside one
+
+
+def wt103_model(hidden: int = 2048, stripe_input: str | None = None,
+                **fields) -> ModelConfig:
+  """The WikiText-103 recipe's model, at another hidden size if asked."""
+  from configs import wt103  # the repository's recipe, beside the package
+  cfg = wt103.get_config()
+  cfg.model.update(vocab_size=267_735, hidden_size=hidden, embed_size=hidden,
+                   **fields)
+  if stripe_input:
+    cfg.model.stripe_input = stripe_input
+  return ModelConfig.of(cfg.model)
+
+
+def param_counts(model: ModelConfig) -> tuple[int, int]:
+  """(ZebraLSTM layers' parameters, all others: embedding and head)."""
+  _, params = lm.abstract(model)
+  size = lambda t: sum(x.size for x in jax.tree.leaves(t))
+  layers = size(params["layers"])
+  return layers, size(params) - layers
+
+
+def flops_per_token(model: ModelConfig) -> tuple[float, float]:
+  """(LSTM, head) matmul FLOPs per trained token, forward x 3 for backward.
+
+  The adaptive head counts its shortlist (first cluster + cluster logits)
+  for every token; the tail clusters, run only for rare words, are left out.
+  """
+  h, s = model.hidden_size, model.num_stripes
+  g = h // s
+  grouped = model.stripe_input == "grouped"
+  layer = 2 * h * 4 * h / (s if grouped else 1) + 2 * g * 4 * h
+  shortlist = model.adaptive_cutoffs[0] + len(model.adaptive_cutoffs)
+  head = 2 * h * (shortlist if model.head == "adaptive" else model.vocab_size)
+  return 3 * model.num_layers * layer, 3 * head
+
+
+def _ring(n: int, nbytes: float, reduce: bool) -> float:
+  """Bytes one device sends in a ring all-gather / reduce-scatter (reduce=
+  False) or all-reduce (True) of an array of `nbytes`."""
+  return (2 if reduce else 1) * (n - 1) / n * nbytes
+
+
+def sent_per_step(model: ModelConfig, batch: int, window: int, data: int,
+                  stripe: int, act_bytes: int = 2,
+                  head_split: bool = False) -> dict[str, float]:
+  """Bytes one device sends per step, by axis, as the compiled step moves
+  them (tests/runtime/test_stripe_parallel.py reads the same collectives).
+  head_split: the next step, embedding and head split over "stripe" too
+  (their gradients then all-reduce 1/p each; the head's own exchange, a
+  few scalars per token, is left out)."""
+  lstm, other = param_counts(model)
+  rows = batch // data  # one data group's rows: what its stripe devices share
+  window_bytes = rows * window * model.hidden_size * act_bytes
+  p = stripe
+  grouped = model.stripe_input == "grouped"
+  boundary = (2 * _ring(p, window_bytes / p, False) if grouped and
+              (model.hidden_size // model.num_stripes) % p == 0
+              else 2 * _ring(p, window_bytes, False))  # forward + backward
+  first = (_ring(p, rows * window * model.embed_size * 4, False) if grouped
+           else _ring(p, rows * window * model.embed_size * 4, True))
+  stripe_bytes = ((model.num_layers - 1) * boundary
+                  + _ring(p, window_bytes, False) + first) if p > 1 else 0.0
+  # Gradients in float32: each device all-reduces its share of the LSTM's
+  # and all of the replicated embedding's and head's.
+  other = other / p if head_split else other
+  data_bytes = _ring(data, 4 * (lstm / p + other), True) if data > 1 else 0.0
+  return {"data": data_bytes, "stripe": stripe_bytes}
+
+
+def comm_seconds(sent: dict[str, float], data: int, stripe: int) -> float:
+  """Stripe axis on NVLink (inside a node). The data axis: NVLink inside a
+  node; across nodes hierarchical (NCCL): inside the node on NVLink, then each
+  GPU's 1/8 across nodes on its own InfiniBand port."""
+  t = sent["stripe"] / NVLINK
+  in_node = max(1, PER_NODE // stripe)
+  if data <= in_node:
+    return t + sent["data"] / NVLINK
+  nodes = data // in_node
+  full = sent["data"] / (2 * (data - 1) / data)  # the array's bytes
+  t += _ring(in_node, full, True) / NVLINK
+  return t + _ring(nodes, full / in_node, True) / INFINIBAND
+
+
+def step_seconds(model, batch, window, data, stripe,
+                 head_split: bool = False) -> dict[str, float]:
+  """Compute (LSTM over every device, the replicated head over a data group's
+  devices once each), the fixed recurrence latency, communication (not
+  overlapped: an upper bound)."""
+  lstm, head = flops_per_token(model)
+  tokens = batch * window
+  head_devices = data * stripe if head_split else data
+  compute = tokens * (lstm / (data * stripe) + head / head_devices) / GPU_FLOPS
+  comm = comm_seconds(sent_per_step(model, batch, window, data, stripe,
+                                    head_split=head_split), data, stripe)
+  return {"compute": compute, "recurrence": RECURRENCE_S, "comm": comm,
+          "total": compute + RECURRENCE_S + comm}
+
+
+def memory_bytes(model: ModelConfig, rows: int, window: int, stripe: int,
+                 remat: bool, act_bytes: int = 2) -> float:
+  """One device's training memory: float32 parameters, gradients and Adam's
+  two moments (16 bytes a parameter), its stripes' share of the LSTM's, plus
+  what the backward pass keeps per layer, row and step (recurrence.py:
+  gates, c_t and h_{t-1} in float32, 2G with remat, 6G without; the layer's
+  input and output in the compute dtype). The head's activations (chunked)
+  and XLA's temporaries are left out."""
+  lstm, other = param_counts(model)
+  h = model.hidden_size
+  kept = (2 if remat else 6) * h / stripe * 4 + (h + h / stripe) * act_bytes
+  acts = model.num_layers * rows * window * kept
+  return 16 * (lstm / stripe + other) + acts
+
+
+def largest_hidden(rows: int, window: int, stripe: int, remat: bool,
+                   step: int = 256) -> int:
+  """The largest hidden size (a multiple of `step`, 8 stripes) whose
+  training memory fits one GPU."""
+  h = step
+  while memory_bytes(wt103_model(h + step), rows, window, stripe,
+                     remat) <= GPU_MEMORY:
+    h += step
+  return h
+
+
+MESHES = ((1, 1), (8, 1), (1, 8), (64, 1), (8, 8))  # (data, stripe)
+
+
+def main():
+  gb, ms = 1e9, 1e3
+  print("model | data x stripe | GB sent/device (data, stripe) | comm ms | "
+        "compute ms | step ms | step ms, head split")
+  for hidden in (2048, 4096, 8192):
+    for si in ("dense", "grouped"):
+      m = wt103_model(hidden, si)
+      lstm, other = param_counts(m)
+      name = f"{hidden} {si} ({lstm / 1e6:.0f}M LSTM + {other / 1e6:.0f}M)"
+      for data, stripe in MESHES:
+        sent = sent_per_step(m, 128, 128, data, stripe)
+        t = step_seconds(m, 128, 128, data, stripe)
+        split = step_seconds(m, 128, 128, data, stripe, head_split=True)
+        print(f"{name} | {data}x{stripe} | {sent['data'] / gb:.3f}, "
+              f"{sent['stripe'] / gb:.3f} | {t['comm'] * ms:.2f} | "
+              f"{t['compute'] * ms:.2f} | {t['total'] * ms:.1f} | "
+              f"{split['total'] * ms:.1f}")
+  for remat in (False, True):
+    for stripe in (1, 8):
+      h = largest_hidden(16, 128, stripe, remat)
+      lstm, other = param_counts(wt103_model(h))
+      print(f"remat={remat} stripe over {stripe}: hidden {h}, "
+            f"{(lstm + other) / 1e9:.2f}B parameters, "
+            f"{memory_bytes(wt103_model(h), 16, 128, stripe, remat) / gb:.1f}"
+            f" GB")
+
+
+if __name__ == "__main__":
+  main()
