@@ -188,15 +188,17 @@ def requirements(tokenizer_kind: str) -> str:
 
 def write_triton_repository(artifact: str, repository: str,
                             max_batch_size: int = 64, instance: str = "auto",
-                            gpus: str = "", queue_delay_us: int = 2000) -> str:
-  """A Triton model repository around the artifact; returns the model folder."""
+                            gpus: str = "", queue_delay_us: int = 2000,
+                            model_name: str = MODEL_NAME) -> str:
+  """A Triton model repository around the artifact; returns the model folder
+  (REPOSITORY/MODEL_NAME: several exports may share one repository)."""
   group, comment = instance_group(instance, gpus)
-  model_dir = os.path.join(repository, MODEL_NAME)
+  model_dir = os.path.join(repository, model_name)
   version_dir = os.path.join(model_dir, "1")
   os.makedirs(version_dir, exist_ok=True)
   with open(os.path.join(_TRITON_TEMPLATES, "config.pbtxt")) as f:
     config = f.read()
-  config = (config.replace("{{name}}", MODEL_NAME)
+  config = (config.replace("{{name}}", model_name)
             .replace("{{max_batch_size}}", str(int(max_batch_size)))
             .replace("{{instance_group}}", group)
             .replace("{{instance_comment}}", comment)
