@@ -83,7 +83,7 @@ def command(repository: str, workdir: str, http_port: int = 8000,
           "--http-address=127.0.0.1", f"--http-port={http_port}",
           "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}",
           f"--allow-metrics={str(metrics).lower()}",
-          "--log-verbose=0", "--exit-on-error=true"]
+          "--log-verbose=0", "--exit-on-error=true", "--exit-timeout-secs=10"]
   return argv, env
 
 
@@ -98,6 +98,44 @@ def check_runs(workdir: str) -> None:
   if "--model-repository" not in run.stdout + run.stderr:
     line = (run.stderr.strip().splitlines() or ["no output"])[-1]
     raise NotAvailable(f"tritonserver cannot start here: {line}")
+
+
+_SCALARS = {"MAX_NEW_TOKENS": "INT32", "TEMPERATURE": "FP32", "TOP_K": "INT32",
+            "TOP_P": "FP32", "SEED": "INT64"}
+
+
+def request(prompts, **scalars):
+  """(inputs, outputs) for tritonclient.http's infer(): UTF-8 prompts as
+  UINT8 rows with PROMPT_LENGTH, and scalars such as MAX_NEW_TOKENS=20."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tritonclient.http as th  # pylint: disable=g-import-not-at-top
+  raw = [p.encode("utf-8") for p in prompts]
+  data = np.zeros((len(raw), max([len(r) for r in raw] + [1])), np.uint8)
+  for i, r in enumerate(raw):
+    data[i, :len(r)] = np.frombuffer(r, np.uint8)
+  arrays = {"PROMPT": data,
+            "PROMPT_LENGTH": np.array([[len(r)] for r in raw], np.int32)}
+  for name, value in scalars.items():
+    if name not in _SCALARS:
+      raise ValueError(f"unknown input {name}: use {', '.join(_SCALARS)}")
+    dtype = {"INT32": np.int32, "FP32": np.float32,
+             "INT64": np.int64}[_SCALARS[name]]
+    arrays[name] = np.full((len(raw), 1), value, dtype)
+  inputs = []
+  for name, array in arrays.items():
+    tensor = th.InferInput(name, list(array.shape),
+                           th.np_to_triton_dtype(array.dtype))
+    tensor.set_data_from_numpy(array, binary_data=True)
+    inputs.append(tensor)
+  outputs = [th.InferRequestedOutput(n, binary_data=True)
+             for n in ("TEXT", "TEXT_LENGTH", "BATCH_ROWS")]
+  return inputs, outputs
+
+
+def texts(result) -> list[str]:
+  """The texts of an infer() result."""
+  data, lengths = result.as_numpy("TEXT"), result.as_numpy("TEXT_LENGTH")
+  return [bytes(row[:n]).decode("utf-8") for row, n in zip(data, lengths[:, 0])]
 
 
 def main(argv=None) -> int:
