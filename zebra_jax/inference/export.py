@@ -241,6 +241,8 @@ def run(cfg, workdir: str, export_dir: str | None = None) -> str:
   if jax.process_index() == 0:
     print(f"| export of step {manifest['step']} | artifact {artifact} "
           f"({', '.join(manifest['platforms'])}) | Triton model {model_dir}\n"
-          f"  tritonserver --model-repository={os.path.dirname(model_dir)}",
+          f"  tritonserver --model-repository={os.path.dirname(model_dir)}\n"
+          "  (or python -m zebra_jax.inference.triton_local "
+          f"--model-repository={os.path.dirname(model_dir)}: docs/serving.md)",
           flush=True)
   return export_dir
