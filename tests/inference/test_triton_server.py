@@ -56,9 +56,22 @@ def sample_mode(cfg, workdir, prompts, seed=0):
 
 
 @pytest.fixture(scope="module")
-def runs(char_run, tmp_path_factory):
+def server_dir(tmp_path_factory):
+  """Where tritonserver's backend directory goes; skips (before any
+  training) where the binary cannot run."""
+  folder = str(tmp_path_factory.mktemp("tritonserver"))
+  try:
+    triton_local.check_runs(folder)
+  except triton_local.NotAvailable as e:
+    pytest.skip(str(e))
+  return folder
+
+
+@pytest.fixture(scope="module")
+def runs(server_dir, char_run, tmp_path_factory):
   """{kind: (cfg, workdir, prompts)}: the session's char run, and tiny word
   and BPE runs trained here."""
+  del server_dir  # only its check
   out = {"char": (*char_run, CHAR_PROMPTS)}
   base = tmp_path_factory.mktemp("triton_runs")
   corpus = base / "corpus.txt"
@@ -78,14 +91,10 @@ def runs(char_run, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def triton(runs, tmp_path_factory):
+def triton(runs, server_dir, tmp_path_factory):
   """(client, {kind: model name}, server log path): one tritonserver serving
   every run's export on CPU, stopped by its PID."""
   base = tmp_path_factory.mktemp("triton")
-  try:
-    triton_local.check_runs(str(base / "server"))
-  except triton_local.NotAvailable as e:
-    pytest.skip(str(e))
   repository, names = str(base / "repository"), {}
   for kind, (cfg, workdir, _) in runs.items():
     export_dir = export.run(cfg, workdir, str(base / f"export_{kind}"))
@@ -94,7 +103,7 @@ def triton(runs, tmp_path_factory):
         os.path.join(export_dir, "artifact"), repository, instance="cpu",
         queue_delay_us=20_000, model_name=names[kind])
   port = _free_port()
-  argv, env = triton_local.command(repository, str(base / "server"),
+  argv, env = triton_local.command(repository, server_dir,
                                    http_port=port, grpc_port=_free_port())
   log = open(base / "tritonserver.log", "wb")
   proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
