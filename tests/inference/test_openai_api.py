@@ -11,6 +11,7 @@ import pytest
 from zebra_jax.inference import loading, openai_api, sample, serve
 
 openai = pytest.importorskip("openai", reason="pip install openai (.[test])")
+pytestmark = pytest.mark.timeout(120)  # every test talks to a live server
 
 PROMPT = "line 7: the quick"
 
@@ -52,7 +53,6 @@ def raw(port, method, path, body=None):
     conn.close()
 
 
-@pytest.mark.timeout(120)
 def test_greedy_completion_equals_sample_mode_and_generate(server):
   cfg, workdir, port, client = server
   prompts = [PROMPT, "line 3: "]
@@ -76,7 +76,6 @@ def test_greedy_completion_equals_sample_mode_and_generate(server):
   assert all(x <= 0 for x in lp.token_logprobs)
 
 
-@pytest.mark.timeout(120)
 def test_stream_gives_the_same_text_in_chunks(server):
   cfg, workdir, port, client = server
   [expected] = sample_mode(cfg, workdir, [PROMPT], 70)
