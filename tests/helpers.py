@@ -178,10 +178,16 @@ def load_triton_model(model_dir, monkeypatch):
 
 
 def triton_request(prompts, **scalars):
-  """A stand-in Triton request: one PROMPT row per prompt, and per-row
-  scalars such as MAX_NEW_TOKENS=10."""
-  request = {"PROMPT": _Tensor("PROMPT", np.array(
-      [[p.encode()] for p in prompts], dtype=object))}
+  """A stand-in Triton request: one UTF-8 PROMPT row per prompt (uint8,
+  zero-padded, with PROMPT_LENGTH), and per-row scalars such as
+  MAX_NEW_TOKENS=10."""
+  raw = [p.encode() for p in prompts]
+  data = np.zeros((len(raw), max([len(r) for r in raw] + [1])), np.uint8)
+  for i, r in enumerate(raw):
+    data[i, :len(r)] = np.frombuffer(r, np.uint8)
+  request = {"PROMPT": _Tensor("PROMPT", data),
+             "PROMPT_LENGTH": _Tensor("PROMPT_LENGTH", np.array(
+                 [[len(r)] for r in raw], np.int32))}
   kinds = {"MAX_NEW_TOKENS": np.int32, "TEMPERATURE": np.float32,
            "TOP_K": np.int32, "TOP_P": np.float32, "SEED": np.int64}
   for name, value in scalars.items():

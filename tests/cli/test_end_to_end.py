@@ -159,7 +159,8 @@ def test_train_eval_score_sample_serve_export_triton(kind, tmp_path,
   [response] = triton_model.execute(
       [triton_request([PROMPT], MAX_NEW_TOKENS=6, TEMPERATURE=0.0)])
   assert response.error is None
-  assert response.output_tensors[0].as_numpy()[0, 0].decode() == sampled
+  text, length = (t.as_numpy() for t in response.output_tensors[:2])
+  assert bytes(text[0, :length[0, 0]]).decode() == sampled
   # The exported prompt function's logits are the JAX model's.
   loaded = service.loaded
   ids = tokenizer.encode_prompt(PROMPT)

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from zebra_jax.errors import UserError
 from zebra_jax.inference import export, loading, sample
 from zebra_jax.model import lm
 from tests.helpers import load_triton_model, triton_request
@@ -62,11 +63,30 @@ def test_artifact_in_a_fresh_process_gives_the_same_logits(exported, tmp_path):
   np.testing.assert_allclose(got["h"], carry[-1][0], atol=1e-5)
 
 
+def texts_of(response):
+  data, lengths = (t.as_numpy() for t in response.output_tensors[:2])
+  return [bytes(row[:n]).decode() for row, n in zip(data, lengths[:, 0])]
+
+
+def test_instance_groups_and_bad_export_settings():
+  assert export.instance_group("cpu")[0] == "count: 1  kind: KIND_CPU"
+  assert export.instance_group("gpu")[0] == "count: 1  kind: KIND_GPU"
+  assert (export.instance_group("gpu", "0, 1")[0]
+          == "count: 1  kind: KIND_GPU  gpus: [ 0, 1 ]")
+  for args, words in ((("tpu",), "triton_instance='tpu'"),
+                      (("gpu", "a"), "triton_gpus='a'"),
+                      (("cpu", "0"), "triton_instance=gpu")):
+    with pytest.raises(UserError, match=words):
+      export.instance_group(*args)
+
+
 def test_triton_model_execute_with_stand_in_requests(exported, monkeypatch):
   _, _, export_dir, loaded = exported
   model_dir = os.path.join(export_dir, "triton", export.MODEL_NAME)
   config = open(os.path.join(model_dir, "config.pbtxt")).read()
-  assert 'backend: "python"' in config and "kind: KIND_GPU" in config
+  assert 'backend: "python"' in config and "kind: KIND_CPU" in config  # auto
+  requirements = open(os.path.join(model_dir, "1", "requirements.txt")).read()
+  assert "flatbuffers" in requirements and "jax>=" in requirements
   assert "max_batch_size: 64" in config and "{{" not in config
   triton_model = load_triton_model(model_dir, monkeypatch)
   prompts = ["the ", "line 7: the quick"]
@@ -76,12 +96,14 @@ def test_triton_model_execute_with_stand_in_requests(exported, monkeypatch):
   bad = triton_request([""])
   responses = triton_model.execute([greedy, bad, sampled, sampled])
   assert len(responses) == 4
-  texts = [t.decode() for t in responses[0].output_tensors[0].as_numpy()[:, 0]]
+  texts = texts_of(responses[0])
   expected = sample.Generator(loaded).generate(
       prompts, sample.Options(max_new_tokens=10, temperature=0.0))
   assert responses[0].error is None and texts == expected
   assert responses[1].error and "non-empty" in responses[1].error
   assert responses[1].output_tensors == []
-  first, again = (r.output_tensors[0].as_numpy()[0, 0] for r in responses[2:])
-  assert first == again and first.decode().startswith("the ")  # seeded
+  first, again = (texts_of(r)[0] for r in responses[2:])
+  assert first == again and first.startswith("the ")  # seeded
+  # Greedy rows ran as one batch; the two sampled requests as another.
+  assert [r.output_tensors[2].as_numpy()[0, 0] for r in responses[::2]] == [2, 2]
   triton_model.finalize()

@@ -29,11 +29,13 @@ POSITIVE_INTS = (
     "checkpoint.every_steps", "checkpoint.keep_latest", "sample.max_new_tokens",
     "sample.num_samples", "sample.chunk", "serve.max_body_bytes",
     "serve.max_new_tokens", "serve.max_prompt_tokens", "serve.max_rows",
-    "serve.max_score_tokens", "parallel.stripe_devices")
+    "serve.max_score_tokens", "parallel.stripe_devices",
+    "export.triton_max_batch_size")
 NON_NEGATIVE_INTS = (
     "data.min_freq", "data.max_vocab_size", "model.vocab_size",
     "optim.warmup_steps", "train.eval_max_batches", "checkpoint.keep_best",
-    "profile.start_step", "profile.num_steps", "sample.top_k")
+    "profile.start_step", "profile.num_steps", "sample.top_k",
+    "export.triton_queue_delay_us")
 POSITIVE_NUMBERS = ("optim.learning_rate", "optim.eps",
                     "train.loss_scale.initial_scale",
                     "train.loss_scale.min_scale", "sample.repetition_penalty")
@@ -42,7 +44,7 @@ NON_NEGATIVE_NUMBERS = ("optim.weight_decay", "optim.clip_norm",
 BOOLS = ("model.tie_embeddings", "model.adaptive_tie", "model.remat",
          "train.report_at_end", "train.sample_at_eval", "sample.stream")
 TEXTS = ("data.path", "data.hf_name", "data.hf_config", "data.hf_cache_dir",
-         "sample.prompt", "sample.stop")
+         "sample.prompt", "sample.stop", "export.triton_gpus")
 
 # (field, bad value, what the one line says about it)
 CASES = (
@@ -75,6 +77,7 @@ CASES = (
        ("model.dtype", "float64", "is not one of"),
        ("model.head", "hierarchical", "is not one of"),
        ("model.stripe_input", "sparse", "is not one of"),
+       ("export.triton_instance", "tpu", "is not one of"),
        ("model.recurrence", "cuda", "is not one of"),
        ("optim.name", "adagrad", "is not one of"),
        ("model.num_stripes", 3, "not divisible by model.num_stripes=3"),

@@ -173,6 +173,15 @@ FIELDS = dict(
         max_rows=F(64, POSITIVE_INT, "prompts x num_samples"),
         max_score_tokens=F(100_000, POSITIVE_INT, "tokens scored per request"),
     ),
+    export=dict(  # --mode=export: the Triton model's config.pbtxt
+        triton_instance=F("auto", one_of(("auto", "cpu", "gpu")), "auto (GPU "
+                          "if jax sees one, else CPU) | cpu | gpu"),
+        triton_gpus=F("", TEXT, "instance=gpu: GPU ids, e.g. '0,1'; '' = "
+                      "one instance on every GPU"),
+        triton_max_batch_size=F(64, POSITIVE_INT, "rows Triton batches"),
+        triton_queue_delay_us=F(2000, NON_NEGATIVE_INT, "how long Triton "
+                                "waits to merge requests into one batch"),
+    ),
 )
 
 

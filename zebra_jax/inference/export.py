@@ -19,8 +19,10 @@ a big model's weights do not hit protobuf's 2 GB limit. `carry` is one
     artifact/    prompt.jax step.jax params.npz config.json, the tokenizer
                  (tokenizer.zebra.json; BPE adds the HF tokenizer.json),
                  manifest.json (shapes, platforms, jax version)
-    triton/zebra_lstm/config.pbtxt   Triton Python backend, one instance per GPU
-    triton/zebra_lstm/1/model.py     loads ../artifact (copied to 1/artifact)
+    triton/zebra_lstm/config.pbtxt   Triton Python backend; export.triton_instance
+                                     picks CPU or GPU (auto: GPU if jax sees one)
+    triton/zebra_lstm/1/model.py     loads ./artifact (copied to 1/artifact)
+    triton/zebra_lstm/1/requirements.txt   what model.py's Python needs
 """
 
 import importlib.util
@@ -133,26 +135,82 @@ def check_servable(tokenizer, folder: str) -> None:
                     "the package disagree; reinstall zebra_jax")
 
 
-def write_triton_repository(artifact: str, repository: str,
-                            max_batch_size: int = 64,
-                            kind: str = "KIND_GPU") -> str:
-  """A Triton model repository around the artifact; returns the model folder.
+def instance_group(instance: str = "auto", gpus: str = "") -> tuple[str, str]:
+  """(instance_group entry, a comment) for config.pbtxt.
 
-  Instance groups: `count: 1` of KIND_GPU with no `gpus` list puts one model
-  instance on every GPU Triton sees; KIND_CPU serves from CPU.
+  `instance`: cpu | gpu | auto (gpu when jax sees a GPU here, else cpu).
+  `gpus`: e.g. "0,1" pins one instance to each listed GPU; "" puts one on
+  every GPU Triton sees.
   """
-  model_dir = os.path.join(repository, MODEL_NAME)
+  if instance not in ("auto", "cpu", "gpu"):
+    raise UserError(f"export.triton_instance={instance!r} is not one of auto, "
+                    "cpu, gpu: e.g. --config.export.triton_instance=cpu")
+  ids = [g.strip() for g in str(gpus).split(",") if g.strip()]
+  if any(not g.isdigit() for g in ids):
+    raise UserError(f"export.triton_gpus={gpus!r} is not a list of GPU ids: "
+                    "e.g. --config.export.triton_gpus=0,1")
+  if instance == "auto":
+    instance = "gpu" if _has_gpu() else "cpu"
+  if instance == "cpu":
+    if ids:
+      raise UserError("export.triton_gpus is set but export.triton_instance "
+                      "is cpu: use --config.export.triton_instance=gpu")
+    return ("count: 1  kind: KIND_CPU",
+            "One instance on the CPU (--config.export.triton_instance=gpu "
+            "serves from GPUs).")
+  if ids:
+    return (f"count: 1  kind: KIND_GPU  gpus: [ {', '.join(ids)} ]",
+            f"One instance on each of GPUs {', '.join(ids)}.")
+  return ("count: 1  kind: KIND_GPU",
+          "One instance on every GPU Triton sees (pin some with "
+          "--config.export.triton_gpus=0,1; KIND_CPU serves from CPU).")
+
+
+def _has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:  # no GPU backend in this jax
+    return False
+
+
+def requirements(tokenizer_kind: str) -> str:
+  """requirements.txt for the Python that runs model.py."""
+  lines = [
+      "# What the Triton Python backend's Python needs to run model.py.",
+      "# For GPU instances install jax with CUDA, e.g. jax[cuda12].",
+      f"jax>={jax.__version__}",
+      "numpy",
+      "flatbuffers>=24.3  # jax.export deserialization"]
+  if tokenizer_kind == "bpe":
+    lines.append("tokenizers>=0.20")
+  return "\n".join(lines) + "\n"
+
+
+def write_triton_repository(artifact: str, repository: str,
+                            max_batch_size: int = 64, instance: str = "auto",
+                            gpus: str = "", queue_delay_us: int = 2000,
+                            model_name: str = MODEL_NAME) -> str:
+  """A Triton model repository around the artifact; returns the model folder
+  (REPOSITORY/MODEL_NAME: several exports may share one repository)."""
+  group, comment = instance_group(instance, gpus)
+  model_dir = os.path.join(repository, model_name)
   version_dir = os.path.join(model_dir, "1")
   os.makedirs(version_dir, exist_ok=True)
   with open(os.path.join(_TRITON_TEMPLATES, "config.pbtxt")) as f:
     config = f.read()
-  config = (config.replace("{{name}}", MODEL_NAME)
+  config = (config.replace("{{name}}", model_name)
             .replace("{{max_batch_size}}", str(int(max_batch_size)))
-            .replace("{{kind}}", kind))
+            .replace("{{instance_group}}", group)
+            .replace("{{instance_comment}}", comment)
+            .replace("{{queue_delay_us}}", str(int(queue_delay_us))))
   with open(os.path.join(model_dir, "config.pbtxt"), "w") as f:
     f.write(config)
   shutil.copy(os.path.join(_TRITON_TEMPLATES, "model.py"),
               os.path.join(version_dir, "model.py"))
+  with open(os.path.join(artifact, "manifest.json")) as f:
+    kind = json.load(f)["tokenizer"]
+  with open(os.path.join(version_dir, "requirements.txt"), "w") as f:
+    f.write(requirements(kind))
   target = os.path.join(version_dir, "artifact")
   if os.path.abspath(artifact) != os.path.abspath(target):
     shutil.rmtree(target, ignore_errors=True)
@@ -171,14 +229,20 @@ def _link_or_copy(src: str, dst: str) -> None:
 def run(cfg, workdir: str, export_dir: str | None = None) -> str:
   """--mode=export: WORKDIR/export/{artifact,triton}; returns the export dir."""
   export_dir = export_dir or os.path.join(workdir, "export")
+  ex = cfg.export
+  instance_group(ex.triton_instance, ex.triton_gpus)  # before loading
   loaded = loading.load_for_inference(cfg, workdir)
   artifact = os.path.join(export_dir, "artifact")
   manifest = write_artifact(loaded, artifact)
-  model_dir = write_triton_repository(artifact,
-                                      os.path.join(export_dir, "triton"))
+  model_dir = write_triton_repository(
+      artifact, os.path.join(export_dir, "triton"),
+      max_batch_size=ex.triton_max_batch_size, instance=ex.triton_instance,
+      gpus=ex.triton_gpus, queue_delay_us=ex.triton_queue_delay_us)
   if jax.process_index() == 0:
     print(f"| export of step {manifest['step']} | artifact {artifact} "
           f"({', '.join(manifest['platforms'])}) | Triton model {model_dir}\n"
-          f"  tritonserver --model-repository={os.path.dirname(model_dir)}",
+          f"  tritonserver --model-repository={os.path.dirname(model_dir)}\n"
+          "  (or python -m zebra_jax.inference.triton_local "
+          f"--model-repository={os.path.dirname(model_dir)}: docs/serving.md)",
           flush=True)
   return export_dir

@@ -8,6 +8,8 @@
                   -> {"results": [{"tokens", "loss", "ppl"[, "bpc"]
                                    [, "token_logprobs"]}], "step": N}
   GET  /health    -> {"status": "ok", "step": N, "tokenizer": ..., ...}
+  POST /v1/completions, GET /v1/models: OpenAI's completions API
+                  (zebra_jax.inference.openai_api), errors in its shape
 
 Standard library only (`http.server.ThreadingHTTPServer`), bound to
 127.0.0.1 by default. Every bad request (not JSON, unknown field, wrong type,
@@ -25,7 +27,7 @@ import threading
 from absl import logging
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import loading, sample, score
+from zebra_jax.inference import loading, openai_api, sample, score
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,7 @@ class Service:
     self.scorer = score.Scorer(loaded, loaded.cfg.eval.seq_len)
     self.defaults = sample.Options.from_config(loaded.cfg.sample)
     self._lock = threading.Lock()
+    self.lock = self._lock  # one model call at a time, every route
 
   def health(self) -> dict:
     m = self.loaded.cfg.model
@@ -152,9 +155,12 @@ def make_handler(service: Service):
 
   class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; every reply sets its length
+    api = openai_api.Api(service)
     routes = {("GET", "/health"): lambda body: service.health(),
               ("POST", "/generate"): service.generate,
-              ("POST", "/score"): service.score}
+              ("POST", "/score"): service.score,
+              ("GET", "/v1/models"): api.models,
+              ("POST", "/v1/completions"): api.completions}
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
       self._dispatch("GET")
@@ -164,22 +170,50 @@ def make_handler(service: Service):
 
     def _dispatch(self, method: str):
       path = self.path.split("?", 1)[0]
+      openai = path.startswith("/v1/")
       try:
         body = self._read_body() if method == "POST" else None
         route = self.routes.get((method, path))
+        if method == "GET" and path.startswith("/v1/models/"):
+          route = lambda body: self.api.model(path[len("/v1/models/"):])
         if route is None:
           known = any(p == path for _, p in self.routes)
           raise BadRequest(f"{method} {path} is not served: use GET /health, "
-                           "POST /generate or POST /score",
-                           405 if known else 404)
-        self._reply(200, route(body))
-      except BadRequest as e:
-        self._reply(e.status, {"error": str(e)})
-      except UserError as e:  # e.g. prompt characters the model never saw
-        self._reply(400, {"error": str(e)})
+                           "POST /generate, POST /score, GET /v1/models or "
+                           "POST /v1/completions", 405 if known else 404)
+        answer = route(body)
+        if callable(answer):  # a stream: answer(write) sends its events
+          self._stream(answer)
+        else:
+          self._reply(200, answer)
+      except openai_api.ApiError as e:
+        self._reply(e.status, e.payload())
+      except (BadRequest, UserError) as e:  # UserError: e.g. unseen characters
+        status = getattr(e, "status", 400)
+        self._reply(status, openai_api.ApiError(str(e), status=status)
+                    .payload() if openai else {"error": str(e)})
       except Exception as e:  # pylint: disable=broad-except
         logging.exception("request failed")
-        self._reply(500, {"error": f"internal error: {type(e).__name__}: {e}"})
+        message = f"internal error: {type(e).__name__}: {e}"
+        self._reply(500, openai_api.ApiError(
+            message, status=500, kind="server_error").payload()
+                    if openai else {"error": message})
+
+    def _stream(self, answer):
+      """Server-sent events until the stream ends, then the connection
+      closes (no Content-Length)."""
+      self.send_response(200)
+      self.send_header("Content-Type", "text/event-stream")
+      self.send_header("Cache-Control", "no-cache")
+      self.send_header("Connection", "close")
+      self.end_headers()
+      self.close_connection = True
+
+      def write(data: bytes):
+        self.wfile.write(data)
+        self.wfile.flush()
+
+      answer(write)
 
     def _read_body(self):
       length = self.headers.get("Content-Length")
@@ -227,7 +261,8 @@ def run(cfg, workdir: str, host: str = "127.0.0.1", port: int = 8000) -> None:
     raise UserError(f"cannot listen on {host}:{port} ({e.strerror}): pick "
                     "another --port, or 0 for a free one") from None
   print(f"| serving step {loaded.step} on http://{host}:{server.server_port} "
-        "| POST /generate, POST /score, GET /health", flush=True)
+        "| POST /generate, POST /score, GET /health, POST /v1/completions, "
+        "GET /v1/models", flush=True)
   try:
     server.serve_forever()
   except KeyboardInterrupt:

@@ -1,23 +1,34 @@
 """Triton Python-backend model for a zebra_jax export (copied by --mode=export).
 
-Needs only numpy and jax (with jaxlib for the serving platform), plus the HF
-`tokenizers` package for a BPE model, and the `artifact/` folder next to this
-file: two `jax.export` functions, the weights, the tokenizer files. No
-zebra_jax, Flax or config code runs here, and that is deliberate: a Triton
-deployment copies the model repository into the server's own Python
-environment, where installing the training package (Flax, optax, orbax,
-absl, ml_collections, pinned to the trainer's versions) would tie the serving
-image to the training code. The prompt-side tokenizers below are therefore
-self-contained; the export checks that they decode exactly as the package's
-own tokenizer does.
+Needs numpy, jax (with jaxlib for the serving platform) and flatbuffers (jax
+reads the serialized functions with it), plus the HF `tokenizers` package for
+a BPE model: `requirements.txt` next to this file lists them. Also the
+`artifact/` folder next to this file: two `jax.export` functions, the
+weights, the tokenizer files. No zebra_jax, Flax or config code runs here,
+and that is deliberate: a Triton deployment copies the model repository into
+the server's own Python environment, where installing the training package
+(Flax, optax, orbax, absl, ml_collections, pinned to the trainer's versions)
+would tie the serving image to the training code. The prompt-side tokenizers
+below are therefore self-contained; the export checks that they decode
+exactly as the package's own tokenizer does.
 
 The artifact's `tokenizer.zebra.json` names the kind and, for char and word,
 holds the vocabulary; BPE reads the HF `tokenizer.json` next to it.
 
-Generation: the prompt function consumes each request's prompts (rows of equal
-length as one batch), then the step function runs once per new token with the
-(h, c) carry; sampling (temperature, top-k, top-p) happens on the host in
-numpy, so every request may use different settings without a recompile.
+Text travels as UTF-8 bytes in UINT8 tensors with a length per row
+(PROMPT [batch, n] + PROMPT_LENGTH [batch, 1] in, TEXT + TEXT_LENGTH out),
+not as BYTES (TYPE_STRING): the Python backend stub of Triton 2.51 mis-reads
+BYTES inputs when the model's Python has numpy 2, which every supported jax
+needs, while numeric tensors pass intact.
+
+Generation: every request Triton hands to one execute() call (the dynamic
+batcher merges concurrent requests) with the same sampling settings runs as
+one batch: the prompt function consumes the prompts (rows of equal length
+together), then the step function runs once per new token with the (h, c)
+carry; sampling (temperature, top-k, top-p) happens on the host in numpy, so
+every request may use different settings without a recompile, and each
+request draws from its own SEED, so its text does not depend on what it was
+batched with. BATCH_ROWS returns how many rows ran together.
 """
 
 import json
@@ -164,21 +175,21 @@ class Artifact:
 
   def generate(self, prompts: list[str], max_new_tokens: int,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int = 0) -> list[str]:
-    """prompt + continuation for every prompt (host-side sampling)."""
-    if not prompts or any(not p for p in prompts):
-      raise ValueError("every PROMPT must be a non-empty string")
-    if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-      raise ValueError("need MAX_NEW_TOKENS >= 1, TEMPERATURE >= 0, "
-                       "TOP_K >= 0 and 0 < TOP_P <= 1")
+               seed: int = 0, rngs=None) -> list[str]:
+    """prompt + continuation for every prompt (host-side sampling).
+
+    `rngs` (one numpy Generator per row; rows may share one) replaces the
+    single generator seeded with `seed`."""
+    check(prompts, max_new_tokens, temperature, top_k, top_p)
     rows = [self.tokenizer.encode_prompt(p) for p in prompts]
     if any(not r for r in rows):
       raise ValueError("a PROMPT has no tokens")
     logits, carry = self.prompt_logits(rows)
-    rng = np.random.default_rng(seed)
+    if rngs is None:
+      rngs = [np.random.default_rng(seed)] * len(rows)
     new = []
     for _ in range(max_new_tokens):
-      tokens = sample(np.asarray(logits), rng, temperature, top_k, top_p)
+      tokens = sample(np.asarray(logits), rngs, temperature, top_k, top_p)
       new.append(tokens)
       logits, carry = self.step(carry, tokens)
     new = np.stack(new, 1)                                        # [b, n]
@@ -186,8 +197,18 @@ class Artifact:
             for p, r in zip(prompts, new)]
 
 
-def sample(logits, rng, temperature, top_k, top_p):
-  """One token per row from float [b, V] logits: greedy when temperature 0."""
+def check(prompts, max_new_tokens, temperature, top_k, top_p) -> None:
+  """ValueError for settings no request can honour."""
+  if not prompts or any(not p for p in prompts):
+    raise ValueError("every PROMPT must be a non-empty string")
+  if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+    raise ValueError("need MAX_NEW_TOKENS >= 1, TEMPERATURE >= 0, "
+                     "TOP_K >= 0 and 0 < TOP_P <= 1")
+
+
+def sample(logits, rngs, temperature, top_k, top_p):
+  """One token per row from float [b, V] logits: greedy when temperature 0;
+  row i draws from rngs[i] (rows may share a generator: they draw in order)."""
   if temperature == 0:
     return logits.argmax(-1).astype(np.int32)
   logits = logits.astype(np.float64) / temperature
@@ -204,7 +225,67 @@ def sample(logits, rng, temperature, top_k, top_p):
                       -1)
     probs = np.where(keep, probs, 0.0)
     probs /= probs.sum(-1, keepdims=True)
-  return np.array([rng.choice(len(p), p=p) for p in probs], np.int32)
+  return np.array([rng.choice(len(p), p=p) for rng, p in zip(rngs, probs)],
+                  np.int32)
+
+
+def encode_texts(texts: list[str]):
+  """UTF-8 rows, zero-padded: (uint8 [n, longest], int32 lengths [n, 1])."""
+  raw = [t.encode("utf-8") for t in texts]
+  out = np.zeros((len(raw), max([len(r) for r in raw] + [1])), np.uint8)
+  for i, r in enumerate(raw):
+    out[i, :len(r)] = np.frombuffer(r, np.uint8)
+  return out, np.array([[len(r)] for r in raw], np.int32)
+
+
+def decode_texts(data, lengths) -> list[str]:
+  """The inverse of encode_texts; ValueError for a bad length or UTF-8."""
+  data = np.asarray(data)
+  lengths = np.asarray(lengths).reshape(-1)
+  if data.ndim != 2 or data.dtype != np.uint8 or len(lengths) != len(data):
+    raise ValueError("PROMPT must be uint8 [batch, bytes] with one "
+                     "PROMPT_LENGTH per row")
+  texts = []
+  for row, n in zip(data, lengths):
+    if not 0 <= n <= row.shape[0]:
+      raise ValueError(f"PROMPT_LENGTH {n} is outside [0, {row.shape[0]}]")
+    try:
+      texts.append(row[:n].tobytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise ValueError(f"PROMPT is not UTF-8 ({e})") from None
+  return texts
+
+
+class _Capsule:
+  """Hands a DLPack capsule to np.from_dlpack."""
+
+  def __init__(self, capsule):
+    self._capsule = capsule
+
+  def __dlpack__(self, **kwargs):
+    del kwargs
+    return self._capsule
+
+  def __dlpack_device__(self):
+    return (1, 0)  # kDLCPU
+
+
+def _numpy(tensor):
+  """An input tensor as numpy, read through DLPack: the stub's as_numpy()
+  builds arrays with numpy 1's struct layout, which numpy 2 misreads."""
+  if hasattr(tensor, "to_dlpack"):
+    return np.from_dlpack(_Capsule(tensor.to_dlpack())).copy()
+  return tensor.as_numpy()
+
+
+def _tensor(name, array):
+  """An output tensor, handed over through DLPack: the stub's
+  Tensor(name, numpy array) reads the array's item size from numpy 1's
+  struct layout, so under numpy 2 it sends no data."""
+  array = np.ascontiguousarray(array)
+  if hasattr(pb_utils.Tensor, "from_dlpack"):
+    return pb_utils.Tensor.from_dlpack(name, array)
+  return pb_utils.Tensor(name, array)
 
 
 class TritonPythonModel:
@@ -221,35 +302,85 @@ class TritonPythonModel:
       device = jax.devices("gpu")[int(args["model_instance_device_id"])]
     self.artifact = Artifact(folder, device)
     self.defaults = self.artifact.manifest["sample"]
+    self.executions = self.requests = 0
 
   def _scalar(self, request, name, default, cast):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return default if tensor is None else cast(tensor.as_numpy().reshape(-1)[0])
+    return default if tensor is None else cast(_numpy(tensor).reshape(-1)[0])
+
+  def _read(self, request):
+    """(prompts, settings, seed) of one request; ValueError if malformed."""
+    tensor = lambda name: pb_utils.get_input_tensor_by_name(request, name)
+    if tensor("PROMPT") is None or tensor("PROMPT_LENGTH") is None:
+      raise ValueError("send PROMPT (uint8 UTF-8 bytes [batch, n]) and "
+                       "PROMPT_LENGTH (int32 [batch, 1])")
+    prompts = decode_texts(_numpy(tensor("PROMPT")),
+                           _numpy(tensor("PROMPT_LENGTH")))
+    settings = (
+        self._scalar(request, "MAX_NEW_TOKENS",
+                     self.defaults["max_new_tokens"], int),
+        self._scalar(request, "TEMPERATURE", self.defaults["temperature"],
+                     float),
+        self._scalar(request, "TOP_K", self.defaults["top_k"], int),
+        self._scalar(request, "TOP_P", self.defaults["top_p"], float))
+    check(prompts, *settings)
+    return prompts, settings, self._scalar(request, "SEED", 0, int)
 
   def execute(self, requests):
-    responses = []
-    for request in requests:
+    """Requests with the same settings generate as one batch of rows."""
+    responses = [None] * len(requests)
+    groups = {}                   # settings -> [(request index, prompts, seed)]
+    for i, request in enumerate(requests):
       try:
-        raw = pb_utils.get_input_tensor_by_name(request, "PROMPT").as_numpy()
-        prompts = [p.decode("utf-8") if isinstance(p, bytes) else str(p)
-                   for p in raw.reshape(-1)]
-        texts = self.artifact.generate(
-            prompts,
-            max_new_tokens=self._scalar(request, "MAX_NEW_TOKENS",
-                                        self.defaults["max_new_tokens"], int),
-            temperature=self._scalar(request, "TEMPERATURE",
-                                     self.defaults["temperature"], float),
-            top_k=self._scalar(request, "TOP_K", self.defaults["top_k"], int),
-            top_p=self._scalar(request, "TOP_P", self.defaults["top_p"], float),
-            seed=self._scalar(request, "SEED", 0, int))
-        out = np.array([t.encode("utf-8") for t in texts],
-                       dtype=object).reshape(-1, 1)
-        responses.append(pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor("TEXT", out)]))
+        prompts, settings, seed = self._read(request)
+        groups.setdefault(settings, []).append((i, prompts, seed))
       except Exception as e:  # one bad request must not fail the batch
-        responses.append(pb_utils.InferenceResponse(
-            output_tensors=[], error=pb_utils.TritonError(str(e))))
+        responses[i] = self._error(e)
+    for (max_new, temperature, top_k, top_p), members in groups.items():
+      prompts, rngs = [], []
+      for _, ps, seed in members:
+        rng = np.random.default_rng(seed)   # per request: batch-independent
+        prompts += ps
+        rngs += [rng] * len(ps)
+      try:
+        texts = self.artifact.generate(prompts, max_new, temperature, top_k,
+                                       top_p, rngs=rngs)
+      except Exception as e:  # e.g. a prompt with no tokens: answer alone
+        if len(members) > 1:
+          for i, ps, seed in members:
+            responses[i] = self._one(ps, (max_new, temperature, top_k, top_p),
+                                     seed, len(ps))
+          continue
+        responses[members[0][0]] = self._error(e)
+        continue
+      start = 0
+      for i, ps, _ in members:
+        responses[i] = self._response(texts[start:start + len(ps)],
+                                      len(prompts))
+        start += len(ps)
+    self.executions += 1
+    self.requests += len(requests)
     return responses
+
+  def _one(self, prompts, settings, seed, rows):
+    try:
+      texts = self.artifact.generate(prompts, *settings, seed=seed)
+      return self._response(texts, rows)
+    except Exception as e:  # pylint: disable=broad-except
+      return self._error(e)
+
+  @staticmethod
+  def _response(texts, rows):
+    data, lengths = encode_texts(texts)
+    batch_rows = np.full((len(texts), 1), rows, np.int32)
+    return pb_utils.InferenceResponse(output_tensors=[
+        _tensor("TEXT", data), _tensor("TEXT_LENGTH", lengths),
+        _tensor("BATCH_ROWS", batch_rows)])
+
+  @staticmethod
+  def _error(e):
+    return pb_utils.InferenceResponse(
+        output_tensors=[], error=pb_utils.TritonError(str(e)))
 
   def finalize(self):
     self.artifact = None
