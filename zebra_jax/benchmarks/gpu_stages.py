@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from zebra_jax.benchmarks import traces
 from zebra_jax.benchmarks.flops import step_flops
@@ -23,6 +22,7 @@ from zebra_jax.benchmarks.gpu_results import Results
 from zebra_jax.benchmarks.memory import memory_rows
 from zebra_jax.benchmarks.shapes import SHAPES, model_config, zipf_probs
 from zebra_jax.benchmarks.speed import row_specs, time_group
+from zebra_jax.benchmarks.steps import core_runner
 from zebra_jax.benchmarks.timing import (PEAK_CALL_SECONDS, datasheet,
                                          matmul_peak, time_interleaved)
 from zebra_jax.benchmarks.torch_reference import torch_runners
@@ -128,38 +128,6 @@ def _peak(results: Results, shape, dry: bool) -> float:
   return matmul_peak(shape, _rounds(dry))[0]
 
 
-def _layers_step(shape, stripes, kernel):
-  """A train step of stacked ZebraLSTMLayers (bench's core rows) with the
-  given recurrence kernel: (step(), tokens per call)."""
-  b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
-  dt = lm.compute_dtype(shape["dtype"])
-  graphdef, params = nnx.split(nnx.List([
-      lm.ZebraLSTMLayer(h, h, stripes, rngs=nnx.Rngs(i), dtype=dt,
-                        kernel=kernel) for i in range(shape["layers"])]))
-  x = jax.random.normal(jax.random.key(0), (b, t, h), dt)
-  zeros = jnp.zeros((b, h), jnp.float32)
-  tx = optax.adam(1e-3)
-
-  def loss_fn(params):
-    y = x
-    for layer in nnx.merge(graphdef, params):
-      y, _ = layer(y, (zeros, zeros))
-    return jnp.sum(jnp.square(y.astype(jnp.float32))) / y.size
-
-  @jax.jit
-  def step(params, opt_state):
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  state = [params, tx.init(params)]
-
-  def run():
-    state[0], state[1], loss = step(*state)
-    jax.block_until_ready(loss)
-  return run, b * t
-
-
 def pallas_rows(shape, stripes: int, rounds: int) -> list[dict]:
   """Core train-step rows at one stripe count, timed interleaved: the scan,
   and model.recurrence=pallas: `pallas_core_S*` where the fused kernel
@@ -174,9 +142,9 @@ def pallas_rows(shape, stripes: int, rounds: int) -> list[dict]:
                       else f"scan_fallback_core_S{stripes}")}
   labels = {"scan": "lax.scan",
             "pallas": "fused" if block else f"scan (kernel did not fit: {why})"}
-  fns, tokens = {}, 0
-  for kernel in names:
-    fns[kernel], tokens = _layers_step(shape, stripes, kernel)
+  fns = {kernel: core_runner(shape, stripes, kernel=kernel)
+         for kernel in names}
+  tokens = shape["batch"] * shape["seq_len"]
   sec = time_interleaved(fns, rounds)
   flops = step_flops(shape, stripes, input_grad=False)
   return [{"name": names[k], "stripes": stripes, "width": g,

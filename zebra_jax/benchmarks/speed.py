@@ -50,6 +50,7 @@ from zebra_jax.benchmarks.memory import memory_rows
 from zebra_jax.benchmarks.shapes import SHAPES, word_shape
 from zebra_jax.benchmarks.steps import (core_runner, eval_runner, gen_runner,
                                         lm_runner, word_runner)
+from zebra_jax.benchmarks.table import print_rows, speed_columns
 from zebra_jax.benchmarks.timing import datasheet, matmul_peak, time_interleaved
 from zebra_jax.benchmarks.torch_reference import torch_runners
 from zebra_jax.benchmarks.traces import trace_rows
@@ -174,13 +175,10 @@ def print_table(result, trace_dir=None) -> None:
         f"{peak_text(result)} | {result['torch']}")
   print("matmul GFLOP/s by shape: " + ", ".join(
       f"{k} {v:,.0f}" for k, v in result["matmul_gflops_by_shape"].items()))
-  print(f"{'row':<28}{'tok/s':>11}{'ms/step':>10}{'x torch':>9}"
-        f"{'model GFLOP/s':>14}{'% peak':>8}{'XLA plan':>11}")
-  for r in result["rows"]:
-    ratio = "-" if r["ratio_to_torch"] is None else f"{r['ratio_to_torch']:.2f}"
-    print(f"{r['name']:<28}{r['tokens_per_s']:>11,.0f}{r['ms_per_step']:>10.1f}"
-          f"{ratio:>9}{r['gflops']:>14.1f}{100 * r['frac_of_peak']:>7.0f}%"
-          f"{_mb(r['xla_bytes']):>11}")
+  print_rows(result["rows"], speed_columns(28, 11) + [
+      ("model GFLOP/s", 14, lambda r: f"{r['gflops']:.1f}"),
+      ("% peak", 8, lambda r: f"{100 * r['frac_of_peak']:.0f}%"),
+      ("XLA plan", 11, lambda r: _mb(r["xla_bytes"]))])
   if result.get("memory"):
     print(f"\nLM step S=1, batch {result['config']['batch']}: peak memory")
     print(f"{'window':>7}{'remat':>7}{'measured peak':>15}{'XLA plan':>11}")

@@ -65,18 +65,19 @@ class Runner:
 
 
 def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True,
-                grouped=False):
+                grouped=False, kernel="scan"):
   """Stacked ZebraLSTMLayers (no embedding/softmax) + Adam on random inputs.
 
   custom_vjp=False differentiates the scan with plain autodiff: the row that
   shows what the hand-written backward pass (recurrence.py) buys. grouped:
   block-diagonal input projections, the stripes shuffled between layers as
-  the LM does."""
+  the LM does. kernel: the layers' recurrence (model.recurrence)."""
   b, t, h = shape["batch"], seq_len or shape["seq_len"], shape["hidden"]
   dt = lm.compute_dtype(shape["dtype"])
   graphdef, params = _random_split(lambda: nnx.List([
       lm.ZebraLSTMLayer(h, h, stripes, rngs=nnx.Rngs(i), dtype=dt,
-                        remat=remat, custom_vjp=custom_vjp, grouped=grouped)
+                        remat=remat, custom_vjp=custom_vjp, grouped=grouped,
+                        kernel=kernel)
       for i in range(shape["layers"])]))
   x = jax.random.normal(jax.random.key(0), (b, t, h), dt)
   zeros = jnp.zeros((b, h), jnp.float32)

@@ -52,6 +52,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from zebra_jax.benchmarks.table import print_rows, speed_columns
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
 
@@ -348,12 +349,9 @@ def print_table(result: dict) -> None:
         f"hidden {c['hidden']} x {c['layers']} layers, batch {c['batch']}, "
         f"window {c['seq_len']} | {c['steps']} steps timed after "
         f"{c['warmup']} warm-up")
-  print(f"{'row':<18}{'tok/s':>10}{'ms/step':>10}{'x torch':>9}"
-        f"{'tokens':>10}{'load before/after':>19}")
-  for r in result["rows"]:
-    ratio = "-" if r["ratio_to_torch"] is None else f"{r['ratio_to_torch']:.2f}"
-    print(f"{r['name']:<18}{r['tokens_per_s']:>10,.0f}{r['ms_per_step']:>10.1f}"
-          f"{ratio:>9}{r['tokens']:>10,}"
-          f"{r['load_before']:>12.2f} / {r['load_after']:.2f}")
+  print_rows(result["rows"], speed_columns(18, 10) + [
+      ("tokens", 10, lambda r: f"{r['tokens']:,}"),
+      ("load before/after", 19,
+       lambda r: f"{r['load_before']:.2f} / {r['load_after']:.2f}")])
   for note in result["notes"]:
     print(f"note: {note}")
