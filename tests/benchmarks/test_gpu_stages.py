@@ -2,7 +2,7 @@
 runs end to end on the CPU, so the one-command GPU report cannot rot between
 GPU sessions.
 
-bench.py's own rows are left out here (bench_rows=False): they take minutes
+The speed table's rows are left out here (bench_rows=False): they take minutes
 even at bench's quick shape, and tests/tools/test_bench.py runs them.
 """
 

@@ -35,7 +35,7 @@ STAGES = ("quick", "bench", "wt103", "precision", "infer", "scaling")
 STAGE_BUDGET_S = {"quick": 170, "bench": 540, "wt103": 300, "precision": 300,
                   "infer": 240, "scaling": 150}
 # --dry_run: four times or more each stage's seconds on a loaded 2-core CPU
-# (quick 22, bench 74 with bench.py's rows and 15 without, wt103 11,
+# (quick 22, bench 74 with the speed rows and 15 without, wt103 11,
 # precision 18, infer 10, scaling 10).
 DRY_BUDGET_S = {"quick": 90, "bench": 300, "wt103": 60, "precision": 90,
                 "infer": 60, "scaling": 60}
@@ -157,10 +157,10 @@ def pallas_rows(shape, stripes: int, rounds: int) -> list[dict]:
 
 
 def stage_bench(results: Results, dry: bool, bench_rows: bool = True) -> None:
-  """bench.py's groups (the quick stage's rows left out when it has them),
-  then the pallas rows, then the memory rows: each written as it lands.
-  bench_rows=False: pallas and memory only (bench.py's rows take minutes
-  even at its quick shape; tests/tools/test_bench.py covers them)."""
+  """The speed table's groups (speed.py; the quick stage's rows left out
+  when it has them), then the pallas rows, then the memory rows: each
+  written as it lands. bench_rows=False: pallas and memory only (the speed rows take minutes
+  even at the quick shape; tests/tools/test_bench.py covers them)."""
   shape, rounds = _shape(dry), _rounds(dry)
   if bench_rows:
     peak = _peak(results, shape, dry)

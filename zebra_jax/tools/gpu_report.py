@@ -62,8 +62,8 @@ def _flags() -> None:
   flags.DEFINE_float("wt103_seconds", 120.0,
                      "wt103: seconds of timed training.")
   flags.DEFINE_integer("precision_steps", 300, "precision: steps per dtype.")
-  flags.DEFINE_bool("bench_rows", True, "bench: run bench.py's rows too "
-                    "(else only pallas and memory).")
+  flags.DEFINE_bool("bench_rows", True, "bench: run the speed table's rows "
+                    "too (else only pallas and memory).")
   flags.DEFINE_string("stage_child", None, "Internal: run this one stage in "
                       "this process.")
 
