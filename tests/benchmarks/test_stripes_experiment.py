@@ -19,7 +19,8 @@ def test_param_count_matches_the_lstm_formula():
     h = 32
     layer = 32 * 4 * h + s * (h // s) * 4 * (h // s) + 4 * h  # W_x, U, b
     expected = _VOCAB * 32 + _VOCAB + 2 * layer  # tied embedding, head bias
-    assert stripes_experiment.param_count(cfg, stripes_experiment.Setting(s, h, 32)) == expected
+    setting = stripes_experiment.Setting(s, h, 32)
+    assert stripes_experiment.param_count(cfg, setting) == expected
 
 
 def test_matched_classic_is_the_nearest_width():
@@ -37,7 +38,8 @@ def test_matched_classic_is_the_nearest_width():
 
 def test_grouped_settings_count_block_diagonal_weights_and_get_a_classic():
   cfg = _tiny()  # E = H = 32 (tied), 2 layers
-  settings = stripes_experiment.make_settings(cfg, [1], classic=True, grouped=[4])
+  settings = stripes_experiment.make_settings(cfg, [1], classic=True,
+                                             grouped=[4])
   assert [s.name for s in settings] == ["s1_h32", "s4_grouped_h32",
                                         "s1_h19_matched"]
   g = 32 // 4  # stripe width: W_x [S, I/S, 4G] and U [S, G, 4G]

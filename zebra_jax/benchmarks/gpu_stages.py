@@ -159,8 +159,9 @@ def pallas_rows(shape, stripes: int, rounds: int) -> list[dict]:
 def stage_bench(results: Results, dry: bool, bench_rows: bool = True) -> None:
   """The speed table's groups (speed.py; the quick stage's rows left out
   when it has them), then the pallas rows, then the memory rows: each
-  written as it lands. bench_rows=False: pallas and memory only (the speed rows take minutes
-  even at the quick shape; tests/tools/test_bench.py covers them)."""
+  written as it lands. bench_rows=False: pallas and memory only (the speed
+  rows take minutes even at the quick shape; tests/tools/test_bench.py
+  covers them)."""
   shape, rounds = _shape(dry), _rounds(dry)
   if bench_rows:
     peak = _peak(results, shape, dry)

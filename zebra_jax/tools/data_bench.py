@@ -12,8 +12,7 @@ from zebra_jax.benchmarks import input_pipeline
 
 
 def _define_flags() -> None:
-  """Only when run as a script: importing this module (tests, other tools)
-  must not claim flag names such as --quick that other tools define too."""
+  """The tool's flags, defined when it runs (importing it defines none)."""
   flags.DEFINE_integer("num_tokens", 100_000_000,
                        "Synthetic ids in the memmap.")
   flags.DEFINE_integer("batch_size", 128, "Global batch rows.")

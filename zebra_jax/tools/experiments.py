@@ -27,13 +27,15 @@ def main(argv: Sequence[str]) -> None:
   if f.config is None:
     raise UserError("pass --config=FILE, e.g. --config=configs/demo.py")
   ints = lambda values: [int(x) for x in values]
-  results = stripes_experiment.run(f.config, f.out, f.budget_minutes, ints(f.seeds),
-                ints(f.stripes), not f.no_classic, f.margin, f.eval_points,
-                f.curve_eval_batches, grouped=ints(f.grouped))
+  results = stripes_experiment.run(
+      f.config, f.out, f.budget_minutes, ints(f.seeds), ints(f.stripes),
+      not f.no_classic, f.margin, f.eval_points, f.curve_eval_batches,
+      grouped=ints(f.grouped))
   print(results["markdown"], flush=True)
 
 
 def _define_flags() -> None:
+  """The tool's flags, defined when it runs (importing it defines none)."""
   config_flags.DEFINE_config_file(
       "config", entry.default_config("demo.py"), "Config file[:variant]; "
       "override fields with --config.x=y (default: configs/demo.py).")

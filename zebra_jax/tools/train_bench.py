@@ -29,17 +29,19 @@ def main(argv: Sequence[str]) -> None:
   except ValueError as e:
     raise UserError(f"--stripes={','.join(f.stripes)}: expected integers, "
                     "e.g. --stripes=1,8") from e
-  training_loop.run(f.config, "quick" if f.quick else f.shape, stripes, f.stripe_input,
-      f.steps, f.warmup, f.json)
+  training_loop.run(f.config, "quick" if f.quick else f.shape, stripes,
+                    f.stripe_input, f.steps, f.warmup, f.json)
 
 
 def _define_flags() -> None:
+  """The tool's flags, defined when it runs (importing it defines none)."""
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file(
       "config", entry.default_config("base.py"), "Config file[:variant] "
       "whose optimizer, dropout and dtype both sides use; override fields "
       "with --config.x=y (default: configs/base.py).")
-  flags.DEFINE_enum("shape", "A", list(s for s in training_loop.SHAPES if s != "quick"),
+  flags.DEFINE_enum("shape", "A",
+                    [s for s in training_loop.SHAPES if s != "quick"],
                     "A: hidden 512, characters. word: hidden 256, 16k words.")
   flags.DEFINE_list("stripes", ["1", "8"], "num_stripes of the JAX rows.")
   flags.DEFINE_enum("stripe_input", "dense", ["dense", "grouped"],
