@@ -9,8 +9,8 @@
 #   bash launch/gpu_report.sh --dry-run        # tiny shapes on any CPU
 #
 # Stages: quick bench wt103 precision infer scaling (none named: all of them;
-# each runs in its own process under its own time budget, gpu_report.py's
-# STAGE_BUDGET_S).
+# each runs in its own process under its own time budget, zebra_jax/benchmarks/
+# gpu_stages.py's STAGE_BUDGET_S).
 #
 # What it installs, one printed line per decision:
 # - jax: nothing when the Python already has jax with a CUDA plugin (a GPU

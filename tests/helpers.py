@@ -4,6 +4,7 @@ for Triton's Python backend. Session fixtures live in conftest.py; the NumPy
 model references in references.py."""
 
 import glob
+import json
 import importlib.util
 import os
 import sys
@@ -193,3 +194,32 @@ def triton_request(prompts, **scalars):
   for name, value in scalars.items():
     request[name] = _Tensor(name, np.full((len(prompts), 1), value, kinds[name]))
   return request
+
+
+def write_metrics_run(workdir, ms_per_batch, final_loss, start=1_000_000.0):
+  """A synthetic metrics.jsonl in the format training writes, a torn last
+  line included."""
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    for step in range(10, 101, 10):
+      loss = final_loss + 2.0 / step
+      t = start + step * ms_per_batch / 1000
+      f.write(json.dumps({"kind": "train", "step": step, "time": t,
+                          "ms_per_batch": ms_per_batch, "tok_per_s": 1e4,
+                          "loss": loss, "ppl": 2.718 ** loss, "acc": 0.5})
+              + "\n")
+      if step % 50 == 0:
+        f.write(json.dumps({"kind": "valid", "step": step, "time": t + 1,
+                            "loss": loss + 0.1, "ppl": 2.718 ** (loss + 0.1),
+                            "acc": 0.5}) + "\n")
+    f.write('{"kind": "train", "step": 1')  # a torn last line (killed run)
+
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path):
+  """A PNG with axes, curves and a legend, not a blank."""
+  with open(path, "rb") as f:
+    assert f.read(8) == _PNG_MAGIC
+  assert os.path.getsize(path) > 5000  # axes, curves and legend, not a blank

@@ -1,33 +1,32 @@
 """The package's import graph: no cycles, and imports only run downward.
 
-Floors, lowest first: errors; model and data (independent of each other);
-config (every field's default and rule, config files); runtime; inference; training; the command line and tools on top (they share
-the flag parsing, and the command line runs some tools as modes). Imports made
-inside functions count as much as those at the top of a module: a lazy import
-that dodges a cycle is still a cycle.
+Floors, lowest first (as docs/architecture.md and the README draw them):
+errors; model and data (side by side, neither imports the other); config;
+runtime; inference; training; benchmarks (they time training and
+inference); cli (flag parsing and mode dispatch, shared by main and the
+tools); tools (scripts: nothing imports them); main. A module imports only
+from its own part and the floors below it: no two parts may import each
+other. Imports made inside functions count as much as those at the top of a
+module: a lazy import that dodges a cycle is still a cycle.
 """
 
 import ast
 import os
+import re
 
 import pytest
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "zebra_jax")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "zebra_jax")
 
-# What each part may import from the package (besides itself).
-ALLOWED = {
-    "errors": set(),
-    "model": {"errors"},
-    "data": {"errors"},
-    "config": {"errors", "model", "data"},
-    "runtime": {"errors", "model", "data", "config"},
-    "inference": {"errors", "model", "data", "config", "runtime"},
-    "training": {"errors", "model", "data", "config", "runtime", "inference"},
-    "cli": {"errors", "model", "data", "config", "runtime", "inference",
-            "training", "tools"},
-    "tools": {"errors", "model", "data", "config", "runtime", "inference",
-              "training", "cli"},  # the shared flag parsing; cli runs bench and plot
-}
+# Lowest first; the parts of one floor do not import each other.
+FLOORS = (("errors",), ("model", "data"), ("config",), ("runtime",),
+          ("inference",), ("training",), ("benchmarks",), ("cli",),
+          ("tools",), ("main",))
+# What each part may import from the package (besides itself): the floors
+# below its own.
+ALLOWED = {part: {low for below in FLOORS[:level] for low in below}
+           for level, floor in enumerate(FLOORS) for part in floor}
 
 
 def _modules() -> dict[str, str]:
@@ -68,12 +67,11 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _part(module: str) -> str:
-  """The floor a module lives on: its subpackage, or cli for the entry point."""
+  """The part a module belongs to: its subpackage, or the module itself for
+  zebra_jax.main and zebra_jax.errors."""
   parts = module.split(".")
   if len(parts) == 1:
     return "package"
-  if parts[1] in ("main", "cli"):
-    return "cli"
   return parts[1]
 
 
@@ -115,9 +113,64 @@ def test_imports_run_downward():
   assert not wrong, "\n".join(wrong)
 
 
+def test_no_two_parts_may_import_each_other():
+  mutual = sorted((a, b) for a in ALLOWED for b in ALLOWED[a]
+                  if a in ALLOWED[b])
+  assert not mutual
+
+
+def test_every_part_of_the_package_has_a_floor():
+  parts = {_part(m) for m in _graph()} - {"package"}
+  assert parts == set(ALLOWED)
+
+
+def test_nothing_outside_tools_imports_tools():
+  """tools/ holds scripts: what they share lives in a library floor."""
+  wrong = [f"{module} imports {dep}" for module, deps in _graph().items()
+           for dep in deps
+           if _part(dep) == "tools" and _part(module) != "tools"]
+  assert not wrong, "\n".join(wrong)
+
+
+def test_no_tool_imports_another_tool():
+  wrong = [f"{module} imports {dep}" for module, deps in _graph().items()
+           for dep in deps if _part(module) == _part(dep) == "tools"
+           and dep != "zebra_jax.tools"]
+  assert not wrong, "\n".join(wrong)
+
+
+def _documented_floors(path: str, start: str) -> list[str]:
+  """The parts named, in order, by the first code block after `start` in a
+  doc: the names (`name/` or `name.py`) that begin each line."""
+  text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+  block = text[text.index(start):].split("```")[1]
+  found = []
+  for line in block.splitlines():
+    names = re.match(r"((?:(?:zebra_jax/)?\w+(?:/|\.py)\s+)*)", line)
+    found += re.findall(r"(\w+)(?:/|\.py)\s", names.group(1))
+  return found
+
+
+def _floor_order(parts: list[str]) -> list[int]:
+  """The level in FLOORS of each named part, in the order named."""
+  level = {p: i for i, floor in enumerate(FLOORS) for p in floor}
+  return [level[p] for p in parts if p in level]
+
+
+def test_the_docs_draw_the_floors_in_this_order():
+  top_first = _documented_floors("docs/architecture.md", "## Floors")
+  assert set(ALLOWED) <= set(top_first), top_first
+  assert _floor_order(top_first) == sorted(_floor_order(top_first),
+                                           reverse=True), top_first
+  lowest_first = _documented_floors("README.md", "## Architecture")
+  assert set(ALLOWED) <= set(lowest_first), lowest_first
+  assert _floor_order(lowest_first) == sorted(_floor_order(lowest_first)), (
+      lowest_first)
+
+
 @pytest.mark.parametrize("low", ["model", "data"])
 def test_model_and_data_import_nothing_above_them(low):
-  above = {"training", "inference", "cli", "tools", "runtime", "config"}
+  above = set(ALLOWED) - {"errors", "model", "data"}
   for module, deps in _graph().items():
     if _part(module) == low:
       assert not {_part(d) for d in deps} & above, (module, deps)

@@ -269,16 +269,6 @@ def test_file_split_pieces_cut_after_newlines(tmp_path, monkeypatch):
     list(splits.file_split("train", str(path)).chunks())
 
 
-def test_data_bench_quick_smoke(capsys):
-  from zebra_jax.tools import data_bench  # pylint: disable=g-import-not-at-top
-  results = data_bench.run(num_tokens=200_000, batch_size=16, seq_len=32,
-                           num_batches=20, vocab_size=1000,
-                           step_tokens_per_s=1000.0)
-  assert set(results) == {"batcher", "batcher+device_put"}
-  assert all(r["tokens_per_s"] > 0 for r in results.values())
-  assert "x the step" in capsys.readouterr().out
-
-
 def test_tokenizing_off_a_terminal_prints_progress_lines(tmp_path, capsys,
                                                          monkeypatch):
   """In a batch job's log, tokenizing shows its rate and ETA as it goes."""

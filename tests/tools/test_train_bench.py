@@ -14,17 +14,10 @@ import os
 import subprocess
 import sys
 
-import ml_collections
 import pytest
 
-from zebra_jax.config import files
-from zebra_jax.errors import UserError
-from zebra_jax.tools import train_bench
+from zebra_jax.benchmarks import training_loop
 from tests.helpers import REPO
-
-
-def _base() -> ml_collections.ConfigDict:
-  return files.load_file(os.path.join(REPO, "configs", "base.py"))
 
 
 def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
@@ -39,7 +32,7 @@ def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
   assert "first step (compiling included)" in out.stderr  # the loop's log
   result = json.loads(path.read_text())
 
-  shape = train_bench.SHAPES["quick"]
+  shape = training_loop.SHAPES["quick"]
   steps, warmup = shape["steps"], shape["warmup"]
   assert (result["config"]["steps"], result["config"]["warmup"]) == (
       steps, warmup)
@@ -58,7 +51,7 @@ def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
   # Both sides read the same train ids: the loop from its own workdir.
   assert len({r["train_ids_sha1"] for r in rows.values()}) == 1
   jax_row = rows["jax_S2_dense"]
-  log_every = train_bench.log_interval(warmup, steps)
+  log_every = training_loop.log_interval(warmup, steps)
   assert len(jax_row["logged_tok_per_s"]) == steps // log_every
   if has_torch:
     torch_row = rows["torch_1t"]  # the quick run's one torch row
@@ -69,47 +62,6 @@ def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
   else:
     assert jax_row["ratio_to_torch"] is None and result["torch"] is None
     assert any("torch not installed" in n for n in result["notes"])
-
-
-def test_missing_torch_is_reported_not_faked(monkeypatch):
-  monkeypatch.setitem(sys.modules, "torch", None)  # import torch fails
-  cfg = train_bench.train_config(_base(), train_bench.SHAPES["quick"], 1,
-                                 "dense", 6, 4)
-  rows, note = train_bench.torch_rows(cfg, 107, None, 4, 6)
-  assert rows == [] and "torch not installed" in note
-
-
-@pytest.mark.parametrize("warmup,steps", [(2, 6), (4, 6), (20, 60), (9, 12),
-                                          (7, 5)])
-def test_log_lines_bound_the_timed_part(warmup, steps):
-  every = train_bench.log_interval(warmup, steps)
-  assert warmup % every == 0 and steps % every == 0
-  assert warmup // every >= 2
-  # No longer interval has both properties.
-  assert all(warmup % d or steps % d or warmup // d < 2
-             for d in range(every + 1, warmup + 1))
-
-
-def test_too_short_warmup_is_a_user_error():
-  with pytest.raises(UserError, match="--warmup=1"):
-    train_bench.log_interval(1, 6)
-
-
-def test_train_config_sets_the_rows_stripes_and_schedule():
-  shape = train_bench.SHAPES["quick"]
-  cfg = train_bench.train_config(_base(), shape, 2, "grouped", 6, 4)
-  assert cfg.model.stripe_input == "grouped" and cfg.model.num_stripes == 2
-  assert cfg.train.num_steps == 10 and cfg.train.eval_every > 10
-  assert cfg.checkpoint.every_steps > 10
-
-
-def test_word_shape_reads_a_16k_word_vocabulary():
-  cfg = train_bench.train_config(_base(), train_bench.SHAPES["word"], 1,
-                                 "dense", 60, 20)
-  vocab_size, ids = train_bench.train_ids(cfg)
-  assert vocab_size == 16384
-  assert ids.min() >= 0 and ids.max() < vocab_size
-  assert (cfg.model.hidden_size, cfg.data.tokenizer) == (256, "word")
 
 
 if __name__ == "__main__":

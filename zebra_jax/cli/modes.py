@@ -45,7 +45,7 @@ def serve(cfg, workdir, *, host, port, **_):
 
 def plot(cfg, workdir, *, compare, plot_out, **_):
   del cfg  # curves come from the workdirs' metrics.jsonl
-  from zebra_jax.tools import plot as plotting
+  from zebra_jax.runtime import plots as plotting
   plotting.run([workdir, *compare], plot_out)
 
 

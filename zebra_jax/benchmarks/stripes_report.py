@@ -1,6 +1,6 @@
 """The comparison's outputs: table (markdown + JSON) and valid-ppl curves.
 
-Kept apart from experiments.py so the numbers can be re-rendered from the
+Kept apart from stripes_experiment.py so the numbers can be re-rendered from the
 run records (results.json) without training anything.
 """
 
@@ -10,7 +10,7 @@ import platform
 import statistics
 from typing import Sequence
 
-from zebra_jax.tools import plot
+from zebra_jax.runtime import plots
 
 
 def machine() -> str:
@@ -77,13 +77,13 @@ def draw_curves(out_png: str, records: Sequence[dict], run_dirs: dict,
   names = list(dict.fromkeys(r["setting"] for r in records))
   runs, colors = [], []
   for r in records:
-    run = plot.load_run(run_dirs[(r["setting"], r["seed"])], r["setting"])
+    run = plots.load_run(run_dirs[(r["setting"], r["seed"])], r["setting"])
     run.origin = r["launched"]  # The budget's clock: compile cache warm.
     runs.append(run)
     colors.append(cycle[names.index(r["setting"]) % len(cycle)])
-  return plot.draw(runs, out_png, quantities=(("ppl", "valid perplexity"),),
-                   x_axes=(("seconds", "wall-clock since launch (s)"),),
-                   kinds=("valid",), colors=colors, title=title)
+  return plots.draw(runs, out_png, quantities=(("ppl", "valid perplexity"),),
+                    x_axes=(("seconds", "wall-clock since launch (s)"),),
+                    kinds=("valid",), colors=colors, title=title)
 
 
 def write(out: str, records: Sequence[dict], meta: dict) -> dict:

@@ -1,0 +1,414 @@
+"""The GPU report's stages, each run in its own process by tools/gpu_report.py:
+quick, bench, wt103, precision, infer, scaling (what each measures: that
+tool's docstring). Every stage writes each row as it lands.
+"""
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zebra_jax.benchmarks import traces
+from zebra_jax.benchmarks.flops import step_flops
+from zebra_jax.benchmarks.gpu_results import Results
+from zebra_jax.benchmarks.memory import memory_rows
+from zebra_jax.benchmarks.shapes import SHAPES, model_config, zipf_probs
+from zebra_jax.benchmarks.speed import row_specs, time_group
+from zebra_jax.benchmarks.steps import core_runner
+from zebra_jax.benchmarks.timing import (PEAK_CALL_SECONDS, datasheet,
+                                         matmul_peak, time_interleaved)
+from zebra_jax.benchmarks.torch_reference import torch_runners
+from zebra_jax.model import lm, pallas_recurrence
+from zebra_jax.runtime import profiling
+
+STAGES = ("quick", "bench", "wt103", "precision", "infer", "scaling")
+# Seconds each stage may run, its process's start included. On one H100 the
+# stages fit; their sum stays under 30 minutes.
+STAGE_BUDGET_S = {"quick": 170, "bench": 540, "wt103": 300, "precision": 300,
+                  "infer": 240, "scaling": 150}
+# --dry_run: four times or more each stage's seconds on a loaded 2-core CPU
+# (quick 22, bench 74 with the speed rows and 15 without, wt103 11,
+# precision 18, infer 10, scaling 10).
+DRY_BUDGET_S = {"quick": 90, "bench": 300, "wt103": 60, "precision": 90,
+                "infer": 60, "scaling": 60}
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+
+def machine() -> dict:
+  """GPU names and driver from nvidia-smi; JAX's versions, devices and
+  cuDNN; torch's version and cuDNN."""
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds"),
+          "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+          "python": sys.version.split()[0],
+          "platform": jax.devices()[0].platform,
+          "devices": [d.device_kind for d in jax.devices()],
+          "cudnn_jax": None, "torch": None, "cudnn_torch": None}
+  try:  # jax's CUDA plugin reports the cuDNN it loaded
+    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
+    if cuda_versions is not None:
+      info["cudnn_jax"] = cuda_versions.cudnn_get_version()
+  except (ImportError, AttributeError, RuntimeError):
+    pass
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    info["torch"] = torch.__version__
+    info["cudnn_torch"] = torch.backends.cudnn.version()
+  except ImportError:
+    pass
+  try:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+         "--format=csv,noheader"], capture_output=True, text=True,
+        timeout=30, check=True).stdout
+    info["gpus"] = [dict(zip(("name", "driver", "memory"),
+                             (f.strip() for f in line.split(","))))
+                    for line in out.strip().splitlines()]
+  except (OSError, subprocess.SubprocessError):
+    info["gpus"] = []
+    info["note"] = "nvidia-smi not found: no NVIDIA GPU on this machine"
+  return info
+
+
+def _shape(dry: bool) -> dict:
+  return dict(SHAPES["quick" if dry else "gpu"])
+
+
+def _rounds(dry: bool) -> int:
+  return 2 if dry else 5
+
+
+def quick_rows(shape) -> tuple[str, ...]:
+  """The core rows the quick stage measures: the first and last S."""
+  return (f"core_S{shape['stripes'][0]}", f"core_S{shape['stripes'][-1]}")
+
+
+def stage_quick(results: Results, dry: bool) -> None:
+  """The best measured matmul, then core S=1 and S=8 against torch, each S
+  timed interleaved with torch's core step and written as it lands."""
+  shape, rounds = _shape(dry), _rounds(dry)
+  kind = jax.devices()[0].device_kind
+  peak, by_shape = matmul_peak(shape, rounds)
+  sheet, sheet_name = datasheet(kind)
+  results.update("quick", {"peak": {
+      "device_kind": kind, "dtype": shape["dtype"],
+      "best_measured_matmul_tflops": peak / 1e12,
+      "by_shape_gflops": by_shape,
+      "datasheet_bf16_tflops": sheet and sheet / 1e12,
+      "datasheet": sheet_name,
+      # dry: the quick shape's loops are capped (matmul_peak)
+      "seconds_per_call_at_least": None if dry else PEAK_CALL_SECONDS}})
+  torch_fns, note = torch_runners(shape, groups=("core",))
+  results.update("quick", {"torch": note}, rows=0)
+  specs = row_specs(shape)["core"]
+  for name in quick_rows(shape):
+    rows, _ = time_group(shape, "core", {name: specs[name]}, torch_fns,
+                               rounds, peak)
+    results.append("quick", "rows", rows)
+
+
+def _peak(results: Results, shape, dry: bool) -> float:
+  """The quick stage's best measured matmul when it ran on this device and
+  dtype, else one measured here."""
+  peak = results.data.get("quick", {}).get("peak", {})
+  if (peak.get("device_kind") == jax.devices()[0].device_kind
+      and peak.get("dtype") == shape["dtype"]):
+    return peak["best_measured_matmul_tflops"] * 1e12
+  return matmul_peak(shape, _rounds(dry))[0]
+
+
+def pallas_rows(shape, stripes: int, rounds: int) -> list[dict]:
+  """Core train-step rows at one stripe count, timed interleaved: the scan,
+  and model.recurrence=pallas: `pallas_core_S*` where the fused kernel
+  runs, `scan_fallback_core_S*` where plan() finds no fit and the scan
+  stands in."""
+  triton = jax.devices()[0].platform == "gpu"
+  dt = lm.compute_dtype(shape["dtype"])
+  g = shape["hidden"] // stripes
+  block, why = pallas_recurrence.plan(shape["batch"], g, dt, triton=triton)
+  names = {"scan": f"scan_core_S{stripes}",
+           "pallas": (f"pallas_core_S{stripes}" if block
+                      else f"scan_fallback_core_S{stripes}")}
+  labels = {"scan": "lax.scan",
+            "pallas": "fused" if block else f"scan (kernel did not fit: {why})"}
+  fns = {kernel: core_runner(shape, stripes, kernel=kernel)
+         for kernel in names}
+  tokens = shape["batch"] * shape["seq_len"]
+  sec = time_interleaved(fns, rounds)
+  flops = step_flops(shape, stripes, input_grad=False)
+  return [{"name": names[k], "stripes": stripes, "width": g,
+           "dtype": shape["dtype"], "tokens_per_s": tokens / sec[k],
+           "ms_per_step": 1e3 * sec[k], "vs_scan": sec["scan"] / sec[k],
+           "model_tflops": flops * tokens / sec[k] / 1e12,
+           "kernel": labels[k],
+           "batch_block": block if k == "pallas" else None}
+          for k in names]
+
+
+def stage_bench(results: Results, dry: bool, bench_rows: bool = True) -> None:
+  """The speed table's groups (speed.py; the quick stage's rows left out
+  when it has them), then the pallas rows, then the memory rows: each
+  written as it lands. bench_rows=False: pallas and memory only (the speed
+  rows take minutes even at the quick shape; tests/tools/test_bench.py
+  covers them)."""
+  shape, rounds = _shape(dry), _rounds(dry)
+  if bench_rows:
+    peak = _peak(results, shape, dry)
+    torch_fns, note = torch_runners(shape)
+    results.update("bench", {"torch": note,
+                             "best_measured_matmul_tflops": peak / 1e12},
+                   rows=0)
+    done = {r["name"] for r in results.data.get("quick", {}).get("rows", [])}
+    for group, specs in row_specs(shape).items():
+      specs = {n: spec for n, spec in specs.items() if n not in done}
+      rows, _ = time_group(shape, group, specs, torch_fns, rounds, peak)
+      results.append("bench", "rows", rows)
+  for dtype in (shape["dtype"],) if dry else ("bfloat16", "float32"):
+    for s in shape["stripes"]:
+      results.append("bench", "pallas",
+                     pallas_rows({**shape, "dtype": dtype}, s, rounds))
+  if not dry:
+    memory, fit = memory_rows("gpu", fresh_processes=True)
+    results.update("bench", {"memory": memory, "max_window": fit},
+                   rows=len(memory))
+
+
+def _wt103_config(dry: bool):
+  cfg = _config("wt103", "tiny" if dry else "")
+  cfg.model.vocab_size = 64 if dry else 267_735
+  return cfg
+
+
+def stage_wt103(results: Results, dry: bool, seconds: float) -> None:
+  """The recipe's model and batch on synthetic ids of its real vocabulary:
+  the timed figures first, then the profile of a 3-step trace."""
+  cfg = _wt103_config(dry)
+  m, d = cfg.model, cfg.data
+  graphdef, params = lm.create(m, seed=0)
+  tx = optax.adam(1e-3)
+  opt_state = tx.init(params)
+  probs = zipf_probs(m.vocab_size)
+  rng = np.random.default_rng(0)
+  batches = [jnp.asarray(rng.choice(m.vocab_size, (d.batch_size,
+                                                   d.seq_len + 1), p=probs),
+                         jnp.int32) for _ in range(4)]
+  carry = lm.init_carry(m, d.batch_size)
+
+  def step(params, opt_state, tokens, carry, key):
+    def loss_fn(params):
+      sums, new_carry = lm.token_sums(graphdef, params, tokens[:, :-1],
+                                      tokens[:, 1:], carry, key,
+                                      with_accuracy=False)
+      return sums["loss_sum"] / sums["count"], new_carry
+    (loss, new_carry), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+    return params, opt_state, jax.lax.stop_gradient(new_carry), loss
+
+  key = jax.random.key(0)
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+      params, opt_state, batches[0], carry, key).compile()
+  state = [params, opt_state, carry]
+
+  def run(i):
+    state[0], state[1], state[2], loss = compiled(
+        state[0], state[1], batches[i % len(batches)], state[2], key)
+    return loss
+
+  jax.block_until_ready(run(0))  # untimed: allocation, autotuning
+  steps, start = 0, time.perf_counter()
+  while True:
+    loss = run(steps)
+    steps += 1
+    if steps >= (3 if dry else 5) and (time.perf_counter() - start >= seconds
+                                        or dry):
+      break
+  jax.block_until_ready(loss)
+  sec = (time.perf_counter() - start) / steps
+  tokens = d.batch_size * d.seq_len
+  peak, source = profiling.peak_memory()
+  g = m.hidden_size // m.num_stripes
+  block, why = pallas_recurrence.plan(
+      d.batch_size, g, lm.compute_dtype(m.dtype),
+      triton=jax.devices()[0].platform == "gpu")
+  results.update("wt103", {
+      "model": {k: m[k] for k in ("hidden_size", "num_layers", "num_stripes",
+                                  "vocab_size", "head", "dtype")},
+      "batch": d.batch_size, "seq_len": d.seq_len, "steps_timed": steps,
+      "ms_per_step": 1e3 * sec, "tokens_per_s": tokens / sec,
+      "epoch_minutes_103M": 103e6 / (tokens / sec) / 60,
+      "peak_bytes": peak, "peak_source": source,
+      "xla_bytes": profiling.compiled_bytes(compiled),
+      "final_loss": float(loss),
+      "pallas": ("fits: the fused kernel would run" if block else
+                 f"model.recurrence=pallas runs the scan here: {why}")})
+  trace_dir = tempfile.mkdtemp(prefix="zebra_wt103_trace_")
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    for i in range(3):
+      with jax.profiler.StepTraceAnnotation("train", step_num=i):
+        jax.block_until_ready(run(i))
+  results.update("wt103", {"profile": traces.summarise_trace(trace_dir,
+                                                      compiled.as_text())})
+
+
+def _config(name: str, variant: str = ""):
+  """configs/NAME.py's config, loaded by path like --config does."""
+  sys.path.insert(0, REPO)
+  module = __import__(f"configs.{name}", fromlist=["get_config"])
+  return module.get_config(variant)
+
+
+def _train_demo(workdir, dry, steps, dtype="float32"):
+  """A demo-corpus run in this process (the train loop, checkpoints and
+  metrics.jsonl as --mode=train writes them, without the end report)."""
+  from zebra_jax.training import loop  # pylint: disable=g-import-not-at-top
+  cfg = _config("demo", "tiny" if dry else "")
+  # dry: no validation pass (its compile would double the run's time)
+  cfg.train.update(num_steps=steps, log_every=1 if dry else 10,
+                   eval_every=steps + 1 if dry else steps,
+                   time_budget_minutes=0.0,
+                   report_at_end=False, sample_at_eval=False)
+  cfg.model.dtype = dtype
+  loop.run(cfg, workdir)
+  return cfg
+
+
+def _metrics(workdir) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def stage_precision(results: Results, dry: bool, work: str,
+                    steps: int) -> None:
+  """The same run in three compute dtypes, float32 first: each dtype's loss
+  curve against float32's and its steps skipped by the loss scale after
+  warm-up, written as each run ends."""
+  steps = 6 if dry else steps
+  warm = steps // 5
+  results.update("precision", {"steps": steps, "warmup_steps_ignored": warm,
+                               "curves": {}}, rows=0)
+  ref = {}
+  for dtype in ("float32", "bfloat16", "float16"):
+    workdir = os.path.join(work, f"precision_{dtype}")
+    if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+      _train_demo(workdir, dry, steps, dtype)
+    curve = [m for m in _metrics(workdir) if m["kind"] == "train"]
+    pts = [(m["step"], m["loss"]) for m in curve]
+    ref = ref or dict(pts)
+    diffs = [abs(loss - ref[s]) for s, loss in pts if s in ref and s >= warm]
+    skipped = [m.get("skipped", 0) for m in curve if m["step"] >= warm]
+    results.section("precision")["curves"][dtype] = {
+        "loss": pts, "final_loss": pts[-1][1] if pts else None,
+        "max_abs_diff_vs_fp32": max(diffs) if diffs else None,
+        "skipped_after_warmup": (max(skipped) - min(skipped)
+                                 if skipped else None),
+        "loss_scale": curve[-1].get("loss_scale") if curve else None}
+    results.update("precision", {})
+
+
+def stage_infer(results: Results, dry: bool, work: str) -> None:
+  """infer_bench's rows, one batch size at a time, on the precision stage's
+  float32 run (a short demo run when it is not there)."""
+  # pylint: disable=g-import-not-at-top
+  from zebra_jax.inference import loading, sample
+  from zebra_jax.inference import benchmark
+  workdir = os.path.join(work, "precision_float32")
+  cfg = _config("demo", "tiny" if dry else "")
+  if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    cfg = _train_demo(workdir, dry, 4 if dry else 50)
+  loaded = loading.load_for_inference(cfg, workdir)
+  prompt_len = 4 if dry else 32
+  prompt = np.asarray(loaded.splits["valid"])[:prompt_len].astype(np.int32)
+  generator = sample.Generator(loaded)
+  results.update("infer", {"step": int(loaded.step),
+                           "dtype": loaded.cfg.model.dtype}, rows=0)
+  for size in (1, 2) if dry else (1, 2, 4, 8, 16, 32, 64):
+    results.append("infer", "results", [benchmark.bench_batch(
+        generator, prompt, size, new_tokens=4 if dry else 64,
+        requests=2 if dry else 5)])
+
+
+def stage_scaling(results: Results, dry: bool) -> None:
+  """Weak scaling: the per-device batch stays fixed as devices are added;
+  efficiency = tok/s(n) / (n x tok/s(1)), each count written as it lands."""
+  devices = jax.devices()
+  shape = _shape(dry)
+  counts = [n for n in (1, 2, 4, 8, 16) if n <= len(devices)]
+  if dry:  # one compile per count: the smallest and largest are enough
+    counts = sorted({counts[0], counts[-1]})
+  cfg = model_config(shape, shape["stripes"][-1])
+  results.update("scaling", {
+      "stripes": shape["stripes"][-1], "per_device_batch": shape["batch"],
+      "seq_len": shape["seq_len"], "hidden": shape["hidden"],
+      "note": None if len(devices) > 1 else (
+          f"1 {devices[0].platform.upper()} device: weak scaling not "
+          "measured")}, rows=0)
+  for n in counts:
+    mesh = jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    dat = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    graphdef, params = lm.create(cfg, seed=0)
+    tx = optax.adam(1e-3)
+    params = jax.device_put(params, rep)
+    opt_state = jax.device_put(tx.init(params), rep)
+    b = shape["batch"] * n
+    tokens = jax.device_put(jax.random.randint(
+        jax.random.key(0), (b, shape["seq_len"] + 1), 0, shape["vocab"]), dat)
+    carry = jax.device_put(lm.init_carry(cfg, b), dat)
+
+    def step(params, opt_state, tokens, carry):
+      def loss_fn(params):
+        sums, _ = lm.token_sums(graphdef, params, tokens[:, :-1],
+                                tokens[:, 1:], carry, with_accuracy=False)
+        return sums["loss_sum"] / sums["count"]
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    state = [params, opt_state]
+
+    def run():
+      state[0], state[1], loss = jitted(state[0], state[1], tokens, carry)
+      jax.block_until_ready(loss)
+    sec = time_interleaved({"step": run}, 2 if dry else 10)["step"]
+    rows = results.section("scaling").get("rows", [])
+    tok_s = b * shape["seq_len"] / sec
+    base = rows[0]["tokens_per_s"] if rows else tok_s
+    results.append("scaling", "rows", [{
+        "devices": n, "global_batch": b, "tokens_per_s": tok_s,
+        "ms_per_step": 1e3 * sec, "efficiency": tok_s / (n * base)}])
+
+
+def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 120.0,
+              precision_steps: int = 300, bench_rows: bool = True) -> None:
+  """One stage in this process (what a stage's child process runs)."""
+  results = Results(out)
+  results.data["machine"] = machine()
+  results.save()
+  work = os.path.join(out, "gpu-report-work")
+  if stage == "quick":
+    stage_quick(results, dry)
+  elif stage == "bench":
+    stage_bench(results, dry, bench_rows)
+  elif stage == "wt103":
+    stage_wt103(results, dry, wt103_seconds)
+  elif stage == "precision":
+    stage_precision(results, dry, work, precision_steps)
+  elif stage == "infer":
+    stage_infer(results, dry, work)
+  elif stage == "scaling":
+    stage_scaling(results, dry)

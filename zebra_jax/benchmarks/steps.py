@@ -1,0 +1,169 @@
+"""The JAX steps the benchmarks time: core layers, LM, eval, word-level,
+generation; each compiled once and called as a `Runner`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from zebra_jax.benchmarks.shapes import model_config, zipf_probs
+from zebra_jax.inference import sampling
+from zebra_jax.model import lm, metrics
+
+def _adam_step(loss_fn, tx):
+  """(params, opt_state, *args) -> (params, opt_state, loss); donates state."""
+  def step(params, opt_state, *args):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *args)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+    return params, opt_state, loss
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _random_split(build):
+  """(graphdef, params) of build(), params drawn uniformly in +-0.1.
+
+  Speed does not depend on the values, and the real initializers (orthogonal
+  blocks need a QR) take seconds to compile per shape.
+  """
+  graphdef, shapes = nnx.split(nnx.eval_shape(build))
+  leaves, treedef = jax.tree.flatten(shapes)
+
+  @jax.jit
+  def draw(key):
+    keys = jax.random.split(key, len(leaves))
+    return [jax.random.uniform(k, x.shape, x.dtype, -0.1, 0.1)
+            for k, x in zip(keys, leaves)]
+  return graphdef, jax.tree.unflatten(treedef, draw(jax.random.key(0)))
+
+
+def _create(cfg):
+  return _random_split(lambda: lm.ZebraLM(cfg, rngs=nnx.Rngs(0)))
+
+
+class Runner:
+  """A compiled step and its live arguments; calling it runs one step.
+
+  feedback maps output positions to the argument they replace next call (the
+  donated train state, or the eval carry).
+  """
+
+  def __init__(self, jitted, args, feedback: dict[int, int]):
+    self.compiled = jitted.lower(*args).compile()
+    self.args, self.feedback = list(args), feedback
+
+  def __call__(self):
+    out = self.compiled(*self.args)
+    for out_index, arg_index in self.feedback.items():
+      self.args[arg_index] = out[out_index]
+    jax.block_until_ready(out)
+
+
+def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True,
+                grouped=False, kernel="scan"):
+  """Stacked ZebraLSTMLayers (no embedding/softmax) + Adam on random inputs.
+
+  custom_vjp=False differentiates the scan with plain autodiff: the row that
+  shows what the hand-written backward pass (recurrence.py) buys. grouped:
+  block-diagonal input projections, the stripes shuffled between layers as
+  the LM does. kernel: the layers' recurrence (model.recurrence)."""
+  b, t, h = shape["batch"], seq_len or shape["seq_len"], shape["hidden"]
+  dt = lm.compute_dtype(shape["dtype"])
+  graphdef, params = _random_split(lambda: nnx.List([
+      lm.ZebraLSTMLayer(h, h, stripes, rngs=nnx.Rngs(i), dtype=dt,
+                        remat=remat, custom_vjp=custom_vjp, grouped=grouped,
+                        kernel=kernel)
+      for i in range(shape["layers"])]))
+  x = jax.random.normal(jax.random.key(0), (b, t, h), dt)
+  zeros = jnp.zeros((b, h), jnp.float32)
+
+  def loss_fn(params, x):
+    y = x
+    for i, layer in enumerate(nnx.merge(graphdef, params)):
+      with jax.named_scope(f"zebra_lstm_{i}"):
+        if i > 0 and grouped:
+          y = lm.stripe_shuffle(y, stripes)
+        y, _ = layer(y, (zeros, zeros))
+    return jnp.sum(jnp.square(y.astype(jnp.float32))) / y.size
+
+  tx = optax.adam(1e-3)
+  return Runner(_adam_step(loss_fn, tx), (params, tx.init(params), x),
+                 {0: 0, 1: 1})
+
+
+def random_tokens(shape, seq_len=None, seed=0):
+  t = seq_len or shape["seq_len"]
+  if shape.get("zipf"):  # the word-level shape: Zipf-distributed ids
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.choice(shape["vocab"], (shape["batch"], t + 1),
+                                  p=zipf_probs(shape["vocab"])), jnp.int32)
+  return jax.random.randint(jax.random.key(seed), (shape["batch"], t + 1), 0,
+                            shape["vocab"])
+
+
+def word_runner(shape, stripes, *, grouped=False, head="full"):
+  """The LM train step at the word-level shape (word_shape), full or
+  adaptive head, through lm.token_sums as the training loop runs it."""
+  cfg = model_config(shape, stripes, grouped, head)
+  graphdef, params = _create(cfg)
+  carry = lm.init_carry(cfg, shape["batch"])
+
+  def loss_fn(params, tokens, carry):
+    sums, _ = lm.token_sums(graphdef, params, tokens[:, :-1], tokens[:, 1:],
+                            carry, with_accuracy=False)
+    return sums["loss_sum"] / sums["count"]
+
+  tx = optax.adam(1e-3)
+  return Runner(_adam_step(loss_fn, tx),
+                 (params, tx.init(params), random_tokens(shape), carry),
+                 {0: 0, 1: 1})
+
+
+def lm_runner(shape, stripes, *, seq_len=None, remat=False, grouped=False):
+  """The full LM train step: embedding, layers, tied head, mean CE, Adam."""
+  cfg = model_config(shape, stripes, grouped, remat=remat)
+  graphdef, params = _create(cfg)
+  carry = lm.init_carry(cfg, shape["batch"])
+  tokens = random_tokens(shape, seq_len)
+
+  def loss_fn(params, tokens, carry):
+    logits, _ = lm.apply(graphdef, params, tokens[:, :-1], carry)
+    with jax.named_scope("loss"):
+      sums = metrics.token_sums(logits, tokens[:, 1:])
+    return sums["loss_sum"] / sums["count"]
+
+  tx = optax.adam(1e-3)
+  return Runner(_adam_step(loss_fn, tx),
+                 (params, tx.init(params), tokens, carry), {0: 0, 1: 1})
+
+
+def eval_runner(shape, stripes, grouped=False):
+  """The LM forward with carry, as evaluation runs it. Imported here: the
+  training floor brings the multi-process flags, which importing a benchmark
+  should not define."""
+  from zebra_jax.training import evaluate  # pylint: disable=g-import-not-at-top
+  cfg = model_config(shape, stripes, grouped)
+  graphdef, params = _create(cfg)
+  tokens = random_tokens(shape)
+  step = jax.jit(functools.partial(evaluate.eval_step, graphdef=graphdef),
+                 donate_argnums=1)
+  return Runner(step, (params, lm.init_carry(cfg, shape["batch"]),
+                        tokens[:, :-1], tokens[:, 1:]), {0: 1})
+
+
+def gen_runner(shape, stripes, batch, grouped=False):
+  cfg = model_config(shape, stripes, grouped)
+  graphdef, params = _create(cfg)
+  step_fn = functools.partial(lm.decode_step, graphdef=graphdef)
+  carry = lm.init_carry(cfg, batch)
+  logits = jnp.zeros((batch, shape["vocab"]), jnp.float32)
+  run = functools.partial(
+      sampling.generate, step_fn, params, carry, logits, jax.random.key(0),
+      num_new_tokens=shape["gen_tokens"], temperature=1.0)
+  jax.block_until_ready(run())  # compiles
+  return lambda: jax.block_until_ready(run())

@@ -1,0 +1,35 @@
+"""Fixed-width text tables: the benchmarks print their rows through one
+helper, so every table lines up the same way (the name left, figures right).
+"""
+
+from typing import Callable, Sequence
+
+# (title, width, the cell's text for a row)
+Column = tuple[str, int, Callable[[dict], str]]
+
+
+def ratio_text(ratio: float | None) -> str:
+  """A speed ratio to two decimals, "-" where there is none."""
+  return "-" if ratio is None else f"{ratio:.2f}"
+
+
+def speed_columns(name_width: int, tokens_width: int) -> list[Column]:
+  """The columns every speed table starts with: row, tok/s, ms/step and the
+  ratio to torch."""
+  return [("row", name_width, lambda r: r["name"]),
+          ("tok/s", tokens_width, lambda r: f"{r['tokens_per_s']:,.0f}"),
+          ("ms/step", 10, lambda r: f"{r['ms_per_step']:.1f}"),
+          ("x torch", 9, lambda r: ratio_text(r["ratio_to_torch"]))]
+
+
+def print_rows(rows: Sequence[dict], columns: Sequence[Column]) -> None:
+  """A header line, then one line per row; the first column left-aligned."""
+  widths = [width for _, width, _ in columns]
+
+  def line(cells: list[str]) -> str:
+    return f"{cells[0]:<{widths[0]}}" + "".join(
+        f"{cell:>{width}}" for cell, width in zip(cells[1:], widths[1:]))
+
+  print(line([title for title, _, _ in columns]))
+  for r in rows:
+    print(line([text(r) for _, _, text in columns]))

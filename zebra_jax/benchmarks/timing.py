@@ -1,0 +1,107 @@
+"""Interleaved timing and the best measured matmul (the peak rows are
+measured against), beside the datasheet's figure.
+"""
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zebra_jax.model import lm
+
+def time_interleaved(fns: dict, rounds: int, calls: int = 1) -> dict:
+  """Median seconds per call of each function, rounds interleaved so that
+  load from other processes spreads over every row alike. Each function
+  runs once untimed first: a first call pays for allocation, autotuning and
+  lazy initialisation (cuDNN plans, XLA's GPU autotuner)."""
+  for fn in fns.values():
+    fn()
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      for _ in range(calls):
+        fn()
+      times[name].append((time.perf_counter() - start) / calls)
+  return {name: float(np.median(t)) for name, t in times.items()}
+
+
+# Datasheet dense bfloat16 tensor-core FLOP/s by device kind (substrings of
+# jax's device_kind, first match wins), shown beside the measured peak.
+DATASHEET_BF16 = (("H100 PCIe", 756e12, "H100 PCIe"),
+                  ("H100", 989e12, "H100 SXM"), ("H200", 989e12, "H200"),
+                  ("A100", 312e12, "A100"))
+# FLOP/s no device of the platform reaches: sizes the peak's calls where the
+# datasheet does not know the device.
+_FLOPS_CEILING = {"gpu": 2.5e15, "cpu": 1e12}
+PEAK_CALL_SECONDS = 0.01
+
+
+def datasheet(device_kind: str) -> tuple[float | None, str]:
+  """(dense bf16 FLOP/s, name) from DATASHEET_BF16, (None, "unknown")."""
+  for key, flops, name in DATASHEET_BF16:
+    if key in device_kind:
+      return flops, name
+  return None, "unknown"
+
+
+def peak_reps(flops_per_matmul: float, device_flops: float,
+              seconds: float = PEAK_CALL_SECONDS) -> int:
+  """Matmuls per timed call so that a call lasts at least `seconds` on a
+  device doing `device_flops` (an upper bound: the datasheet), so that
+  launch and dispatch costs vanish beside the work."""
+  return max(1, int(np.ceil(seconds * device_flops / flops_per_matmul)))
+
+
+def peak_shapes(shape: dict) -> dict:
+  """Matmul shapes [batch, m, k, n] the peak is measured on: a large square
+  one and the steps' own (input projection, recurrence, head, grouped)."""
+  b, t, h, v = shape["batch"], shape["seq_len"], shape["hidden"], shape["vocab"]
+  n = 256 if shape["hidden"] <= 64 else 2048
+  shapes = {f"square {n}": (1, n, n, n),
+            "input projection": (1, b * t, h, 4 * h),
+            "recurrence S=1": (1, b, h, 4 * h),
+            "head": (1, b * t, h, v)}
+  for s in sorted({*shape["stripes"], *shape["grouped_stripes"]} - {1}):
+    shapes[f"recurrence S={s}"] = (s, b, h // s, 4 * h // s)
+  for s in shape["grouped_stripes"]:
+    shapes[f"grouped projection S={s}"] = (s, b * t, h // s, 4 * h // s)
+  return shapes
+
+
+def matmul_peak(shape: dict, rounds: int) -> tuple[float, dict]:
+  """(FLOP/s, {shape name: GFLOP/s}): the best measured matmul of
+  `peak_shapes`, each a batched matmul in the compute dtype with float32
+  accumulation (as the steps run them), repeated inside one compiled loop
+  so that every timed call lasts at least PEAK_CALL_SECONDS even at the
+  datasheet's rate (`peak_reps`)."""
+  dt = lm.compute_dtype(shape["dtype"])
+  device = jax.devices()[0]
+  device_flops = (datasheet(device.device_kind)[0]
+                  or _FLOPS_CEILING.get(device.platform, 2.5e15))
+  fns, flops = {}, {}
+  for name, (s, m, k, n) in peak_shapes(shape).items():
+    reps = peak_reps(2.0 * s * m * k * n, device_flops)
+    if shape["hidden"] <= 64:  # quick: a smoke test
+      reps = min(reps, 4)
+    a = jnp.full((s, m, k), 0.01, dt)
+    w = jnp.full((s, k, n), 0.01, dt)
+
+    @jax.jit
+    def loop(a, w, reps=reps):
+      # `a` changes sign every iteration: were it loop-invariant, XLA would
+      # hoist the matmul out of the loop and time it once for `reps`.
+      def body(_, carry):
+        a, acc = carry
+        return -a, acc + jnp.einsum("smk,skn->smn", a, w,
+                                    preferred_element_type=jnp.float32)
+      zeros = jnp.zeros((a.shape[0], a.shape[1], w.shape[2]), jnp.float32)
+      return jax.lax.fori_loop(0, reps, body, (a, zeros))[1]
+    fns[name] = functools.partial(
+        lambda f, a, w: jax.block_until_ready(f(a, w)), loop, a, w)
+    flops[name] = 2.0 * s * m * k * n * reps
+  sec = time_interleaved(fns, rounds)
+  per_shape = {name: flops[name] / sec[name] / 1e9 for name in fns}
+  return max(per_shape.values()) * 1e9, per_shape
