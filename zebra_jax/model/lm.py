@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zebra_jax.model import adaptive_softmax as asm, metrics, recurrence
 from zebra_jax.model import pallas_recurrence
 from zebra_jax.model.config import DTYPES, ModelConfig
-from zebra_jax.runtime import parallel
+from zebra_jax.model import mesh_axes
 
 # One (h, c) pair per layer, each [batch, hidden] float32.
 Carry = tuple[tuple[jax.Array, jax.Array], ...]
@@ -54,7 +54,7 @@ def stripe_parallel(mesh):
   """Traces inside this context split each layer's stripes over `mesh`'s
   "stripe" axis (a no-op for a mesh whose stripe axis has one device)."""
   token = _STRIPE_MESH.set(
-      mesh if mesh is not None and parallel.stripe_devices(mesh) > 1 else None)
+      mesh if mesh is not None and mesh_axes.stripe_devices(mesh) > 1 else None)
   try:
     yield
   finally:
@@ -69,7 +69,7 @@ def stripe_mesh():
 def with_stripe_parallel(fn, mesh):
   """fn, traced inside `stripe_parallel(mesh)` (fn itself where the mesh's
   stripe axis has one device)."""
-  if parallel.stripe_devices(mesh) == 1:
+  if mesh_axes.stripe_devices(mesh) == 1:
     return fn
 
   def traced(*args):
@@ -129,7 +129,7 @@ class ZebraLSTMLayer(nnx.Module):
     shape = ((s, in_features // s, 4 * width) if grouped
              else (in_features, s, 4 * width))
     # stripe_axis: the axis that counts stripes, split over the mesh's
-    # "stripe" axis under stripe parallelism (runtime/parallel.py).
+    # "stripe" axis under stripe parallelism (model/mesh_axes.py).
     self.w_x = nnx.Param(jax.random.uniform(
         rngs.params(), shape, jnp.float32, -bound, bound),
                          stripe_axis=0 if grouped else 1)
@@ -193,12 +193,12 @@ class ZebraLSTMLayer(nnx.Module):
       outputs [batch, time, hidden] split along hidden over "stripe", and
       the new (h, c) split as the carry came.
     """
-    data, stripe = parallel.DATA_AXIS, parallel.STRIPE_AXIS
+    data, stripe = mesh_axes.DATA_AXIS, mesh_axes.STRIPE_AXIS
     split_in = exchange is not None or self.grouped
     x_spec = P(data, None, stripe) if split_in else P(data)
     w_x_spec = P(stripe) if self.grouped else P(None, stripe)
     carry_spec, out_spec = P(data, stripe), P(data, None, stripe)
-    devices = parallel.stripe_devices(mesh)
+    devices = mesh_axes.stripe_devices(mesh)
 
     def local(x, w_x, bias, h, c, w_h):
       if exchange == "gather":
@@ -246,7 +246,7 @@ def _gather_cotangent_fwd(x, mesh):
 
 def _gather_cotangent_bwd(mesh, _, ct):
   return (jax.lax.with_sharding_constraint(
-      ct, NamedSharding(mesh, P(parallel.DATA_AXIS))),)
+      ct, NamedSharding(mesh, P(mesh_axes.DATA_AXIS))),)
 
 
 _gather_cotangent.defvjp(_gather_cotangent_fwd, _gather_cotangent_bwd)
@@ -262,7 +262,7 @@ def _shuffle_exchange(x, num_stripes: int, devices: int):
   stripe: one all-to-all when p divides G; otherwise every device gathers
   all units and keeps its share.
   """
-  stripe = parallel.STRIPE_AXIS
+  stripe = mesh_axes.STRIPE_AXIS
   b, t, local_units = x.shape
   s, p = num_stripes, devices
   width = local_units * p // s
@@ -387,7 +387,7 @@ class ZebraLM(nnx.Module):
         x = dropout(x, rate, rngs[i + 1])
     if mesh is not None:  # the replicated head reads every unit: one gather
       x = jax.lax.with_sharding_constraint(
-          x, NamedSharding(mesh, P(parallel.DATA_AXIS)))
+          x, NamedSharding(mesh, P(mesh_axes.DATA_AXIS)))
     return x, tuple(new_carry)
 
   def logits(self, hidden: jax.Array) -> jax.Array:

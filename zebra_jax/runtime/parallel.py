@@ -30,9 +30,9 @@ from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zebra_jax.errors import UserError
+# The axis names live with the model, which splits its stripes over them.
+from zebra_jax.model.mesh_axes import DATA_AXIS, STRIPE_AXIS, stripe_devices
 
-DATA_AXIS = "data"
-STRIPE_AXIS = "stripe"
 
 
 def check_stripe_devices(stripe_devices: int, num_stripes: int,
@@ -76,11 +76,6 @@ def make_mesh(devices=None, stripe_devices: int = 1) -> jax.sharding.Mesh:
   else:  # the device order of the 1-D data-parallel mesh
     grid = np.asarray(devices).reshape(n, 1)
   return jax.sharding.Mesh(grid, (DATA_AXIS, STRIPE_AXIS), axis_types=auto)
-
-
-def stripe_devices(mesh) -> int:
-  """The size of the mesh's stripe axis (1 for a mesh without one)."""
-  return dict(mesh.shape).get(STRIPE_AXIS, 1)
 
 
 def replicated(mesh) -> NamedSharding:

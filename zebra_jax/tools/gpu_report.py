@@ -137,10 +137,14 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"unknown stages {sorted(unknown)}: choose from "
                          f"{', '.join(STAGES)}")
-  drive(stages, f.out, f.dry_run, child_args=(
+  report = drive(stages, f.out, f.dry_run, child_args=(
       f"--wt103_seconds={f.wt103_seconds}",
       f"--precision_steps={f.precision_steps}",
       "--bench_rows" if f.bench_rows else "--nobench_rows"))
+  # Every stage's rows are on disk either way; the exit status tells a
+  # script whether all of them finished.
+  if any(report["stages"][s]["status"] != "done" for s in stages):
+    sys.exit(1)
 
 
 if __name__ == "__main__":
