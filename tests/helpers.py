@@ -4,6 +4,7 @@ for Triton's Python backend. Session fixtures live in conftest.py; the NumPy
 model references in references.py."""
 
 import glob
+import http.client
 import json
 import importlib.util
 import os
@@ -223,3 +224,14 @@ def assert_png(path):
   with open(path, "rb") as f:
     assert f.read(8) == _PNG_MAGIC
   assert os.path.getsize(path) > 5000  # axes, curves and legend, not a blank
+
+
+def http_post(port, path, body):
+  """(status, JSON answer) of a POST to a server on 127.0.0.1."""
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+  try:
+    conn.request("POST", path, body=json.dumps(body).encode())
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+  finally:
+    conn.close()

@@ -8,7 +8,6 @@ and the exported Triton model, and the exported functions' logits match the
 JAX model on the same tokens.
 """
 
-import http.client
 import json
 import math
 import os
@@ -22,7 +21,8 @@ from zebra_jax.data import tokenizers
 from zebra_jax.inference import export, loading, sample, score, serve
 from zebra_jax.model import lm
 from zebra_jax.training import evaluate, loop
-from tests.helpers import WORDS, load_triton_model, triton_request
+from tests.helpers import (WORDS, http_post, load_triton_model,
+                           triton_request)
 
 # A text every kind reads: its words and characters all occur in training.
 TEXT = "the dog ran to the park and the bird sang\n"
@@ -49,16 +49,6 @@ def tiny_config(kind, corpus):
   cfg.eval.update(batch_size=8, seq_len=8)
   cfg.sample.update(prompt=PROMPT, max_new_tokens=6, temperature=0.0)
   return cfg
-
-
-def post(port, path, body):
-  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-  try:
-    conn.request("POST", path, body=json.dumps(body).encode())
-    response = conn.getresponse()
-    return response.status, json.loads(response.read())
-  finally:
-    conn.close()
 
 
 def check_saved_tokenizer(kind, folder):
@@ -130,7 +120,7 @@ def test_train_eval_score_sample_serve_export_triton(kind, tmp_path,
   thread = threading.Thread(target=httpd.serve_forever, daemon=True)
   thread.start()
   try:
-    status, out = post(httpd.server_port, "/score",
+    status, out = http_post(httpd.server_port, "/score",
                        {"text": TEXT, "verbose": True})
     assert status == 200, out
     [served] = out["results"]
@@ -138,7 +128,7 @@ def test_train_eval_score_sample_serve_export_triton(kind, tmp_path,
     assert served["loss"] == pytest.approx(plain["loss"], rel=1e-6)
     assert [t for t, _ in served["token_logprobs"]] == [
         t for t, _ in verbose["token_logprobs"]]
-    status, out = post(httpd.server_port, "/generate",
+    status, out = http_post(httpd.server_port, "/generate",
                        {"prompt": PROMPT, "max_new_tokens": 6,
                         "temperature": 0})
     assert status == 200, out

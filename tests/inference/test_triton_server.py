@@ -4,8 +4,6 @@ answers byte-identical to --mode=sample for char, word and BPE tokenizers,
 concurrent requests merged by the dynamic batcher, and one prompt giving
 the same text through --mode=sample, /generate, /v1/completions and Triton."""
 
-import http.client
-import json
 import os
 import socket
 import subprocess
@@ -17,7 +15,7 @@ import pytest
 from configs import demo
 from zebra_jax.inference import export, loading, sample, serve, triton_local
 from zebra_jax.training import loop
-from tests.helpers import WORDS
+from tests.helpers import WORDS, http_post
 
 th = pytest.importorskip("tritonclient.http",
                          reason="pip install tritonclient[http] (.[test])")
@@ -171,16 +169,6 @@ def test_concurrent_requests_are_batched_and_answered(runs, triton):
   assert stats["execution_count"] < stats["inference_count"], stats
 
 
-def _post(port, path, body):
-  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-  try:
-    conn.request("POST", path, body=json.dumps(body).encode())
-    response = conn.getresponse()
-    return response.status, json.loads(response.read())
-  finally:
-    conn.close()
-
-
 @pytest.mark.timeout(120)
 def test_one_prompt_same_text_on_all_four_paths(runs, triton):
   client, names, _ = triton
@@ -192,12 +180,12 @@ def test_one_prompt_same_text_on_all_four_paths(runs, triton):
   thread = threading.Thread(target=httpd.serve_forever, daemon=True)
   thread.start()
   try:
-    status, out = _post(httpd.server_port, "/generate", {
+    status, out = http_post(httpd.server_port, "/generate", {
         "prompt": prompt, "max_new_tokens": NEW_TOKENS, "temperature": 0,
         "seed": 11})
     assert status == 200, out
     [from_generate] = out["texts"]
-    status, out = _post(httpd.server_port, "/v1/completions", {
+    status, out = http_post(httpd.server_port, "/v1/completions", {
         "model": "zebra_lstm", "prompt": prompt, "max_tokens": NEW_TOKENS,
         "temperature": 0, "seed": 11})
     assert status == 200, out
