@@ -262,8 +262,8 @@ def _forward_kernel(x_ref, w_ref, h0_ref, c0_ref, ys_ref, h_ref, c_ref,
   """One stripe, one batch block, the whole window.
 
   x_ref [T, Bb, 4G] f32, w_ref [G, 4G], h0/c0 [Bb, G] f32 -> ys_ref
-  [T, Bb, G], h_ref/c_ref [Bb, G]; saved_refs: cs [T, Bb, G] (keep >= 1) and
-  gates [T, Bb, 4G] (keep == 2), f32.
+  [T, Bb, G], h_ref/c_ref [Bb, G]; saved_refs: cs [T, Bb, G] (keep "states" or
+  "gates") and gates [T, Bb, 4G] (keep "gates"), f32.
   """
   gs = _gate_slices(width)
   weight, blocks = _recurrent_weights(w_ref, width, k_chunk, held, False)
@@ -279,9 +279,9 @@ def _forward_kernel(x_ref, w_ref, h0_ref, c0_ref, ys_ref, h_ref, c_ref,
     c = f * c + i * g
     h = o * jnp.tanh(c)
     ys_ref[t] = h.astype(ys_ref.dtype)
-    if keep >= 1:
+    if keep is not None:
       saved_refs[0][t] = c
-    if keep == 2:
+    if keep == "gates":
       for sl, gate in zip(gs, (i, f, g, o)):
         saved_refs[1][t, :, sl] = gate
     return h, c
@@ -358,7 +358,8 @@ def _kernel_args(launch):
 
 def _forward(x_proj, h0, c0, w_h, launch, keep, interpret):
   """x_proj [S, T, B, 4G] f32 -> ys [S, T, B, G] (w_h's dtype), h, c [S, B, G]
-  f32, and (cs,) or (cs, gates) for keep = 1, 2."""
+  f32, and () / (cs,) / (cs, gates) for keep None / "states" / "gates" (the
+  names recurrence.py uses for what the backward pass keeps)."""
   s, t, b, g4 = x_proj.shape
   g = g4 // 4
   rows = launch.rows
@@ -368,10 +369,10 @@ def _forward(x_proj, h0, c0, w_h, launch, keep, interpret):
                jax.ShapeDtypeStruct((s, b, g), f32)]
   out_specs = [_window_spec(t, rows, g), _state_spec(rows, g),
                _state_spec(rows, g)]
-  if keep >= 1:
+  if keep is not None:
     out_shape.append(jax.ShapeDtypeStruct((s, t, b, g), f32))
     out_specs.append(_window_spec(t, rows, g))
-  if keep == 2:
+  if keep == "gates":
     out_shape.append(jax.ShapeDtypeStruct((s, t, b, g4), f32))
     out_specs.append(_window_spec(t, rows, g4))
   outs = pl.pallas_call(
@@ -420,7 +421,7 @@ def _fused_layer(inputs, w_x, bias, h0, c0, w_h, unroll, remat, launch,
                  interpret):
   del unroll, remat
   x_proj = recurrence.project_inputs(inputs, w_x, bias)
-  ys, h, c, _ = _forward(x_proj, h0, c0, w_h, launch, 0, interpret)
+  ys, h, c, _ = _forward(x_proj, h0, c0, w_h, launch, None, interpret)
   return ys, h, c
 
 
@@ -428,8 +429,8 @@ def _fused_fwd(inputs, w_x, bias, h0, c0, w_h, unroll, remat, launch,
                interpret):
   del unroll
   x_proj = recurrence.project_inputs(inputs, w_x, bias)
-  ys, h, c, saved = _forward(x_proj, h0, c0, w_h, launch, 1 if remat else 2,
-                             interpret)
+  ys, h, c, saved = _forward(x_proj, h0, c0, w_h, launch,
+                             "states" if remat else "gates", interpret)
   return (ys, h, c), (inputs, w_x, bias, h0, c0, w_h, ys, saved)
 
 
