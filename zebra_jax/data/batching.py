@@ -21,7 +21,22 @@ def _local_rows(batch_size: int, process_index: int, process_count: int):
   return process_index * local, (process_index + 1) * local
 
 
-class StreamBatcher:
+class _Batches:
+  """What the training loop asks of every batcher besides its batches."""
+  batch_size: int
+  seq_len: int
+  batches_per_epoch: int
+
+  def __len__(self) -> int:
+    return self.batches_per_epoch
+
+  @property
+  def tokens_per_batch(self) -> int:
+    """Input tokens in one global batch (every process's rows)."""
+    return self.batch_size * self.seq_len
+
+
+class StreamBatcher(_Batches):
   """Contiguous streams for truncated BPTT: the carry flows between windows.
 
   The id stream is cut into `batch_size` rows (the tail that does not fill a
@@ -56,14 +71,6 @@ class StreamBatcher:
     self.local_batch_size = stop - start
     self.batches_per_epoch = (row_len - 1) // self.seq_len
 
-  def __len__(self) -> int:
-    return self.batches_per_epoch
-
-  @property
-  def tokens_per_batch(self) -> int:
-    """Input tokens in one global batch (every process's rows)."""
-    return self.batch_size * self.seq_len
-
   def starts_fresh(self, index: int) -> bool:
     """Whether batch `index` begins new streams, so the carry restarts at 0:
     the first batch of an epoch; later ones continue the previous rows."""
@@ -83,7 +90,7 @@ class StreamBatcher:
     return _split_window(window)
 
 
-class RandomWindowBatcher:
+class RandomWindowBatcher(_Batches):
   """`batch_size` windows at random offsets; no carry between batches.
 
   The offsets come from a generator seeded with (seed, epoch, index), so
@@ -106,14 +113,6 @@ class RandomWindowBatcher:
     # About one pass over the tokens; at least one batch for tiny splits.
     self.batches_per_epoch = max(
         1, len(ids) // (self.batch_size * self.seq_len))
-
-  def __len__(self) -> int:
-    return self.batches_per_epoch
-
-  @property
-  def tokens_per_batch(self) -> int:
-    """Input tokens in one global batch (every process's rows)."""
-    return self.batch_size * self.seq_len
 
   def starts_fresh(self, index: int) -> bool:
     """Every batch: random windows continue nothing, so the carry restarts."""
