@@ -42,6 +42,10 @@ def test_dry_run_writes_every_section(tmp_path):
   assert abs(sum(share.values()) - 1.0) < 1e-6
   assert share["lstm_layers"] > 0 and share["head"] > 0
   assert share["optimizer"] > 0
+  # the recipe's step again with the fused kernel (interpret mode here)
+  assert wt["pallas"]["kernel"] == "fused" and wt["pallas"]["tokens_per_s"] > 0
+  assert wt["pallas"]["final_loss"] == pytest.approx(wt["final_loss"],
+                                                     rel=1e-3)
 
   curves = report["precision"]["curves"]
   assert set(curves) == {"float32", "bfloat16", "float16"}
@@ -63,6 +67,7 @@ def test_dry_run_writes_every_section(tmp_path):
                   "infer_bench", "precision:", "weak scaling"):
     assert heading in page
   assert "| pallas_core_S4 |" in page
+  assert "model.recurrence=pallas (fused kernel)" in page
 
 
 def test_pallas_rows_never_name_the_scan_pallas(monkeypatch):

@@ -91,6 +91,7 @@ def summary(report: dict) -> list[str]:
   if "tokens_per_s" in w:
     lines.append(f"- wt103 recipe: {w['tokens_per_s']:,.0f} tok/s, "
                  f"{w['epoch_minutes_103M']:.1f} min per 103M-token epoch")
+    lines.append(_wt103_pallas(w).replace("- ", "- wt103 ", 1))
   curves = report.get("precision", {}).get("curves", {})
   if curves:
     lines.append("- precision, max |loss - fp32| after warm-up: " + ", ".join(
@@ -124,6 +125,18 @@ def _bench_table(rows) -> list[str]:
                  f" | {r['gflops'] / 1e3:.2f} | "
                  f"{100 * r['frac_of_peak']:.0f}% | {_mib(r['xla_bytes'])} |")
   return lines
+
+
+def _wt103_pallas(w: dict) -> str:
+  """The recipe's step with the fused kernel, as one list line."""
+  p = w.get("pallas")
+  if p is None:
+    return "- model.recurrence=pallas: not measured (yet)"
+  if p["kernel"] != "fused":
+    return f"- model.recurrence=pallas: {p['kernel']}"
+  return (f"- model.recurrence=pallas (fused kernel): "
+          f"{p['tokens_per_s']:,.0f} tok/s, {p['ms_per_step']:.1f} ms/step, "
+          f"{p['vs_scan']:.2f} x scan")
 
 
 def render(report: dict) -> str:
@@ -185,7 +198,7 @@ def render(report: dict) -> str:
                   ", ".join(f"{k} {100 * v:.0f}%" for k, v in
                             sorted(share.items(), key=lambda kv: -kv[1]))
                   or profile.get("error", "not traced")),
-              f"- {w['pallas']}", ""]
+              _wt103_pallas(w), ""]
   if report.get("infer", {}).get("results"):
     lines += ["## infer_bench (demo model)", "",
               "| batch | tok/s | token p50 ms | p90 | p99 | request p50 ms |",
