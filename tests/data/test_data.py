@@ -197,7 +197,7 @@ def synthetic_wikitext(folder, num_tokens: int, vocab: int = 50_000,
   return text
 
 
-# The 10M tokens: ~17 s on 2 busy cores (count ~1.3M tokens/s,
+# 10M tokens, a large corpus's scale: ~17 s on 2 busy cores (count ~1.3M tokens/s,
 # encode ~1.2M tokens/s per core, both in spawn workers when cores allow).
 BIG_TOKENS = 10_000_000
 
