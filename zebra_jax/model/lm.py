@@ -12,7 +12,8 @@ The layer's arithmetic and its hand-written backward pass live in
 `recurrence.py`. Traced inside `stripe_parallel(mesh)`, each layer's stripes
 are split over the mesh's "stripe" axis (`ZebraLSTMLayer.sharded`): every
 device runs the same recurrence on its own stripes, and layer outputs are
-exchanged once per window at layer boundaries.
+exchanged once per window at layer boundaries; the head then scores each
+device's share of the rows (`ZebraLM._on_rows`).
 
 Parameters are float32; matmuls run in `dtype` with float32 accumulation, and the
 cell state `c`, the carry and the logits stay float32.
@@ -385,15 +386,57 @@ class ZebraLM(nnx.Module):
         last = i == len(self.layers) - 1
         rate = self.dropout_output if last else self.dropout_hidden
         x = dropout(x, rate, rngs[i + 1])
-    if mesh is not None:  # the replicated head reads every unit: one gather
-      x = jax.lax.with_sharding_constraint(
-          x, NamedSharding(mesh, P(mesh_axes.DATA_AXIS)))
+    # Under stripe parallelism x stays split over "stripe" along its units;
+    # the head (`_on_rows`) takes it re-laid out by rows.
     return x, tuple(new_carry)
+
+  def _on_rows(self, local, hidden: jax.Array, *row_args, total=False):
+    """`local(module, hidden, *row_args)`, the head's work on some rows,
+    spread over the mesh's devices by rows.
+
+    Without stripe parallelism this is `local(self, ...)`. Under it, the
+    head runs data-parallel over every device of the mesh: the last layer's
+    window, split over "stripe" along its units, is re-laid out by rows
+    (one all-to-all; its transpose in the backward pass), each device
+    scores its B/(data x stripe) rows with the replicated head, and the
+    head's gradient is summed over the whole mesh (shard_map's transpose).
+    The head's compute thus divides by every device, as the LSTM's does.
+    Rows that do not divide over the mesh (sampling a few rows) fall back to
+    a head replicated over "stripe": the window is gathered once.
+
+    total: local returns sums, added over every device; otherwise per-row
+    values [rows, ...], returned split as the rows came.
+    """
+    mesh = _STRIPE_MESH.get()
+    if mesh is None:
+      return local(self, hidden, *row_args)
+    data, stripe = mesh_axes.DATA_AXIS, mesh_axes.STRIPE_AXIS
+    axes = ((data, stripe) if hidden.shape[0] % mesh.devices.size == 0
+            else (data,))
+    rows = P(axes)
+    graphdef, head, rest = nnx.split(
+        self, lambda path, _: path[0] != "layers", ...)
+    # The layers' parameters stay out of the head's shard_map (their shapes
+    # stand in for them), so they are never gathered for it.
+    rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        rest)
+
+    def on_device(head, hidden, *row_args):
+      out = local(nnx.merge(graphdef, head, rest), hidden, *row_args)
+      return jax.lax.psum(out, axes) if total else out
+
+    return jax.shard_map(
+        on_device, mesh=mesh, check_vma=False,
+        in_specs=(P(), rows) + (rows,) * len(row_args),
+        out_specs=P() if total else rows)(head, hidden, *row_args)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """[B, T, H] -> [B, T, V] float32: logits (full head) or exact
     log-probabilities (adaptive head; their softmax is the same distribution,
     so sampling, scoring and export need not know which head ran)."""
+    return self._on_rows(ZebraLM._logits, hidden)
+
+  def _logits(self, hidden: jax.Array) -> jax.Array:
     with jax.named_scope("head"):
       if self.head == "adaptive":
         b, t, h = hidden.shape
@@ -408,8 +451,11 @@ class ZebraLM(nnx.Module):
   def target_log_probs(self, hidden: jax.Array,
                        targets: jax.Array) -> jax.Array:
     """log p(target): hidden [B, T, H], targets [B, T] -> [B, T] float32."""
+    return self._on_rows(ZebraLM._target_log_probs, hidden, targets)
+
+  def _target_log_probs(self, hidden, targets):
     if self.head == "full":
-      logp = jax.nn.log_softmax(self.logits(hidden), axis=-1)
+      logp = jax.nn.log_softmax(self._logits(hidden), axis=-1)
       return jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
     b, t, h = hidden.shape
     with jax.named_scope("head"):
@@ -426,11 +472,16 @@ class ZebraLM(nnx.Module):
     with_accuracy=False leaves "correct" out. The full head has the logits
     anyway and always counts "correct".
     """
+    return self._on_rows(
+        functools.partial(ZebraLM._token_sums, with_accuracy=with_accuracy),
+        hidden, targets, total=True)
+
+  def _token_sums(self, hidden, targets, with_accuracy):
     if self.head == "full":
-      logits = self.logits(hidden)
+      logits = self._logits(hidden)
       with jax.named_scope("loss"):
         return metrics.token_sums(logits, targets)
-    log_probs = self.target_log_probs(hidden, targets)  # chunked nll
+    log_probs = self._target_log_probs(hidden, targets)  # chunked nll
     with jax.named_scope("loss"):
       sums = {"loss_sum": -log_probs.sum(),
               "count": jnp.asarray(targets.size, jnp.float32)}

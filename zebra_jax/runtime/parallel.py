@@ -13,9 +13,10 @@ rest of the devices form "data":
           the time loop, so the recurrence needs no communication there; the
           devices exchange the layer output once per window at layer
           boundaries (lm.py, `ZebraLSTMLayer.sharded`). The embedding and the
-          head stay replicated: the head is bound by the vocabulary, not by
-          the hidden size, and splitting it over the vocabulary is the next
-          step.
+          head's parameters stay replicated; the head runs data-parallel
+          over every device of the mesh, each scoring its share of the rows
+          (lm.py, `ZebraLM._on_rows`), so its compute divides as the
+          layers' does.
 
 With stripe_devices = 1 every sharding below is the data-parallel one, and the
 model runs exactly the single-program code it runs on one device.

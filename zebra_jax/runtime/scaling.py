@@ -63,59 +63,94 @@ def _ring(n: int, nbytes: float, reduce: bool) -> float:
 
 
 def sent_per_step(model: ModelConfig, batch: int, window: int, data: int,
-                  stripe: int, act_bytes: int = 2,
-                  head_split: bool = False) -> dict[str, float]:
-  """Bytes one device sends per step, by axis, as the compiled step moves
-  them (tests/runtime/test_stripe_parallel.py reads the same collectives).
-  head_split: the next step, embedding and head split over "stripe" too
-  (their gradients then all-reduce 1/p each; the head's own exchange, a
-  few scalars per token, is left out)."""
+                  stripe: int, act_bytes: int = 2) -> dict[str, float]:
+  """Bytes one device sends per step, as the compiled step moves them
+  (tests/runtime/test_stripe_parallel.py reads the same collectives):
+
+    stripe  activations inside a data group: the layer exchanges, the head's
+            re-layout by rows and the first layer's input gradient;
+    data    the data-axis gradient all-reduce: this device's share of the
+            LSTM's gradient and the embedding lookup's;
+    mesh    the head's gradient, all-reduced over every device (under stripe
+            parallelism the head runs data-parallel over the whole mesh).
+
+  A tied table's gradient thus travels twice under stripe parallelism, once
+  for the lookup (data) and once for the head (mesh), as XLA compiles it.
+  """
   lstm, other = param_counts(model)
   rows = batch // data  # one data group's rows: what its stripe devices share
   window_bytes = rows * window * model.hidden_size * act_bytes
   p = stripe
   grouped = model.stripe_input == "grouped"
-  boundary = (2 * _ring(p, window_bytes / p, False) if grouped and
+  all_to_all = 2 * _ring(p, window_bytes / p, False)  # forward + backward
+  boundary = (all_to_all if grouped and
               (model.hidden_size // model.num_stripes) % p == 0
-              else 2 * _ring(p, window_bytes, False))  # forward + backward
+              else 2 * _ring(p, window_bytes, False))
   first = (_ring(p, rows * window * model.embed_size * 4, False) if grouped
            else _ring(p, rows * window * model.embed_size * 4, True))
-  stripe_bytes = ((model.num_layers - 1) * boundary
-                  + _ring(p, window_bytes, False) + first) if p > 1 else 0.0
-  # Gradients in float32: each device all-reduces its share of the LSTM's
-  # and all of the replicated embedding's and head's.
-  other = other / p if head_split else other
+  head_rows = all_to_all if rows % p == 0 else _ring(p, window_bytes, False)
+  stripe_bytes = ((model.num_layers - 1) * boundary + head_rows + first
+                  if p > 1 else 0.0)
+  # Gradients in float32.
   data_bytes = _ring(data, 4 * (lstm / p + other), True) if data > 1 else 0.0
-  return {"data": data_bytes, "stripe": stripe_bytes}
+  mesh_bytes = _ring(data * p, 4 * other, True) if p > 1 else 0.0
+  return {"data": data_bytes, "stripe": stripe_bytes, "mesh": mesh_bytes}
+
+
+def _all_reduce_seconds(sent: float, devices: int, per_node: int) -> float:
+  """An all-reduce over `devices` that sends `sent` bytes per device in one
+  ring: on NVLink inside a node; across nodes hierarchical (NCCL): inside
+  the node on NVLink, then each GPU's 1/per_node across nodes on its own
+  InfiniBand port."""
+  if sent == 0 or devices <= per_node:
+    return sent / NVLINK
+  full = sent / (2 * (devices - 1) / devices)  # the array's bytes
+  nodes = devices // per_node
+  return (_ring(per_node, full, True) / NVLINK
+          + _ring(nodes, full / per_node, True) / INFINIBAND)
 
 
 def comm_seconds(sent: dict[str, float], data: int, stripe: int) -> float:
-  """Stripe axis on NVLink (inside a node). The data axis: NVLink inside a
-  node; across nodes hierarchical (NCCL): inside the node on NVLink, then each
-  GPU's 1/8 across nodes on its own InfiniBand port."""
-  t = sent["stripe"] / NVLINK
+  """The stripe axis stays inside a node (NVLink). The data axis holds
+  PER_NODE / stripe devices a node; the head's all-reduce spans the mesh."""
   in_node = max(1, PER_NODE // stripe)
-  if data <= in_node:
-    return t + sent["data"] / NVLINK
-  nodes = data // in_node
-  full = sent["data"] / (2 * (data - 1) / data)  # the array's bytes
-  t += _ring(in_node, full, True) / NVLINK
-  return t + _ring(nodes, full / in_node, True) / INFINIBAND
+  return (sent["stripe"] / NVLINK
+          + _all_reduce_seconds(sent["data"], data, in_node)
+          + _all_reduce_seconds(sent["mesh"], data * stripe, PER_NODE))
 
 
 def step_seconds(model, batch, window, data, stripe,
-                 head_split: bool = False) -> dict[str, float]:
-  """Compute (LSTM over every device, the replicated head over a data group's
-  devices once each), the fixed recurrence latency, communication (not
-  overlapped: an upper bound)."""
+                 recurrence: float = RECURRENCE_S) -> dict[str, float]:
+  """Compute (the LSTM and the head both spread over every device), the
+  recurrence's fixed latency, and communication (not overlapped: an upper
+  bound)."""
   lstm, head = flops_per_token(model)
-  tokens = batch * window
-  head_devices = data * stripe if head_split else data
-  compute = tokens * (lstm / (data * stripe) + head / head_devices) / GPU_FLOPS
-  comm = comm_seconds(sent_per_step(model, batch, window, data, stripe,
-                                    head_split=head_split), data, stripe)
-  return {"compute": compute, "recurrence": RECURRENCE_S, "comm": comm,
-          "total": compute + RECURRENCE_S + comm}
+  compute = batch * window * (lstm + head) / (data * stripe) / GPU_FLOPS
+  comm = comm_seconds(sent_per_step(model, batch, window, data, stripe),
+                      data, stripe)
+  return {"compute": compute, "recurrence": recurrence, "comm": comm,
+          "total": compute + recurrence + comm}
+
+
+def efficiency(model, batch, window, data, stripe,
+               recurrence: float = RECURRENCE_S) -> float:
+  """Strong-scaling efficiency: one GPU's step time over (GPUs x this
+  mesh's), at the same global batch."""
+  one = step_seconds(model, batch, window, 1, 1, recurrence)["total"]
+  many = step_seconds(model, batch, window, data, stripe, recurrence)
+  return one / (data * stripe * many["total"])
+
+
+def recurrence_for(target: float, model, batch, window, data, stripe,
+                   step: float = 1e-5) -> float | None:
+  """The largest recurrence latency (seconds, in `step`s) at which the mesh
+  still reaches `target` efficiency; None if not even zero does."""
+  if efficiency(model, batch, window, data, stripe, 0.0) < target:
+    return None
+  r = 0.0
+  while efficiency(model, batch, window, data, stripe, r + step) >= target:
+    r += step
+  return r
 
 
 def memory_bytes(model: ModelConfig, rows: int, window: int, stripe: int,
@@ -149,8 +184,8 @@ MESHES = ((1, 1), (8, 1), (1, 8), (64, 1), (8, 8))  # (data, stripe)
 
 def main():
   gb, ms = 1e9, 1e3
-  print("model | data x stripe | GB sent/device (data, stripe) | comm ms | "
-        "compute ms | step ms | step ms, head split")
+  print("model | data x stripe | GB sent/device (data, stripe, mesh) | "
+        "comm ms | compute ms | step ms | efficiency")
   for hidden in (2048, 4096, 8192):
     for si in ("dense", "grouped"):
       m = wt103_model(hidden, si)
@@ -159,11 +194,22 @@ def main():
       for data, stripe in MESHES:
         sent = sent_per_step(m, 128, 128, data, stripe)
         t = step_seconds(m, 128, 128, data, stripe)
-        split = step_seconds(m, 128, 128, data, stripe, head_split=True)
         print(f"{name} | {data}x{stripe} | {sent['data'] / gb:.3f}, "
-              f"{sent['stripe'] / gb:.3f} | {t['comm'] * ms:.2f} | "
-              f"{t['compute'] * ms:.2f} | {t['total'] * ms:.1f} | "
-              f"{split['total'] * ms:.1f}")
+              f"{sent['stripe'] / gb:.3f}, {sent['mesh'] / gb:.3f} | "
+              f"{t['comm'] * ms:.2f} | {t['compute'] * ms:.2f} | "
+              f"{t['total'] * ms:.1f} | "
+              f"{efficiency(m, 128, 128, data, stripe):.0%}")
+  m = wt103_model()
+  print("recipe at 8 GPUs: efficiency by recurrence latency (ms)")
+  for r in (0.010, 0.0025, 0.0):
+    print(f"  {r * ms:g} ms: data 8x1 {efficiency(m, 128, 128, 8, 1, r):.0%},"
+          f" stripe 1x8 {efficiency(m, 128, 128, 1, 8, r):.0%}")
+  for data, stripe in ((8, 1), (1, 8)):
+    for target in (0.9, 0.5):
+      r = recurrence_for(target, m, 128, 128, data, stripe)
+      print(f"  {data}x{stripe} reaches {target:.0%} with a recurrence of "
+            + ("no length: not even 0 ms" if r is None
+               else f"at most {r * ms:.2f} ms"))
   for remat in (False, True):
     for stripe in (1, 8):
       h = largest_hidden(16, 128, stripe, remat)
