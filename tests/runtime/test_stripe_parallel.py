@@ -179,6 +179,17 @@ def test_no_collective_inside_the_time_loop(stripe_input, data, stripe):
     assert max(reduces) >= layer_bytes // stripe
 
 
+@pytest.mark.parametrize("stripe_input", ["dense", "grouped"])
+def test_data_parallel_step_moves_only_gradients(stripe_input):
+  """With one stripe device each device runs its own rows end to end: the
+  step's only collectives are all-reduces (the gradients and the scalars),
+  never a gathered batch of activations."""
+  cfg = tiny_config(stripe_input, 1)
+  text = compiled_train_step(cfg, 8, 1).as_text()
+  assert set(hc.count(text)) == {"all-reduce"}
+  assert hc.in_while_loops(text) == []
+
+
 def test_accumulation_loop_holds_only_the_layer_exchanges():
   cfg = tiny_config("dense", 4)
   text = compiled_train_step(cfg, 2, 4, accum=2).as_text()

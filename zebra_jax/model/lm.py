@@ -52,10 +52,17 @@ _STRIPE_MESH = contextvars.ContextVar("stripe_mesh", default=None)
 
 @contextlib.contextmanager
 def stripe_parallel(mesh):
-  """Traces inside this context split each layer's stripes over `mesh`'s
-  "stripe" axis (a no-op for a mesh whose stripe axis has one device)."""
+  """Traces inside this context run each layer per device over `mesh`: its
+  rows split over "data", its stripes over "stripe" (a no-op for a mesh of
+  one device).
+
+  Pure data parallelism (a stripe axis of one device) runs this way too: left
+  to XLA's sharding propagation, the hand-written backward pass gathered the
+  whole batch's gate derivatives onto every device and repeated their work
+  there; per device, the time loops see only their own rows.
+  """
   token = _STRIPE_MESH.set(
-      mesh if mesh is not None and mesh_axes.stripe_devices(mesh) > 1 else None)
+      mesh if mesh is not None and mesh.devices.size > 1 else None)
   try:
     yield
   finally:
@@ -68,9 +75,9 @@ def stripe_mesh():
 
 
 def with_stripe_parallel(fn, mesh):
-  """fn, traced inside `stripe_parallel(mesh)` (fn itself where the mesh's
-  stripe axis has one device)."""
-  if mesh_axes.stripe_devices(mesh) == 1:
+  """fn, traced inside `stripe_parallel(mesh)` (fn itself on a mesh of one
+  device)."""
+  if mesh.devices.size == 1:
     return fn
 
   def traced(*args):
@@ -202,7 +209,9 @@ class ZebraLSTMLayer(nnx.Module):
     devices = mesh_axes.stripe_devices(mesh)
 
     def local(x, w_x, bias, h, c, w_h):
-      if exchange == "gather":
+      if exchange == "shuffle" and devices == 1:
+        x = stripe_shuffle(x, self.num_stripes)
+      elif exchange == "gather" and devices > 1:
         x = jax.lax.all_gather(x, stripe, axis=2, tiled=True)
       elif exchange == "shuffle":
         x = _shuffle_exchange(x, self.num_stripes, devices)
@@ -215,7 +224,7 @@ class ZebraLSTMLayer(nnx.Module):
     # axis: over "data", the data-parallel gradient all-reduce of w_x, w_h
     # and b; over "stripe", the first layer's input gradient (each device's
     # stripes read the whole embedding).
-    if exchange is None and self.grouped:
+    if exchange is None and self.grouped and devices > 1:
       inputs = _gather_cotangent(inputs, mesh)
     y, h, c = jax.shard_map(
         local, mesh=mesh, check_vma=False,

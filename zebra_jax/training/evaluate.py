@@ -51,9 +51,9 @@ class Evaluator:
     rep, bat = parallel.replicated(mesh), parallel.batch_sharded(mesh)
     carry = parallel.carry_sharded(mesh)
     step = functools.partial(eval_step, graphdef=graphdef)
-    params_in = rep
-    if parallel.stripe_devices(mesh) > 1:  # params come split as in training
-      step, params_in = lm.with_stripe_parallel(step, mesh), None
+    step = lm.with_stripe_parallel(step, mesh)
+    # Params come replicated, or split over "stripe" as in training.
+    params_in = rep if parallel.stripe_devices(mesh) == 1 else None
     self._step = jax.jit(step, in_shardings=(params_in, carry, bat, bat),
                          out_shardings=(carry, rep), donate_argnums=1)
 

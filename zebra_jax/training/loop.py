@@ -119,8 +119,7 @@ def compile_train_step(graphdef, tx, mesh, state, accum_steps: int = 1):
   batch_shardings = {"inputs": bat, "targets": bat, "reset": rep}
   step = functools.partial(train_step, graphdef=graphdef, tx=tx,
                            accum_steps=accum_steps)
-  if parallel.stripe_devices(mesh) > 1:
-    step = lm.with_stripe_parallel(step, mesh)
+  step = lm.with_stripe_parallel(step, mesh)
   return jax.jit(step, in_shardings=(shardings, batch_shardings),
                  out_shardings=(shardings, rep), donate_argnums=0)
 
