@@ -27,6 +27,7 @@ steps need, which for the adaptive head never builds [B*T, V].
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -188,7 +189,10 @@ class ZebraLSTMLayer(nnx.Module):
 
     Args:
       inputs: [batch, time, in_features]. exchange=None: the embedding,
-        replicated over "stripe". Otherwise the previous layer's outputs,
+        replicated over "stripe". "rows": the embedding split by rows over
+        every device, gathered for this data group's rows (dense: an
+        all-gather; grouped: an all-to-all that also keeps only this
+        device's stripes' inputs). Otherwise the previous layer's outputs,
         split along the last axis over "stripe" (each device holds its
         stripes' units), which become this layer's input in one exchange
         per window: "gather" (a dense layer reads all of them: all-gather)
@@ -203,13 +207,20 @@ class ZebraLSTMLayer(nnx.Module):
     """
     data, stripe = mesh_axes.DATA_AXIS, mesh_axes.STRIPE_AXIS
     split_in = exchange is not None or self.grouped
-    x_spec = P(data, None, stripe) if split_in else P(data)
+    x_spec = (P((data, stripe)) if exchange == "rows" else
+              P(data, None, stripe) if split_in else P(data))
     w_x_spec = P(stripe) if self.grouped else P(None, stripe)
     carry_spec, out_spec = P(data, stripe), P(data, None, stripe)
     devices = mesh_axes.stripe_devices(mesh)
 
     def local(x, w_x, bias, h, c, w_h):
-      if exchange == "shuffle" and devices == 1:
+      if exchange == "rows" and devices > 1 and self.grouped:
+        # this device's stripes' inputs, for every row of its data group
+        x = jax.lax.all_to_all(x, stripe, split_axis=2, concat_axis=0,
+                               tiled=True)
+      elif exchange == "rows" and devices > 1:
+        x = jax.lax.all_gather(x, stripe, axis=0, tiled=True)
+      elif exchange == "shuffle" and devices == 1:
         x = stripe_shuffle(x, self.num_stripes)
       elif exchange == "gather" and devices > 1:
         x = jax.lax.all_gather(x, stripe, axis=2, tiled=True)
@@ -302,6 +313,19 @@ def stripe_shuffle(x: jax.Array, num_stripes: int) -> jax.Array:
   return x.reshape(*lead, s, h // s).swapaxes(-1, -2).reshape(*lead, h)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """How one pass spreads the embedding and head over the mesh
+  (`ZebraLM.rows`): the row axes, and their parameters, one copy per device
+  (copies) or replicated."""
+  mesh: Any
+  axes: tuple[str, ...]
+  graphdef: Any
+  shared: Any
+  rest: Any
+  copies: bool
+
+
 class ZebraLM(nnx.Module):
   """Embedding -> num_layers x ZebraLSTM -> a full or adaptive softmax head.
 
@@ -360,13 +384,15 @@ class ZebraLM(nnx.Module):
           -bound, bound))
     self.head_b = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
 
-  def features(self, tokens: jax.Array, carry: Carry, dropout_rng=None):
+  def features(self, tokens: jax.Array, carry: Carry, dropout_rng=None,
+               rows: "_Rows | None" = None):
     """The last LSTM layer's outputs for a window.
 
     Args:
       tokens: [batch, time] int32.
       carry: one (h, c) pair per layer, each [batch, hidden] float32.
       dropout_rng: a PRNG key for training; None disables dropout.
+      rows: `self.rows(batch)`, how the embedding spreads over the mesh.
     Returns:
       hidden [batch, time, hidden] in the compute dtype (output dropout
       applied), and the new carry.
@@ -374,18 +400,15 @@ class ZebraLM(nnx.Module):
     rngs = (list(jax.random.split(dropout_rng, len(self.layers) + 1))
             if dropout_rng is not None else [None] * (len(self.layers) + 1))
     with jax.named_scope("embedding"):
-      if self.head == "adaptive" and self.tied:
-        x = self.adaptive_input(tokens)  # [B, T, H] float32
-      else:
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, E]
+      x = self._on_rows(rows, ZebraLM._embed, tokens)
       x = dropout(x, self.dropout_embed, rngs[0])
     new_carry = []
     mesh = _STRIPE_MESH.get()
     for i, layer in enumerate(self.layers):
       with jax.named_scope(f"zebra_lstm_{i}"):
         if mesh is not None:  # the exchange between layers is in `sharded`
-          exchange = (None if i == 0 else
-                      "shuffle" if self.shuffle_stripes else "gather")
+          exchange = (("rows" if rows and rows.copies else None) if i == 0
+                      else "shuffle" if self.shuffle_stripes else "gather")
           x, layer_carry = layer.sharded(x, carry[i], mesh, exchange)
         else:
           if i > 0 and self.shuffle_stripes:
@@ -399,51 +422,78 @@ class ZebraLM(nnx.Module):
     # the head (`_on_rows`) takes it re-laid out by rows.
     return x, tuple(new_carry)
 
-  def _on_rows(self, local, hidden: jax.Array, *row_args, total=False):
-    """`local(module, hidden, *row_args)`, the head's work on some rows,
-    spread over the mesh's devices by rows.
+  def _embed(self, tokens: jax.Array) -> jax.Array:
+    if self.head == "adaptive" and self.tied:
+      return self.adaptive_input(tokens)  # [B, T, H] float32
+    return jnp.take(self.embed[...], tokens, axis=0)  # [B, T, E]
 
-    Without stripe parallelism this is `local(self, ...)`. Under it, the
-    head runs data-parallel over every device of the mesh: the last layer's
-    window, split over "stripe" along its units, is re-laid out by rows
-    (one all-to-all; its transpose in the backward pass), each device
-    scores its B/(data x stripe) rows with the replicated head, and the
-    head's gradient is summed over the whole mesh (shard_map's transpose).
-    The head's compute thus divides by every device, as the LSTM's does.
-    Rows that do not divide over the mesh (sampling a few rows) fall back to
-    a head replicated over "stripe": the window is gathered once.
+  def rows(self, batch: int) -> "_Rows | None":
+    """How one pass over `batch` rows spreads the embedding and the head
+    over the mesh `stripe_parallel` set (None: no mesh, one device).
 
-    total: local returns sums, added over every device; otherwise per-row
-    values [rows, ...], returned split as the rows came.
+    When the rows divide over every device, the embedding and the head run
+    data-parallel over the whole mesh: each device looks up and scores
+    B/(data x stripe) rows. Their parameters enter as one copy per device
+    ([devices, ...], split over every device), so the lookup's and the
+    head's gradients of a tied table add up on each device before the one
+    all-reduce that sums the copies. Otherwise (sampling a few rows) they
+    stay replicated over "stripe": every stripe device looks up all of its
+    data group's rows and the last window is gathered once for the head.
     """
     mesh = _STRIPE_MESH.get()
     if mesh is None:
-      return local(self, hidden, *row_args)
-    data, stripe = mesh_axes.DATA_AXIS, mesh_axes.STRIPE_AXIS
-    axes = ((data, stripe) if hidden.shape[0] % mesh.devices.size == 0
-            else (data,))
-    rows = P(axes)
-    graphdef, head, rest = nnx.split(
+      return None
+    graphdef, shared, rest = nnx.split(
         self, lambda path, _: path[0] != "layers", ...)
-    # The layers' parameters stay out of the head's shard_map (their shapes
-    # stand in for them), so they are never gathered for it.
+    # The layers' parameters stay out of these shard_maps (their shapes
+    # stand in for them), so they are never gathered for them.
     rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                         rest)
+    n = mesh.devices.size
+    if batch % n:
+      return _Rows(mesh, (mesh_axes.DATA_AXIS,), graphdef, shared, rest,
+                   copies=False)
+    axes = (mesh_axes.DATA_AXIS, mesh_axes.STRIPE_AXIS)
+    per_device = NamedSharding(mesh, P(axes))
+    shared = jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(
+            jnp.broadcast_to(x, (n,) + x.shape), per_device), shared)
+    return _Rows(mesh, axes, graphdef, shared, rest, copies=True)
 
-    def on_device(head, hidden, *row_args):
-      out = local(nnx.merge(graphdef, head, rest), hidden, *row_args)
-      return jax.lax.psum(out, axes) if total else out
+  def _on_rows(self, rows, local, x: jax.Array, *row_args, total=False):
+    """`local(module, x, *row_args)`, the embedding's or the head's work on
+    some rows, spread over the mesh by rows as `rows` (`self.rows`) says.
+
+    Without a mesh this is `local(self, ...)`. Under one, every device runs
+    `local` on its rows with the embedding's and head's parameters; the
+    last layer's window, split over "stripe" along its units, comes
+    re-laid out by rows (one all-to-all; its transpose in the backward
+    pass). The head's compute thus divides by every device, as the LSTM's
+    does.
+
+    total: local returns sums, added over the devices; otherwise per-row
+    values [rows, ...], returned split as the rows came.
+    """
+    if rows is None:
+      return local(self, x, *row_args)
+    spec = P(rows.axes)
+
+    def on_device(shared, x, *row_args):
+      if rows.copies:  # this device's copy
+        shared = jax.tree.map(lambda a: a[0], shared)
+      out = local(nnx.merge(rows.graphdef, shared, rows.rest), x, *row_args)
+      return jax.lax.psum(out, rows.axes) if total else out
 
     return jax.shard_map(
-        on_device, mesh=mesh, check_vma=False,
-        in_specs=(P(), rows) + (rows,) * len(row_args),
-        out_specs=P() if total else rows)(head, hidden, *row_args)
+        on_device, mesh=rows.mesh, check_vma=False,
+        in_specs=(spec if rows.copies else P(), spec) + (spec,) * len(row_args),
+        out_specs=P() if total else spec)(rows.shared, x, *row_args)
 
-  def logits(self, hidden: jax.Array) -> jax.Array:
+  def logits(self, hidden: jax.Array, rows=None) -> jax.Array:
     """[B, T, H] -> [B, T, V] float32: logits (full head) or exact
     log-probabilities (adaptive head; their softmax is the same distribution,
     so sampling, scoring and export need not know which head ran)."""
-    return self._on_rows(ZebraLM._logits, hidden)
+    return self._on_rows(rows, ZebraLM._logits, hidden)
 
   def _logits(self, hidden: jax.Array) -> jax.Array:
     with jax.named_scope("head"):
@@ -457,10 +507,10 @@ class ZebraLM(nnx.Module):
                           preferred_element_type=jnp.float32)
       return logits + self.head_b[...]
 
-  def target_log_probs(self, hidden: jax.Array,
-                       targets: jax.Array) -> jax.Array:
+  def target_log_probs(self, hidden: jax.Array, targets: jax.Array,
+                       rows=None) -> jax.Array:
     """log p(target): hidden [B, T, H], targets [B, T] -> [B, T] float32."""
-    return self._on_rows(ZebraLM._target_log_probs, hidden, targets)
+    return self._on_rows(rows, ZebraLM._target_log_probs, hidden, targets)
 
   def _target_log_probs(self, hidden, targets):
     if self.head == "full":
@@ -473,7 +523,8 @@ class ZebraLM(nnx.Module):
     return -nll.reshape(b, t)
 
   def token_sums(self, hidden: jax.Array, targets: jax.Array,
-                 with_accuracy: bool = True) -> dict[str, jax.Array]:
+                 with_accuracy: bool = True,
+                 rows=None) -> dict[str, jax.Array]:
     """metrics.token_sums for this head, from hidden [B, T, H].
 
     The adaptive head scores targets with the chunked `nll`, never building
@@ -482,6 +533,7 @@ class ZebraLM(nnx.Module):
     anyway and always counts "correct".
     """
     return self._on_rows(
+        rows,
         functools.partial(ZebraLM._token_sums, with_accuracy=with_accuracy),
         hidden, targets, total=True)
 
@@ -504,8 +556,9 @@ class ZebraLM(nnx.Module):
 
   def __call__(self, tokens: jax.Array, carry: Carry, dropout_rng=None):
     """(logits [batch, time, vocab] float32, new carry); see `logits`."""
-    hidden, new_carry = self.features(tokens, carry, dropout_rng)
-    return self.logits(hidden), new_carry
+    rows = self.rows(tokens.shape[0])
+    hidden, new_carry = self.features(tokens, carry, dropout_rng, rows)
+    return self.logits(hidden, rows), new_carry
 
 
 def init_carry(cfg: ModelConfig, batch_size: int) -> Carry:
@@ -539,8 +592,9 @@ def last_logits(graphdef, params, tokens, carry):
   What consuming a prompt needs: the head runs on one position, not T.
   """
   lm = nnx.merge(graphdef, params)
-  hidden, new_carry = lm.features(tokens, carry)
-  return lm.logits(hidden[:, -1:])[:, 0], new_carry
+  rows = lm.rows(tokens.shape[0])
+  hidden, new_carry = lm.features(tokens, carry, rows=rows)
+  return lm.logits(hidden[:, -1:], rows)[:, 0], new_carry
 
 
 def decode_step(params, carry, tokens, *, graphdef):
@@ -562,8 +616,9 @@ def token_sums(graphdef, params, inputs, targets, carry, dropout_rng=None,
   `ZebraLM.token_sums` for when "correct" is left out).
   """
   lm = nnx.merge(graphdef, params)
-  hidden, new_carry = lm.features(inputs, carry, dropout_rng)
-  return lm.token_sums(hidden, targets, with_accuracy), new_carry
+  rows = lm.rows(inputs.shape[0])
+  hidden, new_carry = lm.features(inputs, carry, dropout_rng, rows)
+  return lm.token_sums(hidden, targets, with_accuracy, rows), new_carry
 
 
 def target_log_probs(graphdef, params, inputs, targets, carry):
@@ -572,8 +627,9 @@ def target_log_probs(graphdef, params, inputs, targets, carry):
   The adaptive head reads them off its chunked loss, without [B, T, V].
   """
   lm = nnx.merge(graphdef, params)
-  hidden, new_carry = lm.features(inputs, carry)
-  return lm.target_log_probs(hidden, targets), new_carry
+  rows = lm.rows(inputs.shape[0])
+  hidden, new_carry = lm.features(inputs, carry, rows=rows)
+  return lm.target_log_probs(hidden, targets, rows), new_carry
 
 
 def num_params(params: Any) -> int:

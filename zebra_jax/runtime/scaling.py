@@ -7,6 +7,7 @@ zebra_jax.runtime.scaling` prints the tables of that document.
 """
 
 import dataclasses
+import functools
 
 import jax
 
@@ -33,6 +34,7 @@ def wt103_model(hidden: int = 2048, stripe_input: str | None = None,
   return ModelConfig.of(cfg.model)
 
 
+@functools.lru_cache(maxsize=None)
 def param_counts(model: ModelConfig) -> tuple[int, int]:
   """(ZebraLSTM layers' parameters, all others: embedding and head)."""
   _, params = lm.abstract(model)
@@ -67,33 +69,30 @@ def sent_per_step(model: ModelConfig, batch: int, window: int, data: int,
   """Bytes one device sends per step, as the compiled step moves them
   (tests/runtime/test_stripe_parallel.py reads the same collectives):
 
-    stripe  activations inside a data group: the layer exchanges, the head's
-            re-layout by rows and the first layer's input gradient;
-    data    the data-axis gradient all-reduce: this device's share of the
-            LSTM's gradient and the embedding lookup's;
-    mesh    the head's gradient, all-reduced over every device (under stripe
-            parallelism the head runs data-parallel over the whole mesh).
-
-  A tied table's gradient thus travels twice under stripe parallelism, once
-  for the lookup (data) and once for the head (mesh), as XLA compiles it.
+    stripe  activations inside a data group: the embedded window gathered
+            for the first layer, the layer exchanges, the last window
+            re-laid out by rows for the head; each forward and transposed;
+    data    the layers' gradient, this device's share, over "data";
+    mesh    the embedding's and head's gradient, summed once over every
+            device (they run data-parallel over the whole mesh).
   """
   lstm, other = param_counts(model)
   rows = batch // data  # one data group's rows: what its stripe devices share
   window_bytes = rows * window * model.hidden_size * act_bytes
+  embedded = rows * window * model.embed_size * 4  # float32 lookups
   p = stripe
   grouped = model.stripe_input == "grouped"
-  all_to_all = 2 * _ring(p, window_bytes / p, False)  # forward + backward
-  boundary = (all_to_all if grouped and
-              (model.hidden_size // model.num_stripes) % p == 0
-              else 2 * _ring(p, window_bytes, False))
-  first = (_ring(p, rows * window * model.embed_size * 4, False) if grouped
-           else _ring(p, rows * window * model.embed_size * 4, True))
-  head_rows = all_to_all if rows % p == 0 else _ring(p, window_bytes, False)
-  stripe_bytes = ((model.num_layers - 1) * boundary + head_rows + first
-                  if p > 1 else 0.0)
+  # forward + backward: all-to-all (each device's share), or all-gather and
+  # reduce-scatter (the whole window)
+  both = lambda nbytes, a2a: 2 * _ring(p, nbytes / p if a2a else nbytes, False)
+  boundary = both(window_bytes, grouped and
+                  (model.hidden_size // model.num_stripes) % p == 0)
+  first = both(embedded, grouped and model.embed_size % model.num_stripes == 0)
+  stripe_bytes = ((model.num_layers - 1) * boundary + first
+                  + both(window_bytes, True)) if p > 1 else 0.0
   # Gradients in float32.
-  data_bytes = _ring(data, 4 * (lstm / p + other), True) if data > 1 else 0.0
-  mesh_bytes = _ring(data * p, 4 * other, True) if p > 1 else 0.0
+  data_bytes = _ring(data, 4 * lstm / p, True) if data > 1 else 0.0
+  mesh_bytes = _ring(data * p, 4 * other, True)
   return {"data": data_bytes, "stripe": stripe_bytes, "mesh": mesh_bytes}
 
 
@@ -141,16 +140,16 @@ def efficiency(model, batch, window, data, stripe,
   return one / (data * stripe * many["total"])
 
 
-def recurrence_for(target: float, model, batch, window, data, stripe,
-                   step: float = 1e-5) -> float | None:
-  """The largest recurrence latency (seconds, in `step`s) at which the mesh
-  still reaches `target` efficiency; None if not even zero does."""
-  if efficiency(model, batch, window, data, stripe, 0.0) < target:
-    return None
-  r = 0.0
-  while efficiency(model, batch, window, data, stripe, r + step) >= target:
-    r += step
-  return r
+def recurrence_for(target: float, model, batch, window, data,
+                   stripe) -> float | None:
+  """The longest recurrence latency (seconds) at which the mesh still
+  reaches `target` efficiency; None if not even zero does. The latency adds
+  to both step times: (one + r) / (n (many + r)) >= target, solved for r."""
+  one = step_seconds(model, batch, window, 1, 1, 0.0)["total"]
+  many = step_seconds(model, batch, window, data, stripe, 0.0)["total"]
+  k = target * data * stripe
+  r = (one - k * many) / (k - 1)
+  return r if r >= 0 else None
 
 
 def memory_bytes(model: ModelConfig, rows: int, window: int, stripe: int,
@@ -184,21 +183,23 @@ MESHES = ((1, 1), (8, 1), (1, 8), (64, 1), (8, 8))  # (data, stripe)
 
 def main():
   gb, ms = 1e9, 1e3
-  print("model | data x stripe | GB sent/device (data, stripe, mesh) | "
-        "comm ms | compute ms | step ms | efficiency")
+  print("| model (LSTM + embedding/head params) | data x stripe | sent "
+        "(data, stripe, mesh) | comm | compute | step | efficiency |")
+  print("|---|---|---|---|---|---|---|")
   for hidden in (2048, 4096, 8192):
     for si in ("dense", "grouped"):
       m = wt103_model(hidden, si)
       lstm, other = param_counts(m)
-      name = f"{hidden} {si} ({lstm / 1e6:.0f}M LSTM + {other / 1e6:.0f}M)"
+      name = f"{hidden} {si} ({lstm / 1e6:.0f}M + {other / 1e6:.0f}M)"
       for data, stripe in MESHES:
         sent = sent_per_step(m, 128, 128, data, stripe)
         t = step_seconds(m, 128, 128, data, stripe)
-        print(f"{name} | {data}x{stripe} | {sent['data'] / gb:.3f}, "
+        print(f"| {name} | {data}x{stripe} | {sent['data'] / gb:.3f}, "
               f"{sent['stripe'] / gb:.3f}, {sent['mesh'] / gb:.3f} | "
               f"{t['comm'] * ms:.2f} | {t['compute'] * ms:.2f} | "
               f"{t['total'] * ms:.1f} | "
-              f"{efficiency(m, 128, 128, data, stripe):.0%}")
+              f"{efficiency(m, 128, 128, data, stripe):.0%} |")
+        name = ""
   m = wt103_model()
   print("recipe at 8 GPUs: efficiency by recurrence latency (ms)")
   for r in (0.010, 0.0025, 0.0):
