@@ -235,3 +235,17 @@ def http_post(port, path, body):
     return response.status, json.loads(response.read())
   finally:
     conn.close()
+
+
+def sampled_text(stdout: str) -> str:
+  """--mode=sample's text: what follows its header line."""
+  return stdout.split("-----\n", 1)[1].strip()
+
+
+def score_numbers(stdout: str) -> list[float]:
+  """The numbers of --mode=score's first line: tokens, loss, ppl, bits."""
+  line = next(l for l in stdout.splitlines() if l.startswith("| text 1 |"))
+  numbers = [float(w) for w in line.replace("|", " ").split()
+             if w.replace(".", "").isdigit()]
+  assert len(numbers) == 5, line  # the text's number first
+  return numbers[1:]

@@ -21,7 +21,8 @@ import pytest
 from configs import demo
 from zebra_jax.runtime import checkpoint, parallel
 from zebra_jax.training import train_state
-from tests.helpers import REPO, flip_a_bit_orbax_reads
+from tests.helpers import (REPO, flip_a_bit_orbax_reads, sampled_text,
+                           score_numbers)
 
 TIMEOUT = 240  # seconds per run (a few on an idle machine): a hang fails
 
@@ -259,3 +260,34 @@ def test_train_and_eval_finish_on_any_device_count(corpus, tmp_path, devices):
         cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert "valid ppl" in ev.stdout and "test ppl" in ev.stdout
+
+
+def test_stripe_devices_inside_each_process(corpus, tmp_path):
+  """2 processes x 2 devices, each process's 2 devices one stripe group:
+  train (with its closing eval and sample), eval, then greedy sampling and
+  scoring split over a process's 2 devices, as one device gives them."""
+  workdir = str(tmp_path / "run")
+  stripes = "--config.parallel.stripe_devices=2"
+  outs = _run(corpus, workdir, stripes, "--config.train.num_steps=10")
+  assert "test ppl" in outs[0][0] and "----- sample 1/1" in outs[0][0]
+  assert "valid ppl" in _run(corpus, workdir, "--mode=eval")[0][0]
+  greedy = ("--mode=sample", "--prompt=the quick",
+            "--config.sample.temperature=0")
+  scored = ("--mode=score", "--text=the lazy dog jumps over the fox.")
+  one = subprocess.run(
+      [sys.executable, *_args(corpus, workdir, *greedy,
+                              "--config.parallel.stripe_devices=1")],
+      env=_env(corpus, 1), cwd=REPO, capture_output=True, text=True,
+      timeout=TIMEOUT)
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert sampled_text(_run(corpus, workdir, *greedy)[0][0]) == sampled_text(
+      one.stdout)
+  one = subprocess.run(
+      [sys.executable, *_args(corpus, workdir, *scored,
+                              "--config.parallel.stripe_devices=1")],
+      env=_env(corpus, 1), cwd=REPO, capture_output=True, text=True,
+      timeout=TIMEOUT)
+  assert one.returncode == 0, one.stderr[-3000:]
+  # printed to 4 decimals: equal up to the last digit's rounding
+  assert score_numbers(_run(corpus, workdir, *scored)[0][0]) == pytest.approx(
+      score_numbers(one.stdout), abs=1e-4, rel=1e-4)

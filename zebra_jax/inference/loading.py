@@ -6,9 +6,10 @@ disk, so a model loads in a third of the memory and from any batch size.
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
+from absl import logging
 import ml_collections
 import numpy as np
 
@@ -67,3 +68,35 @@ def local_replica(params: Any) -> Any:
       x = x.addressable_data(0)  # replicated: any local copy is the whole
     return jax.device_put(x, jax.local_devices()[0])
   return jax.tree.map(local, params)
+
+
+@dataclasses.dataclass
+class Placement:
+  """Where inference runs a loaded model: its params, placed, and `wrap`,
+  which every jitted model function goes through."""
+  params: Any
+  wrap: Callable[[Callable], Callable]
+  devices: int
+
+
+def placement(loaded: Loaded) -> Placement:
+  """The run's layout for sampling, scoring and serving.
+
+  parallel.stripe_devices = N > 1: the model's layers run split over N of
+  this process's devices (a 1 x N mesh, so any batch size fits), each
+  device holding its stripes' parameters, as in training: a model trained
+  split over N GPUs because it did not fit one is served the same way.
+  Otherwise, or with fewer local devices than N (a laptop), one device runs
+  it: replicated params would repeat every step on every device.
+  """
+  params = local_replica(loaded.params)
+  n = int(loaded.cfg.parallel.stripe_devices)
+  if n > 1 and len(jax.local_devices()) < n:
+    logging.warning("parallel.stripe_devices=%d but this process has %d "
+                    "device(s): the model runs on one device", n,
+                    len(jax.local_devices()))
+  if n <= 1 or len(jax.local_devices()) < n:
+    return Placement(params, lambda fn: fn, 1)
+  mesh = parallel.make_mesh(jax.local_devices()[:n], stripe_devices=n)
+  params = jax.device_put(params, parallel.param_shardings(mesh, params))
+  return Placement(params, lambda fn: lm.with_stripe_parallel(fn, mesh), n)

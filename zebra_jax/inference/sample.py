@@ -67,11 +67,13 @@ class Generator:
 
   def __init__(self, loaded: loading.Loaded):
     self.loaded, self.tokenizer = loaded, loaded.tokenizer
-    # One device: replicated params would repeat every step on every device.
-    self.params = loading.local_replica(loaded.params)
-    self._consume = jax.jit(functools.partial(_consume_prompt,
-                                              graphdef=loaded.graphdef))
-    self.step_fn = functools.partial(lm.decode_step, graphdef=loaded.graphdef)
+    # One device, or the run's stripe devices (loading.placement).
+    place = loading.placement(loaded)
+    self.params = place.params
+    self._consume = jax.jit(place.wrap(functools.partial(
+        _consume_prompt, graphdef=loaded.graphdef)))
+    self.step_fn = place.wrap(functools.partial(lm.decode_step,
+                                                graphdef=loaded.graphdef))
 
   def encode(self, prompt: str) -> np.ndarray:
     if not prompt:

@@ -64,10 +64,11 @@ class Scorer:
     if self.seq_len <= 0:
       raise UserError(f"eval.seq_len={seq_len} must be positive: set "
                       "--config.eval.seq_len to e.g. 128")
-    # Batch 1 needs one device; replicated params would repeat the work.
-    self.params = loading.local_replica(loaded.params)
-    self._window = jax.jit(functools.partial(window_logprobs,
-                                             graphdef=loaded.graphdef))
+    # One device, or the run's stripe devices (loading.placement).
+    place = loading.placement(loaded)
+    self.params = place.params
+    self._window = jax.jit(place.wrap(functools.partial(
+        window_logprobs, graphdef=loaded.graphdef)))
 
   def score_ids(self, ids: np.ndarray) -> np.ndarray:
     """float64 [len(ids) - 1]: log-probabilities of ids[1:]."""
