@@ -264,8 +264,9 @@ def test_train_and_eval_finish_on_any_device_count(corpus, tmp_path, devices):
 
 def test_stripe_devices_inside_each_process(corpus, tmp_path):
   """2 processes x 2 devices, each process's 2 devices one stripe group:
-  train (with its closing eval and sample), eval, then greedy sampling and
-  scoring split over a process's 2 devices, as one device gives them."""
+  train (with its closing eval and sample), eval, greedy sampling and
+  scoring split over a process's 2 devices (as one device gives them),
+  export."""
   workdir = str(tmp_path / "run")
   stripes = "--config.parallel.stripe_devices=2"
   outs = _run(corpus, workdir, stripes, "--config.train.num_steps=10")
@@ -291,3 +292,4 @@ def test_stripe_devices_inside_each_process(corpus, tmp_path):
   # printed to 4 decimals: equal up to the last digit's rounding
   assert score_numbers(_run(corpus, workdir, *scored)[0][0]) == pytest.approx(
       score_numbers(one.stdout), abs=1e-4, rel=1e-4)
+  assert "Triton model" in _run(corpus, workdir, "--mode=export")[0][0]

@@ -37,6 +37,7 @@ import numpy as np
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading
 from zebra_jax.model import lm
+from zebra_jax.runtime import distributed
 
 _TRITON_TEMPLATES = os.path.join(os.path.dirname(__file__), "triton")
 MODEL_NAME = "zebra_lstm"
@@ -233,11 +234,17 @@ def run(cfg, workdir: str, export_dir: str | None = None) -> str:
   instance_group(ex.triton_instance, ex.triton_gpus)  # before loading
   loaded = loading.load_for_inference(cfg, workdir)
   artifact = os.path.join(export_dir, "artifact")
-  manifest = write_artifact(loaded, artifact)
-  model_dir = write_triton_repository(
-      artifact, os.path.join(export_dir, "triton"),
-      max_batch_size=ex.triton_max_batch_size, instance=ex.triton_instance,
-      gpus=ex.triton_gpus, queue_delay_us=ex.triton_queue_delay_us)
+
+  def write():  # once, by process 0; the others wait until it is written
+    if jax.process_index() != 0:
+      return None, None
+    manifest = write_artifact(loaded, artifact)
+    return manifest, write_triton_repository(
+        artifact, os.path.join(export_dir, "triton"),
+        max_batch_size=ex.triton_max_batch_size, instance=ex.triton_instance,
+        gpus=ex.triton_gpus, queue_delay_us=ex.triton_queue_delay_us)
+
+  manifest, model_dir = distributed.process_zero_first(write, "exporting")
   if jax.process_index() == 0:
     print(f"| export of step {manifest['step']} | artifact {artifact} "
           f"({', '.join(manifest['platforms'])}) | Triton model {model_dir}\n"
