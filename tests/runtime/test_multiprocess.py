@@ -275,21 +275,18 @@ def test_stripe_devices_inside_each_process(corpus, tmp_path):
   greedy = ("--mode=sample", "--prompt=the quick",
             "--config.sample.temperature=0")
   scored = ("--mode=score", "--text=the lazy dog jumps over the fox.")
-  one = subprocess.run(
-      [sys.executable, *_args(corpus, workdir, *greedy,
-                              "--config.parallel.stripe_devices=1")],
-      env=_env(corpus, 1), cwd=REPO, capture_output=True, text=True,
-      timeout=TIMEOUT)
-  assert one.returncode == 0, one.stderr[-3000:]
+  def one_device(*args):
+    one = subprocess.run(
+        [sys.executable, *_args(corpus, workdir, *args,
+                                "--config.parallel.stripe_devices=1")],
+        env=_env(corpus, 1), cwd=REPO, capture_output=True, text=True,
+        timeout=TIMEOUT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    return one.stdout
+
   assert sampled_text(_run(corpus, workdir, *greedy)[0][0]) == sampled_text(
-      one.stdout)
-  one = subprocess.run(
-      [sys.executable, *_args(corpus, workdir, *scored,
-                              "--config.parallel.stripe_devices=1")],
-      env=_env(corpus, 1), cwd=REPO, capture_output=True, text=True,
-      timeout=TIMEOUT)
-  assert one.returncode == 0, one.stderr[-3000:]
+      one_device(*greedy))
   # printed to 4 decimals: equal up to the last digit's rounding
   assert score_numbers(_run(corpus, workdir, *scored)[0][0]) == pytest.approx(
-      score_numbers(one.stdout), abs=1e-4, rel=1e-4)
+      score_numbers(one_device(*scored)), abs=1e-4, rel=1e-4)
   assert "Triton model" in _run(corpus, workdir, "--mode=export")[0][0]
