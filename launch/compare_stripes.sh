@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Dense stripes (S = 1, 4, 8), grouped stripes (S = 2, 4, 8) and parameter-matched
-# classic LSTMs at equal wall-clock.
-#   launch/compare_stripes.sh [OUT] [MINUTES_PER_RUN] [SEEDS] [--config=... --config.k=v ...]
-#   launch/compare_stripes.sh runs/compare_stripes 0.5 0,1,2       # docs/stripes_vs_classic.md
-#   launch/compare_stripes.sh runs/gpu 30 0,1,2 --config=configs/wt103.py \
-#       --config.data.path=/data/wikitext-103                       # longer, on a GPU
-# Writes OUT/results.md, OUT/results.json and OUT/valid_ppl_vs_time.png; rerun to resume.
+# Striped vs classic LSTM: time to perplexity at equal wall-clock, 3 seeds.
+#   launch/compare_stripes.sh char|word [OUT] [--config.k=v ...]
+# Settings: classic S=1, dense S=4,8 and grouped S=4,8,16 at hidden 256; grouped
+# S=4,8,16 widened to the classic step time; parameter-matched classic LSTMs.
+# 3.25 min per run on the embedded corpus (configs/demo.py); the word level
+# uses an adaptive head over 8,192 words, so that the recurrence is a real
+# share of the step. Writes OUT/results.{md,json}, OUT/plan.json and
+# OUT/valid_ppl_vs_time.png; rerun to resume (runs in results.json are kept).
 set -euo pipefail
-out=${1:-runs/compare_stripes}
-minutes=${2:-1.5}
-seeds=${3:-0,1,2}
-shift $(( $# < 3 ? $# : 3 ))
+level=${1:-char}
+out=${2:-results/stripes_vs_classic/$level}
+shift $(( $# < 2 ? $# : 2 ))
+case "$level" in
+  char) data=() ;;
+  word) data=(--config.data.tokenizer=word --config.data.max_vocab_size=8192
+              --config.model.head=adaptive "--config.model.adaptive_cutoffs=(1024,4096)") ;;
+  *) echo "error: the level is char or word, not '$level'" >&2; exit 2 ;;
+esac
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
-exec python3 -m zebra_jax.tools.experiments --out="$out" --budget_minutes="$minutes" \
-    --seeds="$seeds" --stripes=1,4,8 --grouped=2,4,8 "$@"
+exec python3 -m zebra_jax.tools.experiments --out="$out" --budget_minutes=3.25 \
+    --seeds=0,1,2 --stripes=1,4,8 --grouped=4,8,16 --equal_time=4,8,16 \
+    --config=configs/demo.py "${data[@]}" "$@"

@@ -1,5 +1,7 @@
-"""The stripes experiment's settings: parameter counts and the matched
-classic LSTM."""
+"""The stripes experiment's settings: parameter counts, the matched classic
+LSTM and the equal-step-time width search."""
+
+import math
 
 from configs import demo
 from zebra_jax.benchmarks import stripes_experiment
@@ -42,6 +44,7 @@ def test_grouped_settings_count_block_diagonal_weights_and_get_a_classic():
                                              grouped=[4])
   assert [s.name for s in settings] == ["s1_h32", "s4_grouped_h32",
                                         "s1_h19_matched"]
+  assert settings[2].role == "matched"
   g = 32 // 4  # stripe width: W_x [S, I/S, 4G] and U [S, G, 4G]
   layer = 4 * (32 // 4) * 4 * g + 4 * g * 4 * g + 4 * 32
   assert stripes_experiment.param_count(cfg, settings[1]) == (
@@ -51,3 +54,29 @@ def test_grouped_settings_count_block_diagonal_weights_and_get_a_classic():
       cfg, stripes_experiment.Setting(1, h, h)) - target)
   h = settings[2].hidden_size
   assert gap(h) <= min(gap(h - 1), gap(h + 1))
+
+
+def _power_law(exponent, overhead=0.0):
+  """steps/s of a step costing overhead + width**exponent (arbitrary units)."""
+  return lambda w: 1.0 / (overhead + (w / 256) ** exponent)
+
+
+def test_equal_time_width_finds_the_width_of_a_power_law():
+  for exponent, overhead in ((2.0, 0.0), (1.0, 0.0), (1.6, 0.5)):
+    rate = _power_law(exponent, overhead)
+    target = rate(256) / 2.5  # the classic step costs 2.5 grouped steps at H
+    calls = []
+    width, measured = stripes_experiment.equal_time_width(
+        lambda w: calls.append(w) or rate(w), 256, rate(256), target,
+        multiple=8)
+    assert width % 8 == 0 and measured[0] == (256, rate(256))
+    assert [w for w, _ in measured[1:]] == calls and len(calls) <= 4
+    best = min(range(8, 4096, 8), key=lambda w: abs(math.log(rate(w) / target)))
+    # Within one multiple of the best width, or within the 5% tolerance.
+    assert abs(width - best) <= 8 or abs(rate(width) / target - 1) <= 0.05
+
+
+def test_equal_time_width_stays_put_when_already_equal():
+  width, measured = stripes_experiment.equal_time_width(
+      lambda w: 1 / 0, 256, 10.0, 10.2, multiple=8)
+  assert width == 256 and measured == [(256, 10.0)]

@@ -1,19 +1,52 @@
-"""The stripes experiment's table: mean and spread over seeds."""
+"""The stripes experiment's table, time to perplexity and claims."""
 
 import pytest
 
 from zebra_jax.benchmarks import stripes_report
 
 
+def _run(setting, seed, valid, curve, num_stripes=8, role=""):
+  return dict(setting=setting, num_stripes=num_stripes, stripe_input="dense",
+              role=role, hidden_size=256, params=620656, seed=seed,
+              planned_steps=120, tok_per_s=100 + 100 * seed, tokens_seen=1e6,
+              steps=100, valid_ppl=valid, test_ppl=valid + 1, startup_s=5.0,
+              train_s=180.0,
+              curve=[{"step": 10 * i, "train_s": t, "ppl": p}
+                     for i, (t, p) in enumerate(curve)])
+
+
 def test_table_mean_and_std_over_seeds():
-  runs = [dict(setting="s8_h256", num_stripes=8, stripe_input="dense",
-               hidden_size=256, classic_matched=False, params=620656, seed=seed,
-               planned_steps=120,
-               tok_per_s=tps, tokens_seen=1e6, steps=100, valid_ppl=v,
-               test_ppl=v + 1) for seed, tps, v in ((0, 100, 4.0),
-                                                    (1, 200, 6.0))]
+  runs = [_run("s8_h256", seed, v, [(10, 9.0)]) for seed, v in ((0, 4.0),
+                                                                (1, 6.0))]
   (row,) = stripes_report.table(runs)
   assert row["seeds"] == 2 and row["valid_ppl"] == 5.0
   assert row["valid_ppl_std"] == pytest.approx(2 ** 0.5)
   assert row["tok_per_s"] == 150.0 and row["budget_bound"] == 2
-  assert "| 8 | 256 | 620,656 |" in stripes_report.markdown([row])
+  assert "| dense S=8 | 256 | 620,656 |" in stripes_report.markdown([row])
+
+
+def test_time_to_target_interpolates_log_perplexity():
+  curve = [{"train_s": 10.0, "ppl": 16.0}, {"train_s": 20.0, "ppl": 4.0}]
+  assert stripes_report.time_to(curve, 8.0) == pytest.approx(15.0)  # sqrt
+  assert stripes_report.time_to(curve, 20.0) == 10.0  # reached at once
+  assert stripes_report.time_to(curve, 3.0) is None   # never reached
+
+
+def test_claims_only_where_the_seeds_separate():
+  classic = [_run("s1_h256", s, 6.0 + 0.1 * s, [(60, 8.0), (120, 5.0 + s / 10)],
+                  num_stripes=1) for s in range(3)]
+  fast = [_run("s8_h256", s, 5.0 + 0.1 * s, [(30, 8.0), (60, 5.0)])
+          for s in range(3)]
+  close = [_run("s4_h256", s, 6.05 + 0.1 * s,
+                [(60, 8.0), (118 + s, 5.0 + s / 10)], num_stripes=4)
+           for s in range(3)]
+  runs = classic + fast + close
+  assert stripes_report.auto_targets(runs) == [6.38, 5.1]  # 1.25x and 1x the mean final 5.1
+  rows = stripes_report.table(runs, [8.0])
+  said = stripes_report.claims(rows)
+  assert "dense S=8 (hidden 256) reaches valid ppl 8 in 50% of" in said[0]
+  assert "dense S=8 (hidden 256) ends at a lower test ppl" in said[1]
+  assert "dense S=4 (hidden 256) and the classic LSTM reach valid ppl 8 in " \
+         "overlapping times: no claim." in said[2]
+  assert "overlapping test ppl: no claim" in said[3]
+  assert len(said) == 4

@@ -1,16 +1,21 @@
-"""The comparison's outputs: table (markdown + JSON) and valid-ppl curves.
+"""The comparison's outputs: table (markdown + JSON), claims and the curves.
 
 Kept apart from stripes_experiment.py so the numbers can be re-rendered from the
-run records (results.json) without training anything.
+run records (results.json, which holds every run's valid curve) without
+training anything.
+
+Time to a perplexity: the first in-loop valid evaluation at or below the
+target, interpolated (log perplexity, linear in training seconds) from the
+evaluation before it. A claim is written only where the seeds' ranges
+(min to max) of the two settings do not overlap.
 """
 
 import json
+import math
 import os
 import platform
 import statistics
 from typing import Sequence
-
-from zebra_jax.runtime import plots
 
 
 def machine() -> str:
@@ -27,7 +32,45 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
   return statistics.fmean(values), std
 
 
-def table(records: Sequence[dict]) -> list[dict]:
+def time_to(curve: Sequence[dict], target: float) -> float | None:
+  """Training seconds at which the valid curve first reaches `target`."""
+  before = None
+  for point in curve:
+    if point["ppl"] <= target:
+      if before is None:
+        return point["train_s"]
+      t0, t1 = before["train_s"], point["train_s"]
+      l0, l1 = math.log(before["ppl"]), math.log(point["ppl"])
+      return t0 + (t1 - t0) * (l0 - math.log(target)) / (l0 - l1)
+    before = point
+  return None
+
+
+def _is_classic(record: dict) -> bool:
+  return record["num_stripes"] == 1 and not record.get("role")
+
+
+def auto_targets(records: Sequence[dict]) -> list[float]:
+  """The classic LSTM's final curve perplexity (mean over seeds), and 1.25x
+  it: the tight target asks whether a striped setting gets where the classic
+  one ends, the loose one how fast everything gets most of the way."""
+  finals = [r["curve"][-1]["ppl"] for r in records
+            if _is_classic(r) and r.get("curve")]
+  if not finals:
+    return []
+  final = statistics.fmean(finals)
+  return [round(1.25 * final, 2), round(final, 2)]
+
+
+def label(row: dict) -> str:
+  if row["num_stripes"] == 1:
+    return "classic" + (", params matched" if row.get("role") else "")
+  kind = "grouped" if row["stripe_input"] == "grouped" else "dense"
+  equal = ", = classic step time" if row.get("role") == "equal_time" else ""
+  return f"{kind} S={row['num_stripes']}{equal}"
+
+
+def table(records: Sequence[dict], targets: Sequence[float] = ()) -> list[dict]:
   """One row per setting, in the order settings first appear."""
   by_setting: dict[str, list[dict]] = {}
   for r in records:
@@ -37,72 +80,165 @@ def table(records: Sequence[dict]) -> list[dict]:
     first = runs[0]
     row = {"setting": name, "num_stripes": first["num_stripes"],
            "stripe_input": first["stripe_input"],
+           "role": first.get("role", ""),
            "hidden_size": first["hidden_size"],
-           "classic_matched": first["classic_matched"],
            "params": first["params"], "seeds": len(runs),
            # Stopped by the clock rather than at planned_steps: a load drop
            # after calibration can make a run finish its steps early.
            "budget_bound": sum(r["steps"] < r["planned_steps"] for r in runs)}
-    for key in ("tok_per_s", "tokens_seen", "steps", "valid_ppl", "test_ppl"):
-      row[key], row[key + "_std"] = _mean_std([r[key] for r in runs])
+    for key in ("tok_per_s", "tokens_seen", "steps", "valid_ppl", "test_ppl",
+                "startup_s", "train_s"):
+      values = [r[key] for r in runs if key in r]
+      if values:
+        row[key], row[key + "_std"] = _mean_std(values)
+    for key in ("valid_ppl", "test_ppl"):
+      row[key + "_range"] = [min(r[key] for r in runs),
+                             max(r[key] for r in runs)]
+    row["to_target"] = []
+    for target in targets:
+      times = [time_to(r.get("curve", []), target) for r in runs]
+      reached = [t for t in times if t is not None]
+      entry = {"target": target, "seconds": times, "reached": len(reached)}
+      if reached:
+        entry["mean"], entry["std"] = _mean_std(reached)
+        entry["range"] = [min(reached), max(reached)]
+      row["to_target"].append(entry)
     rows.append(row)
   return rows
 
 
-def markdown(rows: Sequence[dict]) -> str:
-  lines = ["| stripes | hidden | params | train tok/s | tokens seen | steps "
-           "| clock-bound | best valid ppl | test ppl |",
-           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def _cell(mean, std, fmt="{:,.0f}") -> str:
+  return f"{fmt.format(mean)} ± {fmt.format(std)}"
+
+
+def markdown(rows: Sequence[dict], targets: Sequence[float] = ()) -> str:
+  reach = "".join(f" | s to ppl {t:g}" for t in targets)
+  lines = [f"| setting | hidden | params | train tok/s | start-up s | train s "
+           f"| steps | clock-bound{reach} | best valid ppl | test ppl |",
+           "| --- |" + " ---: |" * (9 + len(targets))]
   for r in rows:
-    stripes = f"{r['num_stripes']}" + (
-        " grouped" if r["stripe_input"] == "grouped" else "") + (
-        " (classic, = params)" if r["classic_matched"] else "")
-    lines.append(
-        f"| {stripes} | {r['hidden_size']} | {r['params']:,} "
-        f"| {r['tok_per_s']:,.0f} ± {r['tok_per_s_std']:,.0f} "
-        f"| {r['tokens_seen'] / 1e6:.2f}M | {r['steps']:.0f} "
-        f"| {r['budget_bound']}/{r['seeds']} "
-        f"| {r['valid_ppl']:.3f} ± {r['valid_ppl_std']:.3f} "
-        f"| {r['test_ppl']:.3f} ± {r['test_ppl_std']:.3f} |")
+    cells = [label(r), str(r["hidden_size"]), f"{r['params']:,}",
+             _cell(r["tok_per_s"], r["tok_per_s_std"]),
+             _cell(r["startup_s"], r["startup_s_std"], "{:.1f}")
+             if "startup_s" in r else "",
+             _cell(r["train_s"], r["train_s_std"]) if "train_s" in r else "",
+             f"{r['steps']:.0f}", f"{r['budget_bound']}/{r['seeds']}"]
+    for entry in r["to_target"]:
+      if not entry["reached"]:
+        cells.append(f"not reached (0/{r['seeds']})")
+      else:
+        missed = (f" ({entry['reached']}/{r['seeds']})"
+                  if entry["reached"] < r["seeds"] else "")
+        cells.append(_cell(entry["mean"], entry["std"]) + missed)
+    cells += [_cell(r["valid_ppl"], r["valid_ppl_std"], "{:.3f}"),
+              _cell(r["test_ppl"], r["test_ppl_std"], "{:.3f}")]
+    lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
-def draw_curves(out_png: str, records: Sequence[dict], run_dirs: dict,
-                title: str) -> str:
-  """Valid ppl against wall-clock since launch: one colour per setting."""
+def _separate(a: Sequence[float], b: Sequence[float]) -> bool:
+  return max(a) < min(b) or max(b) < min(a)
+
+
+def claims(rows: Sequence[dict]) -> list[str]:
+  """Each setting against the classic LSTM at the config's width, where the
+  seeds' ranges separate; the rest are listed as not separated."""
+  base = next((r for r in rows if _is_classic(r)), None)
+  if base is None or base["seeds"] < 2:
+    return []
+  lines = []
+  for r in rows:
+    if r is base or r["seeds"] < 2:
+      continue
+    name = f"{label(r)} (hidden {r['hidden_size']})"
+    for mine, theirs in zip(r["to_target"], base["to_target"]):
+      if mine["reached"] < r["seeds"] or theirs["reached"] < base["seeds"]:
+        continue  # a seed that never got there has no time to compare
+      if _separate(mine["range"], theirs["range"]):
+        lines.append(f"- {name} reaches valid ppl {mine['target']:g} in "
+                     f"{100 * mine['mean'] / theirs['mean']:.0f}% of the "
+                     f"classic LSTM's training time ({mine['mean']:.0f} s "
+                     f"against {theirs['mean']:.0f} s; the seeds' ranges "
+                     f"separate).")
+      else:
+        lines.append(f"- {name} and the classic LSTM reach valid ppl "
+                     f"{mine['target']:g} in overlapping times: no claim.")
+    if _separate(r["test_ppl_range"], base["test_ppl_range"]):
+      better = r["test_ppl"] < base["test_ppl"]
+      lines.append(f"- {name} ends at a {'lower' if better else 'higher'} "
+                   f"test ppl than the classic LSTM ({r['test_ppl']:.2f} "
+                   f"against {base['test_ppl']:.2f}; ranges separate).")
+    else:
+      lines.append(f"- {name} and the classic LSTM end at overlapping test "
+                   f"ppl: no claim.")
+  return lines
+
+
+def draw_bands(out_png: str, records: Sequence[dict],
+               targets: Sequence[float], title: str) -> str:
+  """Valid ppl against training seconds: per setting, the geometric mean of
+  its seeds' curves and a band from the lowest to the highest."""
   import matplotlib
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
+  from matplotlib import ticker
+  import numpy as np
   cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-  names = list(dict.fromkeys(r["setting"] for r in records))
-  runs, colors = [], []
-  for r in records:
-    run = plots.load_run(run_dirs[(r["setting"], r["seed"])], r["setting"])
-    run.origin = r["launched"]  # The budget's clock: compile cache warm.
-    runs.append(run)
-    colors.append(cycle[names.index(r["setting"]) % len(cycle)])
-  return plots.draw(runs, out_png, quantities=(("ppl", "valid perplexity"),),
-                    x_axes=(("seconds", "wall-clock since launch (s)"),),
-                    kinds=("valid",), colors=colors, title=title)
+  fig, ax = plt.subplots(figsize=(9, 5.5))
+  for i, row in enumerate(table(records)):
+    curves = [r["curve"] for r in records
+              if r["setting"] == row["setting"] and r.get("curve")]
+    if not curves:
+      continue
+    color = cycle[i % len(cycle)]
+    start = max(c[0]["train_s"] for c in curves)
+    stop = min(c[-1]["train_s"] for c in curves)
+    grid = np.linspace(start, stop, 60) if stop > start else np.array([stop])
+    logs = np.stack([np.interp(grid, [p["train_s"] for p in c],
+                               [math.log(p["ppl"]) for p in c])
+                     for c in curves])
+    name = f"{label(row)}, H={row['hidden_size']} ({len(curves)} seeds)"
+    ax.plot(grid, np.exp(logs.mean(0)), color=color, label=name)
+    ax.fill_between(grid, np.exp(logs.min(0)), np.exp(logs.max(0)),
+                    color=color, alpha=0.2, linewidth=0)
+  for target in targets:
+    ax.axhline(target, color="gray", linestyle=":", linewidth=1)
+  ax.set_yscale("log")
+  plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")
+  ax.yaxis.set_major_formatter(plain)
+  ax.yaxis.set_minor_formatter(plain)
+  ax.set_xlabel("training time (s; evaluations and saves left out)")
+  ax.set_ylabel("valid perplexity")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8, frameon=False)
+  ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=110)
+  plt.close(fig)
+  return out_png
 
 
 def write(out: str, records: Sequence[dict], meta: dict) -> dict:
   """results.md, results.json and valid_ppl_vs_time.png in out; returns all."""
-  rows = table(records)
-  text = markdown(rows)
+  targets = list(meta.get("targets") or auto_targets(records))
+  meta = {**meta, "targets_used": targets}
+  rows = table(records, targets)
+  text = markdown(rows, targets)
+  said = claims(rows)
   seeds = ",".join(str(s) for s in meta["seeds"])
   note = (f"{meta['budget_minutes']:g} min per run, seeds {seeds}, "
           f"{meta['machine']}, {meta['devices']}")
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(f"{text}\n\n{note}\n")
-  run_dirs = {(r["setting"], r["seed"]): os.path.join(
-      out, "runs", f"{r['setting']}_seed{r['seed']}") for r in records}
+    if said:
+      f.write("\n" + "\n".join(said) + "\n")
   title = (f"valid ppl, {meta['budget_minutes']:g} min per run, "
-           f"{len(meta['seeds'])} seed(s) per setting")
-  png = draw_curves(os.path.join(out, "valid_ppl_vs_time.png"), records,
-                    run_dirs, title)
-  results = {"meta": meta, "table": rows, "runs": list(records),
-             "markdown": text, "png": png}
+           f"band = seeds' range")
+  png = draw_bands(os.path.join(out, "valid_ppl_vs_time.png"), records,
+                   targets, title)
+  results = {"meta": meta, "table": rows, "claims": said,
+             "runs": list(records), "markdown": text,
+             "png": os.path.basename(png)}
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
   return results

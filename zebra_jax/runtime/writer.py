@@ -145,10 +145,15 @@ class MetricWriter:
       record["loss_scale"] = loss_scale
     self.record("train", step, record)
 
-  def eval_line(self, index: int, step: int, split: str, res: dict) -> None:
+  def eval_line(self, index: int, step: int, split: str, res: dict,
+                train_s: float | None = None) -> None:
+    """train_s: seconds of training so far, evaluations and saves excluded."""
     self.info(f"| eval {index} at step {step} | {split} loss {res['loss']:.2f} "
               f"| {split} ppl {res['ppl']:.2f} | {split} acc {res['acc']:.3f}")
-    self.record(split, step, {k: res[k] for k in ("loss", "ppl", "acc")})
+    values = {k: res[k] for k in ("loss", "ppl", "acc")}
+    if train_s is not None:
+      values["train_s"] = train_s
+    self.record(split, step, values)
 
   def summary(self, summary: dict, workdir: str,
               config_path: str | None = None) -> None:

@@ -1,9 +1,9 @@
-"""Striped vs classic LSTM at equal wall-clock, over seeds.
+"""Striped vs classic LSTM: time to perplexity at equal wall-clock, over seeds.
 
-  launch/compare_stripes.sh runs/compare 1.5 0,1,2      # OUT MINUTES SEEDS
-  python -m zebra_jax.tools.experiments --out=runs/compare --budget_minutes=1.5 \
-      --seeds=0,1,2 --stripes=1,2,4,8 --config=configs/demo.py \
-      --config.optim.learning_rate=1e-3                 # any field, as in main
+  launch/compare_stripes.sh char       # results/stripes_vs_classic/char
+  python -m zebra_jax.tools.experiments --out=results/mine --budget_minutes=3.25 \
+      --seeds=0,1,2 --stripes=1,4,8 --grouped=4,8,16 --equal_time=4,8,16 \
+      --config=configs/demo.py --config.optim.learning_rate=1e-3  # any field
 
 The settings, the fairness rules and the outputs:
 zebra_jax/benchmarks/stripes_experiment.py.
@@ -30,7 +30,8 @@ def main(argv: Sequence[str]) -> None:
   results = stripes_experiment.run(
       f.config, f.out, f.budget_minutes, ints(f.seeds), ints(f.stripes),
       not f.no_classic, f.margin, f.eval_points, f.curve_eval_batches,
-      grouped=ints(f.grouped))
+      grouped=ints(f.grouped), equal_time=ints(f.equal_time),
+      targets=[float(x) for x in f.targets])
   print(results["markdown"], flush=True)
 
 
@@ -40,18 +41,22 @@ def _define_flags() -> None:
       "config", entry.default_config("demo.py"), "Config file[:variant]; "
       "override fields with --config.x=y (default: configs/demo.py).")
   flags.DEFINE_string("out", "runs/compare_stripes",
-                      "Results and run folders go here.")
-  flags.DEFINE_float("budget_minutes", 1.5, "Wall-clock budget per run.")
+                      "Results go here; run folders in OUT/workdirs.")
+  flags.DEFINE_float("budget_minutes", 3.25, "Wall-clock budget per run.")
   flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
-  flags.DEFINE_list("stripes", ["1", "2", "4", "8"],
+  flags.DEFINE_list("stripes", ["1", "4", "8"],
                     "num_stripes values with dense stripe input.")
   flags.DEFINE_list("grouped", [], "num_stripes values with grouped stripe "
-                    "input (model.stripe_input=grouped), e.g. 2,4,8.")
+                    "input (model.stripe_input=grouped), e.g. 4,8,16.")
+  flags.DEFINE_list("equal_time", [], "grouped num_stripes values also run "
+                    "at the width whose step time is the classic LSTM's.")
+  flags.DEFINE_list("targets", [], "Perplexities to report the time to reach "
+                    "(default: the classic LSTM's final one, and 1.25x it).")
   flags.DEFINE_bool("no_classic", False,
                     "Skip the parameter-matched classic LSTMs.")
   flags.DEFINE_float("margin", 1.2,
                      "Planned steps = steps/s x budget x margin.")
-  flags.DEFINE_integer("eval_points", 5, "In-loop valid evaluations per run.")
+  flags.DEFINE_integer("eval_points", 12, "In-loop valid evaluations per run.")
   flags.DEFINE_integer("curve_eval_batches", 10,
                        "Valid windows per in-loop evaluation (0 = all).")
 

@@ -184,7 +184,7 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
   bar = progress.Progress(cfg.train.num_steps, initial_step=step,
                           enabled=None if jax.process_index() == 0 else False)
   log.record("start", step, {})  # wall-clock origin for plots
-  started = time.perf_counter()
+  started = run.started = time.perf_counter()
   try:
     with stop_request:
       stop = step >= cfg.train.num_steps
@@ -225,7 +225,8 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
              "best_valid_step": run.best_step,
              "tokens_seen": step * tokens_per_batch,
              "tok_per_s": trained * tokens_per_batch / max(wall, 1e-9),
-             "wall_s": wall, "params": n_params, "preempted": run.preempted,
+             "wall_s": wall, "train_s": wall - run.paused,
+             "params": n_params, "preempted": run.preempted,
              "checkpoints": ckpt.directory}
   log.summary(summary, workdir, config_path)
   log.close()
@@ -247,6 +248,9 @@ class _Run:
     self.evals, self.bad_run, self.preempted = 0, 0, False
     self.last_valid = None  # the latest step's valid metrics, if it evaluated
     self.last_saved = int(state.step)
+    # Seconds spent evaluating and saving inside the loop, so that records
+    # can give the training time alone (time-to-perplexity comparisons).
+    self.started, self.paused = time.perf_counter(), 0.0
     self.lr_at = optim.learning_rate_schedule(cfg.optim, cfg.train.num_steps)
     # One process polls its own flags every step; several agree on a stop in
     # a collective, every few steps (a host sync each step would stall
@@ -328,19 +332,27 @@ class _Run:
     """Evaluates on valid every eval_every steps and at a normal end; saves
     every checkpoint.every_steps and after every evaluation."""
     cfg, valid = self.cfg, None
-    if step % cfg.train.eval_every == 0 or (stop and not self.preempted):
+    evaluate_now = (step % cfg.train.eval_every == 0
+                    or (stop and not self.preempted))
+    if not evaluate_now and step % cfg.checkpoint.every_steps:
+      self.last_valid = None
+      return
+    jax.block_until_ready(self.state)  # the steps so far count as training
+    entered = time.perf_counter()
+    if evaluate_now:
       valid = evaluator.run(self.state.params, valid_ids,
                             cfg.train.eval_max_batches)
       if valid["loss"] < self.best_valid:
         self.best_valid, self.best_step = valid["loss"], step
       self.evals += 1
-      self.log.eval_line(self.evals, step, "valid", valid)
+      self.log.eval_line(self.evals, step, "valid", valid,
+                         train_s=entered - self.started - self.paused)
       if eval_sampler is not None:
         self.log.text("sample", eval_sampler(self.state.params), step)
       self.window = _Window()  # Keep eval time out of the next ms/batch.
     self.last_valid = valid
-    if step % cfg.checkpoint.every_steps == 0 or valid is not None:
-      self._save(step, valid)
+    self._save(step, valid)
+    self.paused += time.perf_counter() - entered
 
   def save_last(self, step: int) -> None:
     """The final step's checkpoint, unless the last step saved already."""
