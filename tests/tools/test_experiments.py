@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO
+from zebra_jax.benchmarks import stripes_experiment
 
 
 def _compare_cli(out, *extra, check=True):
@@ -50,8 +51,8 @@ def test_tiny_comparison_end_to_end(tmp_path):
   rows = results["table"]
   names = [r["setting"] for r in rows]
   assert names[:2] == ["s1_h32", "s2_grouped_h32"]
-  assert names == [s["num_stripes"] and
-                   stripes_name(s) for s in plan["settings"]]
+  assert names == [stripes_experiment.Setting(**s).name
+                   for s in plan["settings"]]
   for r in rows:
     assert r["params"] > 0 and r["steps"] >= 1 and r["tok_per_s"] > 0
     assert r["tokens_seen"] == r["steps"] * 8 * 16  # tiny: batch 8 x seq 16
@@ -76,9 +77,3 @@ def test_tiny_comparison_end_to_end(tmp_path):
   (line,) = done.stderr.strip().splitlines()
   assert line.startswith("error: ") and "plan.json was made for other" in line
 
-
-def stripes_name(setting):
-  grouped = "_grouped" if setting["stripe_input"] == "grouped" else ""
-  suffix = {"": "", "matched": "_matched", "equal_time": "_eqtime"}[
-      setting["role"]]
-  return f"s{setting['num_stripes']}{grouped}_h{setting['hidden_size']}{suffix}"
