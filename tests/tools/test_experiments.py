@@ -4,8 +4,10 @@ tests/benchmarks/test_stripes_*.py)."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -77,3 +79,30 @@ def test_tiny_comparison_end_to_end(tmp_path):
   (line,) = done.stderr.strip().splitlines()
   assert line.startswith("error: ") and "plan.json was made for other" in line
 
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_sigterm_is_not_a_result(tmp_path):
+  out = tmp_path / "stopped"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "zebra_jax.tools.experiments",
+       f"--config={REPO}/configs/demo.py:tiny", f"--out={out}",
+       "--budget_minutes=2", "--seeds=0", "--stripes=1", "--no_classic",
+       "--eval_points=2", "--curve_eval_batches=2"],
+      env=env, cwd=str(tmp_path), stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE, text=True)
+  metrics = out / "workdirs" / "runs" / "s1_h32_seed0" / "metrics.jsonl"
+  try:
+    deadline = time.time() + 240
+    while not (metrics.exists() and '"train"' in metrics.read_text()):
+      assert proc.poll() is None and time.time() < deadline
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert "stopped during s1_h32 seed 0; rerun the same command" in err
+  with open(out / "results.json") as f:
+    assert json.load(f)["runs"] == []
+  assert not (metrics.parent / "run.json").exists()

@@ -41,6 +41,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -266,12 +267,16 @@ def prime(run_cfg, workdir: str) -> None:
   loop.run(cfg, workdir)
 
 
-def train_and_score(run_cfg, setting: Setting, workdir: str) -> dict:
-  """One timed run + the identical final evaluation; returns its record."""
+def train_and_score(run_cfg, setting: Setting, workdir: str) -> dict | None:
+  """One timed run + the identical final evaluation; returns its record, or
+  None when a stop signal (SIGTERM, SIGINT) ended the run early: a cut-off
+  run is no result."""
   from zebra_jax.runtime import plots
   from zebra_jax.training import evaluate, loop
   launched = time.time()
   summary = loop.run(run_cfg, workdir)
+  if summary["preempted"]:
+    return None
   scores = evaluate.run(run_cfg, workdir)
   records = plots.read_metrics(workdir)
   rates = [r["tok_per_s"] for r in records if r["kind"] == "train"]
@@ -392,6 +397,10 @@ def run(cfg, out: str, budget_minutes: float = 3.25,
           prime(run_cfg, os.path.join(scratch, "priming", setting.name))
           primed.add(setting.name)
         record = train_and_score(run_cfg, setting, workdir)
+        if record is None:
+          print(f"stopped during {setting.name} seed {seed}; rerun the same "
+                f"command to resume (that run starts afresh)", file=sys.stderr)
+          return stripes_report.write(out, _in_order(done, settings), meta)
       done[(setting.name, seed)] = record
       # Written after every run, so an interrupted experiment keeps its runs.
       stripes_report.write(out, _in_order(done, settings), meta)

@@ -212,7 +212,8 @@ def draw_bands(out_png: str, records: Sequence[dict],
   ax.set_xlabel("training time (s; evaluations and saves left out)")
   ax.set_ylabel("valid perplexity")
   ax.grid(True, alpha=0.3)
-  ax.legend(fontsize=8, frameon=False)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8, frameon=False)
   ax.set_title(title)
   fig.tight_layout()
   fig.savefig(out_png, dpi=110)

@@ -119,37 +119,50 @@ def comm_seconds(sent: dict[str, float], data: int, stripe: int) -> float:
 
 
 def step_seconds(model, batch, window, data, stripe,
-                 recurrence: float = RECURRENCE_S) -> dict[str, float]:
+                 recurrence: float = RECURRENCE_S,
+                 overlap: bool = False) -> dict[str, float]:
   """Compute (the LSTM and the head both spread over every device), the
-  recurrence's fixed latency, and communication (not overlapped: an upper
-  bound)."""
+  recurrence's fixed latency, and communication: not overlapped (an upper
+  bound), or with overlap=True hidden behind compute as far as compute
+  lasts (a lower bound: the layer exchanges cannot hide, the next layer
+  waits for them; the gradient all-reduces can, under XLA's GPU scheduler)."""
   lstm, head = flops_per_token(model)
   compute = batch * window * (lstm + head) / (data * stripe) / GPU_FLOPS
   comm = comm_seconds(sent_per_step(model, batch, window, data, stripe),
                       data, stripe)
+  exposed = max(0.0, comm - compute) if overlap else comm
   return {"compute": compute, "recurrence": recurrence, "comm": comm,
-          "total": compute + recurrence + comm}
+          "exposed_comm": exposed, "total": compute + recurrence + exposed}
 
 
 def efficiency(model, batch, window, data, stripe,
-               recurrence: float = RECURRENCE_S) -> float:
+               recurrence: float = RECURRENCE_S, overlap: bool = False
+               ) -> float:
   """Strong-scaling efficiency: one GPU's step time over (GPUs x this
   mesh's), at the same global batch."""
-  one = step_seconds(model, batch, window, 1, 1, recurrence)["total"]
-  many = step_seconds(model, batch, window, data, stripe, recurrence)
+  one = step_seconds(model, batch, window, 1, 1, recurrence, overlap)["total"]
+  many = step_seconds(model, batch, window, data, stripe, recurrence, overlap)
   return one / (data * stripe * many["total"])
 
 
-def recurrence_for(target: float, model, batch, window, data,
-                   stripe) -> float | None:
+def recurrence_for(target: float, model, batch, window, data, stripe,
+                   overlap: bool = False) -> float | None:
   """The longest recurrence latency (seconds) at which the mesh still
   reaches `target` efficiency; None if not even zero does. The latency adds
   to both step times: (one + r) / (n (many + r)) >= target, solved for r."""
-  one = step_seconds(model, batch, window, 1, 1, 0.0)["total"]
-  many = step_seconds(model, batch, window, data, stripe, 0.0)["total"]
+  one = step_seconds(model, batch, window, 1, 1, 0.0, overlap)["total"]
+  many = step_seconds(model, batch, window, data, stripe, 0.0,
+                      overlap)["total"]
   k = target * data * stripe
   r = (one - k * many) / (k - 1)
   return r if r >= 0 else None
+
+
+def dependent_steps(model, window: int) -> int:
+  """Time steps that must run one after another in a train step: each
+  layer's forward scan and its reverse scan (remat recomputes the gates for
+  the whole window at once, outside any scan)."""
+  return 2 * model.num_layers * window
 
 
 def memory_bytes(model: ModelConfig, rows: int, window: int, stripe: int,
@@ -205,12 +218,18 @@ def main():
   for r in (0.010, 0.0025, 0.0):
     print(f"  {r * ms:g} ms: data 8x1 {efficiency(m, 128, 128, 8, 1, r):.0%},"
           f" stripe 1x8 {efficiency(m, 128, 128, 1, 8, r):.0%}")
-  for data, stripe in ((8, 1), (1, 8)):
-    for target in (0.9, 0.5):
-      r = recurrence_for(target, m, 128, 128, data, stripe)
-      print(f"  {data}x{stripe} reaches {target:.0%} with a recurrence of "
-            + ("no length: not even 0 ms" if r is None
-               else f"at most {r * ms:.2f} ms"))
+  steps = dependent_steps(m, 128)
+  for overlap in (False, True):
+    print("communication " + ("hidden behind compute" if overlap
+                              else "not overlapped") +
+          f" ({steps} dependent time steps a train step):")
+    for data, stripe in ((8, 1), (1, 8)):
+      for target in (0.9, 0.5):
+        r = recurrence_for(target, m, 128, 128, data, stripe, overlap)
+        print(f"  {data}x{stripe} reaches {target:.0%} with a recurrence of "
+              + ("no length: not even 0 ms" if r is None
+                 else f"at most {r * ms:.2f} ms "
+                 f"({r / steps * 1e6:.2f} us a dependent step)"))
   for remat in (False, True):
     for stripe in (1, 8):
       h = largest_hidden(16, 128, stripe, remat)
