@@ -5,9 +5,9 @@ import pytest
 from zebra_jax.benchmarks import stripes_report
 
 
-def _run(setting, seed, valid, curve, num_stripes=8, role=""):
+def _run(setting, seed, valid, curve, num_stripes=8, role="", hidden=256):
   return dict(setting=setting, num_stripes=num_stripes, stripe_input="dense",
-              role=role, hidden_size=256, params=620656, seed=seed,
+              role=role, hidden_size=hidden, params=620656, seed=seed,
               planned_steps=120, tok_per_s=100 + 100 * seed, tokens_seen=1e6,
               steps=100, valid_ppl=valid, test_ppl=valid + 1, startup_s=5.0,
               train_s=180.0,
@@ -46,9 +46,27 @@ def test_claims_only_where_the_seeds_separate():
   assert [e["reached"] for e in classic_row["to_target"]] == [3, 3]
   rows = stripes_report.table(runs, [8.0])
   said = stripes_report.claims(rows)
-  assert "dense S=8 (hidden 256) reaches valid ppl 8 in 50% of" in said[0]
+  assert ("dense S=8 (hidden 256) reaches valid ppl 8 in 50% of the training "
+          "time of the classic LSTM at hidden 256") in said[0]
   assert "dense S=8 (hidden 256) ends at a lower test ppl" in said[1]
-  assert "dense S=4 (hidden 256) and the classic LSTM reach valid ppl 8 in " \
-         "overlapping times: no claim." in said[2]
+  assert ("dense S=4 (hidden 256) and the classic LSTM at hidden 256 reach "
+          "valid ppl 8 in overlapping times: no claim.") in said[2]
   assert "overlapping test ppl: no claim" in said[3]
   assert len(said) == 4
+
+
+def test_claims_against_the_best_classic_of_any_width():
+  classic = [_run("s1_h256", s, 6.0 + 0.1 * s, [(60, 8.0), (120, 5.0)],
+                  num_stripes=1) for s in range(2)]
+  narrow = [_run("s1_h74_matched", s, 5.5 + 0.1 * s, [(40, 8.0), (90, 5.0)],
+                 num_stripes=1, role="matched", hidden=74) for s in range(2)]
+  striped = [_run("s8_h256", s, 5.0 + 0.1 * s, [(30, 8.0), (60, 5.0)])
+             for s in range(2)]
+  rows = stripes_report.table(classic + narrow + striped, [8.0])
+  best = stripes_report.best_classic(rows)
+  assert best["setting"] == "s1_h74_matched"
+  said = stripes_report.claims(rows, best)
+  assert len(said) == 2  # the striped setting only: time, then final ppl
+  assert ("dense S=8 (hidden 256) reaches valid ppl 8 in 75% of the training "
+          "time of the classic LSTM at hidden 74") in said[0]
+  assert "ends at a lower test ppl than the classic LSTM at hidden 74" in said[1]
