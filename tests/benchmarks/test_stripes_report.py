@@ -70,3 +70,10 @@ def test_claims_against_the_best_classic_of_any_width():
   assert ("dense S=8 (hidden 256) reaches valid ppl 8 in 75% of the training "
           "time of the classic LSTM at hidden 74") in said[0]
   assert "ends at a lower test ppl than the classic LSTM at hidden 74" in said[1]
+
+
+def test_every_setting_of_the_plot_has_its_own_line():
+  colors = ["C0", "C1", "C2"]
+  looks = [stripes_report.line_style(i, colors) for i in range(12)]
+  assert len(set(looks)) == 12
+  assert looks[0] == ("C0", "-") and looks[3] == ("C0", "--")

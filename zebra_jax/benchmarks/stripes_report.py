@@ -185,6 +185,12 @@ def claims(rows: Sequence[dict], base: dict | None = None) -> list[str]:
   return lines
 
 
+def line_style(i: int, colors: Sequence[str]) -> tuple[str, str]:
+  """Setting i's (colour, line style): past the last colour the colours come
+  round again dashed, so no two of up to 4 x len(colors) settings look alike."""
+  return colors[i % len(colors)], ("-", "--", "-.", ":")[i // len(colors) % 4]
+
+
 def draw_bands(out_png: str, records: Sequence[dict],
                targets: Sequence[float], title: str) -> str:
   """Valid ppl against training seconds: per setting, the geometric mean of
@@ -201,7 +207,7 @@ def draw_bands(out_png: str, records: Sequence[dict],
               if r["setting"] == row["setting"] and r.get("curve")]
     if not curves:
       continue
-    color = cycle[i % len(cycle)]
+    color, style = line_style(i, cycle)
     start = max(c[0]["train_s"] for c in curves)
     stop = min(c[-1]["train_s"] for c in curves)
     grid = np.linspace(start, stop, 60) if stop > start else np.array([stop])
@@ -209,7 +215,8 @@ def draw_bands(out_png: str, records: Sequence[dict],
                                [math.log(p["ppl"]) for p in c])
                      for c in curves])
     name = f"{label(row)}, H={row['hidden_size']} ({len(curves)} seeds)"
-    ax.plot(grid, np.exp(logs.mean(0)), color=color, label=name)
+    ax.plot(grid, np.exp(logs.mean(0)), color=color, linestyle=style,
+            label=name)
     ax.fill_between(grid, np.exp(logs.min(0)), np.exp(logs.max(0)),
                     color=color, alpha=0.2, linewidth=0)
   for target in targets:
