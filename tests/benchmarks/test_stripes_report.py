@@ -77,3 +77,15 @@ def test_every_setting_of_the_plot_has_its_own_line():
   looks = [stripes_report.line_style(i, colors) for i in range(12)]
   assert len(set(looks)) == 12
   assert looks[0] == ("C0", "-") and looks[3] == ("C0", "--")
+
+
+def test_a_setting_timed_off_its_calibration_is_named():
+  # 2,048 tokens a step: 10,240 tok/s is 5 steps/s.
+  run = lambda name, tok_per_s: {"setting": name, "steps": 100,
+                                 "tokens_seen": 204_800, "tok_per_s": tok_per_s}
+  records = [run("close", 10_240), run("close", 10_000),
+             run("off", 10_240), run("off", 10_500)]
+  misses = stripes_report.calibration_misses(
+      records, {"close": 5.2, "off": 4.0})
+  assert len(misses) == 1 and misses[0].startswith("- off: calibrated at 4.00")
+  assert "(1.27x)" in misses[0]

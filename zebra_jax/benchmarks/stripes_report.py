@@ -64,6 +64,31 @@ def auto_targets(records: Sequence[dict]) -> list[float]:
   return [up(1.25 * max(finals)), up(max(finals))]
 
 
+def calibration_misses(records: Sequence[dict], calibrated: dict,
+                       tolerance: float = 0.15) -> list[str]:
+  """Settings whose timed runs ran at another speed than their calibration.
+
+  The plan's step counts and equal-time widths come from a short calibration
+  run per setting; a calibration disturbed by other load on the machine
+  shows up here, as the timed runs' median steps/s against the calibrated
+  one, so the report says which equal-time width to distrust.
+  """
+  timed: dict[str, list[float]] = {}
+  for r in records:
+    if r.get("steps") and r.get("tokens_seen") and r.get("tok_per_s"):
+      tokens_per_step = r["tokens_seen"] / r["steps"]
+      timed.setdefault(r["setting"], []).append(r["tok_per_s"]
+                                                / tokens_per_step)
+  lines = []
+  for name, rates in timed.items():
+    planned = calibrated.get(name)
+    if planned and abs(statistics.median(rates) / planned - 1) > tolerance:
+      lines.append(f"- {name}: calibrated at {planned:.2f} steps/s, timed "
+                   f"runs at {statistics.median(rates):.2f} "
+                   f"({statistics.median(rates) / planned:.2f}x)")
+  return lines
+
+
 def label(row: dict) -> str:
   if row["num_stripes"] == 1:
     return "classic" + (", params matched" if row.get("role") else "")
@@ -250,8 +275,13 @@ def write(out: str, records: Sequence[dict], meta: dict) -> dict:
   seeds = ",".join(str(s) for s in meta["seeds"])
   note = (f"{meta['budget_minutes']:g} min per run, seeds {seeds}, "
           f"{meta['machine']}, {meta['devices']}")
+  misses = calibration_misses(records, meta.get("calibrated_steps_per_s", {}))
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(f"{text}\n\n{note}\n")
+    if misses:
+      f.write("\nTimed runs more than 15% off their calibrated speed (the "
+              "step counts and equal-time widths were planned from it):\n\n"
+              + "\n".join(misses) + "\n")
     for key, title in (("classic", "Against the classic LSTM at the "
                          "config's width"),
                        ("best_classic", "Against the classic LSTM with the "
@@ -263,6 +293,7 @@ def write(out: str, records: Sequence[dict], meta: dict) -> dict:
   png = draw_bands(os.path.join(out, "valid_ppl_vs_time.png"), records,
                    targets, title)
   results = {"meta": meta, "table": rows, "claims": said,
+             "calibration_misses": misses,
              "runs": list(records), "markdown": text,
              "png": os.path.basename(png)}
   with open(os.path.join(out, "results.json"), "w") as f:
