@@ -64,8 +64,12 @@ def auto_targets(records: Sequence[dict]) -> list[float]:
   return [up(1.25 * max(finals)), up(max(finals))]
 
 
+# A setting timed this far (as a fraction) off its calibration is named.
+CALIBRATION_TOLERANCE = 0.15
+
+
 def calibration_misses(records: Sequence[dict], calibrated: dict,
-                       tolerance: float = 0.15) -> list[str]:
+                       tolerance: float = CALIBRATION_TOLERANCE) -> list[str]:
   """Settings whose timed runs ran at another speed than their calibration.
 
   The plan's step counts and equal-time widths come from a short calibration
@@ -81,11 +85,10 @@ def calibration_misses(records: Sequence[dict], calibrated: dict,
                                                 / tokens_per_step)
   lines = []
   for name, rates in timed.items():
-    planned = calibrated.get(name)
-    if planned and abs(statistics.median(rates) / planned - 1) > tolerance:
+    planned, rate = calibrated.get(name), statistics.median(rates)
+    if planned and abs(rate / planned - 1) > tolerance:
       lines.append(f"- {name}: calibrated at {planned:.2f} steps/s, timed "
-                   f"runs at {statistics.median(rates):.2f} "
-                   f"({statistics.median(rates) / planned:.2f}x)")
+                   f"runs at {rate:.2f} ({rate / planned:.2f}x)")
   return lines
 
 
@@ -279,9 +282,9 @@ def write(out: str, records: Sequence[dict], meta: dict) -> dict:
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(f"{text}\n\n{note}\n")
     if misses:
-      f.write("\nTimed runs more than 15% off their calibrated speed (the "
-              "step counts and equal-time widths were planned from it):\n\n"
-              + "\n".join(misses) + "\n")
+      f.write(f"\nTimed runs more than {CALIBRATION_TOLERANCE:.0%} off "
+              "their calibrated speed (the step counts and equal-time widths "
+              "were planned from it):\n\n" + "\n".join(misses) + "\n")
     for key, title in (("classic", "Against the classic LSTM at the "
                          "config's width"),
                        ("best_classic", "Against the classic LSTM with the "
