@@ -1,0 +1,79 @@
+"""The package's malloc settings: a compiled program's temporaries are reused
+from call to call instead of being faulted in anew (runtime/host_memory.py).
+
+Each case runs in a fresh process, since the settings only take hold before
+JAX starts its backend; the process with the settings switched off is the
+reference, and shows the faults the settings remove.
+"""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from zebra_jax.runtime import host_memory
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+    reason="glibc's malloc only")
+
+# A program whose 80 MB product must be materialised between the matmul and
+# the reductions: one temporary block above glibc's 64 MB per-thread heap.
+_PROGRAM = """
+import json, resource
+import zebra_jax  # first: before JAX starts its backend
+import jax, jax.numpy as jnp
+
+def f(x, y):
+  z = x @ y
+  return jnp.sort(z, axis=0)[0] + z.max(axis=0)
+
+x = jnp.ones((2048, 16)); y = jnp.ones((16, 10240))
+compiled = jax.jit(f).lower(x, y).compile()
+for _ in range(3):
+  compiled(x, y).block_until_ready()
+calls = 5
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(calls):
+  compiled(x, y).block_until_ready()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+print(json.dumps({
+    "faults_per_call": (after - before) / calls,
+    "temp_pages": compiled.memory_analysis().temp_size_in_bytes / 4096}))
+"""
+
+
+def _faults(opt_out: bool) -> dict:
+  env = dict(os.environ)
+  env.pop(host_memory.OPT_OUT, None)
+  if opt_out:
+    env[host_memory.OPT_OUT] = "1"
+  out = subprocess.run([sys.executable, "-c", _PROGRAM], env=env,
+                       capture_output=True, text=True, timeout=300, check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_temporaries_are_not_faulted_in_on_every_call():
+  reference = _faults(opt_out=True)
+  assert reference["temp_pages"] > 64 * 2**20 / 4096  # above one heap
+  # Without the settings every call faults in (nearly) all its temporaries...
+  assert reference["faults_per_call"] > 0.5 * reference["temp_pages"]
+  # ...with them, the memory of the last call is reused.
+  reused = _faults(opt_out=False)
+  assert reused["faults_per_call"] < 0.05 * reused["temp_pages"]
+
+
+def test_opt_out_changes_nothing(monkeypatch):
+  monkeypatch.setenv(host_memory.OPT_OUT, "1")
+  assert host_memory.reuse_freed_host_memory() is False
+
+
+def test_only_where_jax_computes_on_the_cpu(monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+  assert not host_memory.computes_on_cpu()
+  assert host_memory.reuse_freed_host_memory() is False
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert host_memory.computes_on_cpu()
