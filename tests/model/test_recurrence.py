@@ -34,6 +34,18 @@ def _vjp(fn, args, *static, seed=1):
   return out, pull(cts)
 
 
+def test_gates_match_sigmoid_and_tanh_in_float64():
+  # _activate computes all four gates with one tanh: sigmoid(x) as
+  # (1 + tanh(x / 2)) / 2.
+  z = np.linspace(-30.0, 30.0, 12 * 1667).reshape(-1, 12)  # G = 3
+  gates = np.asarray(recurrence._activate(jnp.asarray(z, jnp.float32)))
+  sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))
+  i, f, g, o = np.split(z, 4, axis=-1)
+  expected = np.concatenate([sigmoid(i), sigmoid(f), np.tanh(g), sigmoid(o)],
+                            axis=-1)
+  np.testing.assert_allclose(gates, expected, rtol=0, atol=5e-7)
+
+
 @pytest.mark.parametrize("stripes,width", [(1, 8), (4, 3)])
 @pytest.mark.parametrize("remat", [False, True])
 def test_backward_matches_autodiff(stripes, width, remat):
