@@ -15,7 +15,7 @@ thread allocates from the main arena, never with `mmap`, and freed memory stays
 with the process for the next call. The price: the process keeps its
 high-water mark of host memory instead of returning it to the system, and
 threads share one arena's lock, which makes XLA's (multi-threaded)
-compilation about 20% slower: paid once per program, against every step.
+compilation 20-25% slower: paid once per program, against every step.
 The package applies it when imported, before JAX starts its backend: a
 thread picks its arena at its first allocation, so setting it later leaves
 the runtime's threads where they are. Only where the computation will run on
