@@ -173,26 +173,26 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
   c_prev = jnp.concatenate([c0[:, None], cs[:, :-1]], axis=1)
   tanh_c = jnp.tanh(cs)
   dc_dh = o * (1.0 - tanh_c * tanh_c)                # dc_t / dh_t
-  dz_dc = jnp.concatenate([g * i * (1.0 - i),         # d pre-activation i
-                           c_prev * f * (1.0 - f),    # f
-                           i * (1.0 - g * g)],        # g   (all per unit dc)
-                          axis=-1)
-  dz_dh = tanh_c * o * (1.0 - o)                      # o   (per unit dh)
+  dz_dcdh = jnp.concatenate([g * i * (1.0 - i),       # d pre-activation i
+                             c_prev * f * (1.0 - f),  # f
+                             i * (1.0 - g * g),       # g   (per unit dc)
+                             tanh_c * o * (1.0 - o)], # o   (per unit dh)
+                            axis=-1)
   w_h_t = jnp.swapaxes(w_h, 1, 2)  # [S, 4G, G]: contiguous for dz W_h^T
 
   def step(carry, xs):
     dh, dc = carry
-    d_y, dc_dh_t, dz_dc_t, dz_dh_t, f_t = xs
+    d_y, dc_dh_t, dz_dcdh_t, f_t = xs
     dh = dh + d_y.astype(jnp.float32)
     dc = dc + dh * dc_dh_t
-    dz = jnp.concatenate([jnp.tile(dc, 3) * dz_dc_t, dh * dz_dh_t], axis=-1)
+    dz = jnp.concatenate([dc, dc, dc, dh], axis=-1) * dz_dcdh_t
     dh_prev = jnp.einsum("sbk,skg->sbg", dz.astype(dt), w_h_t,
                          preferred_element_type=jnp.float32)
     return (dh_prev, dc * f_t), dz
 
   (dh0, dc0), dz = _scan_time(
       step, (d_h_last.astype(jnp.float32), d_c_last.astype(jnp.float32)),
-      (d_ys, dc_dh, dz_dc, dz_dh, f), reverse=True, unroll=unroll)
+      (d_ys, dc_dh, dz_dcdh, f), reverse=True, unroll=unroll)
   return window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0)
 
 
