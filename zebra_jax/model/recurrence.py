@@ -54,9 +54,8 @@ def _activate(z):
   separate functions' accuracy (largest error against float64: 2.5e-7, both).
   """
   g = z.shape[-1] // 4
-  half, one, zero = (jnp.full((g,), v, z.dtype) for v in (0.5, 1.0, 0.0))
-  scale = jnp.concatenate([half, half, one, half])
-  shift = jnp.concatenate([half, half, zero, half])
+  scale = jnp.repeat(jnp.asarray([0.5, 0.5, 1.0, 0.5], z.dtype), g)
+  shift = jnp.repeat(jnp.asarray([0.5, 0.5, 0.0, 0.5], z.dtype), g)
   return jnp.tanh(z * scale) * scale + shift
 
 
