@@ -75,14 +75,32 @@ def _stripe_cell(x_t, h, c, w_h):
 _cell = jax.vmap(_stripe_cell)  # all stripes: one batched matmul [S, B, G] x [S, G, 4G]
 
 
+def _matmul(a, b, contract, batch=((), ())):
+  """lax.dot_general into float32: the operand order and the one contracted
+  axis stated, where einsum may swap the operands or contract (t, b) as two
+  axes in another order, either of which makes XLA copy a window-sized
+  operand (or the result) into a transposed layout first."""
+  return jax.lax.dot_general(a, b, (contract, batch),
+                             preferred_element_type=jnp.float32)
+
+
 def project_inputs(inputs, w_x, bias):
   """inputs W_x + b for the whole window -> [S, T, B, 4G] float32.
 
-  dense [T, B, I] x [I, S, 4G]; grouped [S, T, B, I/S] x [S, I/S, 4G], a
-  batched matmul whose batch axis leads both operands and the result.
+  dense [T, B, I] x [I, S, 4G] as one [T*B, I] x [I, S*4G] matmul; grouped
+  [S, T, B, I/S] x [S, I/S, 4G], a batched matmul whose batch axis leads
+  both operands and the result.
   """
-  spec = "tbi,isk->stbk" if inputs.ndim == 3 else "stbi,sik->stbk"
-  x_proj = jnp.einsum(spec, inputs, w_x, preferred_element_type=jnp.float32)
+  if inputs.ndim == 3:
+    t, b, i = inputs.shape
+    _, s, k = w_x.shape
+    x_proj = _matmul(inputs.reshape(t * b, i), w_x.reshape(i, s * k),
+                     ((1,), (0,)))
+    x_proj = jnp.moveaxis(x_proj.reshape(t, b, s, k), 2, 0)
+  else:
+    s, t, b, i = inputs.shape
+    x_proj = _matmul(inputs.reshape(s, t * b, i), w_x, ((2,), (1,)),
+                     ((0,), (0,))).reshape(s, t, b, -1)
   return x_proj + bias[:, None, None, :]
 
 
@@ -158,9 +176,11 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
   if remat:
     cs, h_prev = saved
     h_prev = h_prev + tie
-    gates = _activate(project_inputs(inputs, w_x + tie.astype(w_x.dtype), bias)
-                      + jnp.einsum("stbg,sgk->stbk", h_prev.astype(dt), w_h,
-                                   preferred_element_type=jnp.float32))
+    s, t, b, g = h_prev.shape
+    gates = _activate(
+        project_inputs(inputs, w_x + tie.astype(w_x.dtype), bias)
+        + _matmul(h_prev.astype(dt).reshape(s, t * b, g), w_h, ((2,), (1,)),
+                  ((0,), (0,))).reshape(s, t, b, -1))
   else:
     cs, h_prev, gates = saved
     gates = gates + tie
@@ -203,16 +223,25 @@ def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0):
   arguments, those of the inputs, W_x, b and W_h one matmul (or sum) each.
   """
   dt = w_h.dtype
-  dz_dt = dz.astype(dt)
-  matmul = lambda spec, a, b: jnp.einsum(spec, a, b,
-                                         preferred_element_type=jnp.float32)
-  d_w_h = matmul("stbg,stbk->sgk", h_prev.astype(dt), dz_dt)
+  s, t, b, k = dz.shape
+  # (t, b) as one axis: every window contraction runs over one contiguous
+  # axis, and no operand is copied into another order first (which a
+  # contraction over two axes made XLA do: 1.04-1.06x on a layer's pass).
+  dz_dt = dz.astype(dt).reshape(s, t * b, k)
+  d_w_h = _matmul(h_prev.astype(dt).reshape(s, t * b, -1), dz_dt,
+                  ((1,), (1,)), ((0,), (0,)))
   if inputs.ndim == 3:  # dense [T, B, I], w_x [I, S, 4G]
-    d_w_x = matmul("tbi,stbk->isk", inputs, dz_dt)
-    d_inputs = matmul("stbk,isk->tbi", dz_dt, w_x)
+    i = inputs.shape[-1]
+    dz_rows = jnp.moveaxis(dz_dt, 0, 1).reshape(t * b, s * k)
+    d_w_x = _matmul(inputs.reshape(t * b, i), dz_rows,
+                    ((0,), (0,))).reshape(i, s, k)
+    d_inputs = _matmul(dz_rows, w_x.reshape(i, s * k),
+                       ((1,), (1,))).reshape(t, b, i)
   else:  # grouped [S, T, B, I/S], w_x [S, I/S, 4G]: batched over stripes
-    d_w_x = matmul("stbi,stbk->sik", inputs, dz_dt)
-    d_inputs = matmul("stbk,sik->stbi", dz_dt, w_x)
+    d_w_x = _matmul(inputs.reshape(s, t * b, -1), dz_dt, ((1,), (1,)),
+                    ((0,), (0,)))
+    d_inputs = _matmul(dz_dt, w_x, ((2,), (2,)),
+                       ((0,), (0,))).reshape(inputs.shape)
   d_bias = dz.sum(axis=(1, 2))
   return (d_inputs.astype(inputs.dtype), d_w_x.astype(w_x.dtype),
           d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
