@@ -501,11 +501,16 @@ class ZebraLM(nnx.Module):
         b, t, h = hidden.shape
         return self.adaptive_softmax.log_probs(
             hidden.reshape(b * t, h)).reshape(b, t, -1)
-      w = self.embed[...].T if self.tied else self.head_w[...]
-      logits = jnp.einsum("bth,hv->btv", hidden.astype(self.dtype),
-                          w.astype(self.dtype),
-                          preferred_element_type=jnp.float32)
-      return logits + self.head_b[...]
+      b, t, h = hidden.shape
+      rows = hidden.reshape(b * t, h).astype(self.dtype)
+      if self.tied:  # [V, H]: contracted on its H axis as it is stored
+        w, axis = self.embed[...], 1
+      else:
+        w, axis = self.head_w[...], 0
+      logits = jax.lax.dot_general(rows, w.astype(self.dtype),
+                                   (((1,), (axis,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+      return (logits + self.head_b[...]).reshape(b, t, -1)
 
   def target_log_probs(self, hidden: jax.Array, targets: jax.Array,
                        rows=None) -> jax.Array:
