@@ -1,6 +1,8 @@
 """The hand-written backward pass of the striped recurrence, against JAX's
 autodiff of the same scan and against PyTorch's nn.LSTM backward."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,3 +129,51 @@ def test_one_stripe_backward_matches_torch_lstm():
                              atol=1e-5)
   np.testing.assert_allclose(grads[5][0], lstm.bias_ih_l0.grad.numpy(),
                              atol=1e-5)
+
+
+def _while_bodies(hlo_text):
+  """{name: text} of the computations that compiled while loops run."""
+  names = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo_text))
+  bodies, current = {}, None
+  for line in hlo_text.splitlines():
+    head = re.match(r"%?([\w.\-]+) \(.*\{$", line)
+    if head:
+      current = head.group(1) if head.group(1) in names else None
+      if current:
+        bodies[current] = []
+    elif current:
+      bodies[current].append(line)
+  assert set(bodies) == names, (names, set(bodies))
+  return {name: "\n".join(lines) for name, lines in bodies.items()}
+
+
+@pytest.mark.parametrize("stripes,width,grouped", [(1, 8, False),
+                                                   (4, 3, False),
+                                                   (4, 3, True)])
+def test_time_loops_copy_no_window(stripes, width, grouped):
+  # Each time step must read and write only its own slice of the window
+  # buffers. A step that copied a whole window (XLA's answer when it cannot
+  # prove a buffer is read before it is overwritten in place) would make
+  # the loop O(T^2) in memory traffic, with the results still right.
+  time_steps, batch = 16, 4
+  args = _inputs(stripes, width, batch=batch, time=time_steps,
+                 features=stripes * 5)
+  if grouped:
+    inputs, _, bias, h0, c0, w_h = args
+    inputs = jnp.moveaxis(inputs.reshape(time_steps, batch, stripes, 5), 2, 0)
+    w_x = 0.5 * jax.random.normal(jax.random.key(7), (stripes, 5, 4 * width))
+    args = (inputs, w_x, bias, h0, c0, w_h)
+
+  def loss(*a):
+    ys, h, c = recurrence.zebra_layer(*a, 1, False)
+    return jnp.sum(ys ** 2) + jnp.sum(h * c)
+
+  hlo = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).lower(
+      *args).compile().as_text()
+  bodies = _while_bodies(hlo)
+  assert len(bodies) >= 2  # the forward and the reverse loop
+  window = time_steps * batch * width * stripes  # elements of [S, T, B, G]
+  for name, body in bodies.items():
+    for shape in re.findall(r"= f32\[([\d,]+)\][^ ]* copy\(", body):
+      size = np.prod([int(d) for d in shape.split(",")])
+      assert size < window, f"{name} copies a window-sized f32[{shape}]"

@@ -104,7 +104,7 @@ def project_inputs(inputs, w_x, bias):
   return x_proj + bias[:, None, None, :]
 
 
-def _scan_time(step, carry, xs, reverse=False, unroll=1):
+def _scan_time(step, carry, xs, reverse=False, unroll=1, overwrite=None):
   """`lax.scan` over axis 1 of stripe-major [S, T, ...] arrays.
 
   step(carry, xs[:, t]) -> (carry, out_t [S, ...]); the outs come back
@@ -112,27 +112,36 @@ def _scan_time(step, carry, xs, reverse=False, unroll=1):
   slices of S contiguous blocks) keeps it in the matmuls' layout: scanning
   over a leading time axis would need the window transposed on the way in
   and out.
+
+  overwrite {i: j}: the window of out leaf i is written over xs leaf j (same
+  shape and dtype), which step t reads before it writes: no buffer to
+  allocate and zero for that output, nor a copy of xs leaf j.
   """
-  num_steps = jax.tree.leaves(xs)[0].shape[1]
-  at = lambda t: jax.tree.map(
-      lambda a: jax.lax.dynamic_index_in_dim(a, t, 1, keepdims=False), xs)
-  out_shapes = jax.eval_shape(step, carry, at(0))[1]
-  buffers = jax.tree.map(
-      lambda o: jnp.zeros((o.shape[0], num_steps, *o.shape[1:]), o.dtype),
-      out_shapes)
+  overwrite = overwrite or {}
+  xs_leaves, xs_tree = jax.tree.flatten(xs)
+  num_steps = xs_leaves[0].shape[1]
+  at = lambda leaves, t: xs_tree.unflatten(
+      [jax.lax.dynamic_index_in_dim(a, t, 1, keepdims=False) for a in leaves])
+  out_shapes, out_tree = jax.tree.flatten(
+      jax.eval_shape(step, carry, at(xs_leaves, 0))[1])
+  buffers = [xs_leaves[overwrite[i]] if i in overwrite else
+             jnp.zeros((o.shape[0], num_steps, *o.shape[1:]), o.dtype)
+             for i, o in enumerate(out_shapes)]
+  read_from = {j: i for i, j in overwrite.items()}
 
   def body(state, t):
     carry, buffers = state
-    carry, out = step(carry, at(t))
-    buffers = jax.tree.map(
-        lambda buf, o: jax.lax.dynamic_update_index_in_dim(buf, o, t, 1),
-        buffers, out)
+    leaves = [buffers[read_from[j]] if j in read_from else a
+              for j, a in enumerate(xs_leaves)]
+    carry, out = step(carry, at(leaves, t))
+    buffers = [jax.lax.dynamic_update_index_in_dim(buf, o, t, 1)
+               for buf, o in zip(buffers, jax.tree.leaves(out))]
     return (carry, buffers), None
 
   (carry, buffers), _ = jax.lax.scan(
       body, (carry, buffers), jnp.arange(num_steps), reverse=reverse,
       unroll=unroll)
-  return carry, buffers
+  return carry, out_tree.unflatten(buffers)
 
 
 def _forward(x_proj, h0, c0, w_h, unroll, keep):
@@ -144,7 +153,10 @@ def _forward(x_proj, h0, c0, w_h, unroll, keep):
     saved = {None: (), "states": (c_new, h), "gates": (c_new, h, gates)}[keep]
     return (h_new, c_new), (h_new.astype(w_h.dtype), saved)
 
-  (h, c), (ys, saved) = _scan_time(step, (h0, c0), x_proj, unroll=unroll)
+  # The gates overwrite x_proj, the window each step reads them from.
+  overwrite = {3: 0} if keep == "gates" else None
+  (h, c), (ys, saved) = _scan_time(step, (h0, c0), x_proj, unroll=unroll,
+                                   overwrite=overwrite)
   return ys, h, c, saved
 
 
