@@ -122,6 +122,30 @@ def test_top_p_matches_numpy_nucleus():
   assert (nucleus.sum(-1) > 1).any()  # else the test above were vacuous
 
 
+def test_top_p_keeps_ties_and_skips_masked_tokens_in_a_large_vocab():
+  # Logits on a coarse grid tie often; a third of each row is masked out
+  # (-inf, as top-k or a caller leaves them). Reference in float64: sort,
+  # keep tokens while the mass before them is below top_p, and every token
+  # tied with the last one kept.
+  logits = np.round(_random_logits(7, (64, 5000), scale=3.0) * 2) / 2
+  logits[:, ::3] = -np.inf
+  for top_p in (0.3, 0.6, 0.9):
+    x = logits.astype(np.float64)
+    probs = np.exp(x - x.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expected = np.zeros(x.shape, bool)
+    for row in range(len(x)):
+      order = np.argsort(-x[row], kind="stable")
+      before = np.cumsum(probs[row, order]) - probs[row, order]
+      last = order[int((before < top_p).sum()) - 1]
+      expected[row] = x[row] >= x[row, last]
+    filtered = _filter(logits, temperature=1.0, top_k=0, top_p=top_p)
+    np.testing.assert_array_equal(np.isfinite(filtered), expected)
+    cut = np.where(expected, x, np.inf).min(-1, keepdims=True)
+    assert ((expected & (x == cut)).sum(-1) > 1).any()  # ties at the cut
+    assert (expected.sum(-1) > 1).mean() > 0.5
+
+
 def test_top_p_after_top_k_uses_the_renormalised_top_k():
   logits = _random_logits(4, (200, 30))
   fifth = np.sort(logits, -1)[:, -5:-4]
