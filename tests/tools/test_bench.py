@@ -30,6 +30,7 @@ def test_quick_bench_writes_every_row(tmp_path):
           "core_S1_autodiff", "core_S4_autodiff",
           "lm_S1", "lm_S4_grouped", "eval_S1", "eval_S4_grouped",
           "gen_S1_b1", "gen_S1_b4", "gen_S4_grouped_b1", "gen_S4_grouped_b4",
+          "gen_S1_b1_nucleus", "gen_S4_grouped_b4_nucleus",
           "word_S1", "word_S4_grouped", "word_S1_adaptive",
           "word_S4_grouped_adaptive"}
   if importlib.util.find_spec("torch") is not None:

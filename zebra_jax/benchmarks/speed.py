@@ -9,6 +9,8 @@ best matmul measured in this run, XLA's planned bytes per step):
   lm_S{s}     embedding -> layers -> tied head -> cross-entropy, + Adam
   eval_S{s}   the LM forward with carry (evaluate.eval_step)
   gen_S{s}_b{b}  sampling.generate: one token at a time in a jitted scan
+              from the full distribution; _nucleus: with the sample
+              config's default filter (temperature 0.8, top_p 0.95)
   *_S{s}_grouped  the same with model.stripe_input=grouped: every matmul of
               a layer split in S blocks, stripes shuffled between layers
   word_S{s}[_grouped][_adaptive]  the LM train step at the word-level shape
@@ -91,10 +93,10 @@ def row_specs(shape) -> dict:
       "eval": {f"eval_S{s}{suffix(g)}": (p(eval_runner, shape, s, g), b * t,
                                          lm_flops(s, g, train=False))
                for s, g in lm_rows},
-      "gen": {f"gen_S{s}{suffix(g)}_b{gb}": (p(gen_runner, shape, s, gb, g),
-                                             gb * shape["gen_tokens"],
-                                             lm_flops(s, g, train=False))
-              for s, g in lm_rows for gb in (1, b)},
+      "gen": {f"gen_S{s}{suffix(g)}_b{gb}{'_nucleus' if n else ''}": (
+                  p(gen_runner, shape, s, gb, g, nucleus=n),
+                  gb * shape["gen_tokens"], lm_flops(s, g, train=False))
+              for s, g in lm_rows for gb in (1, b) for n in (False, True)},
   }
   for head in ("full", "adaptive"):
     name = "word" if head == "full" else "word_adaptive"

@@ -156,7 +156,9 @@ def eval_runner(shape, stripes, grouped=False):
                         tokens[:, :-1], tokens[:, 1:]), {0: 1})
 
 
-def gen_runner(shape, stripes, batch, grouped=False):
+def gen_runner(shape, stripes, batch, grouped=False, nucleus=False):
+  """sampling.generate from the full distribution; nucleus: with the
+  sample config's default filter (temperature 0.8, top_p 0.95)."""
   cfg = model_config(shape, stripes, grouped)
   graphdef, params = _create(cfg)
   step_fn = functools.partial(lm.decode_step, graphdef=graphdef)
@@ -164,6 +166,8 @@ def gen_runner(shape, stripes, batch, grouped=False):
   logits = jnp.zeros((batch, shape["vocab"]), jnp.float32)
   run = functools.partial(
       sampling.generate, step_fn, params, carry, logits, jax.random.key(0),
-      num_new_tokens=shape["gen_tokens"], temperature=1.0)
+      num_new_tokens=shape["gen_tokens"],
+      **(dict(temperature=0.8, top_p=0.95) if nucleus else
+         dict(temperature=1.0)))
   jax.block_until_ready(run())  # compiles
   return lambda: jax.block_until_ready(run())
