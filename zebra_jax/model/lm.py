@@ -502,12 +502,12 @@ class ZebraLM(nnx.Module):
         return self.adaptive_softmax.log_probs(
             hidden.reshape(b * t, h)).reshape(b, t, -1)
       b, t, h = hidden.shape
-      rows = hidden.reshape(b * t, h).astype(self.dtype)
+      flat = hidden.reshape(b * t, h).astype(self.dtype)
       if self.tied:  # [V, H]: contracted on its H axis as it is stored
         w, axis = self.embed[...], 1
       else:
         w, axis = self.head_w[...], 0
-      logits = jax.lax.dot_general(rows, w.astype(self.dtype),
+      logits = jax.lax.dot_general(flat, w.astype(self.dtype),
                                    (((1,), (axis,)), ((), ())),
                                    preferred_element_type=jnp.float32)
       return (logits + self.head_b[...]).reshape(b, t, -1)
