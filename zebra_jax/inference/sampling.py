@@ -128,11 +128,10 @@ def _nucleus(logits, top_p):
   def above(key):  # mass of the logits strictly above the float of key
     return jnp.sum(jnp.where(keys > key, probs, 0.0), -1, keepdims=True)
 
-  # Invariant: mass above lo >= top_p > mass above hi. Above the lowest key
-  # lies all the mass but the lowest logits' (>= top_p unless they alone
-  # hold more than 1 - top_p, when the whole row stays, as sorting keeps
-  # it); above the highest key, none.
-  lo = jnp.min(keys, -1, keepdims=True)
+  # Invariant: mass above lo >= top_p > mass above hi. Below the lowest
+  # logit's key lies all the mass (keys of finite and infinite logits are
+  # never 0); above the highest, none.
+  lo = jnp.min(keys, -1, keepdims=True) - 1
   hi = jnp.max(keys, -1, keepdims=True)
 
   def halve(_, bounds):
@@ -141,10 +140,9 @@ def _nucleus(logits, top_p):
     small = above(mid) < top_p
     return jnp.where(small, lo, mid), jnp.where(small, mid, hi)
 
-  lo, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+  _, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
   # hi: the smallest key with less than top_p above it, which is a logit's.
-  keep_all = above(jnp.min(keys, -1, keepdims=True)) < top_p
-  threshold = jnp.where(keep_all, -jnp.inf, to_float(hi))
+  threshold = to_float(hi)
   return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
