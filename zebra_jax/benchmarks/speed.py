@@ -10,7 +10,7 @@ best matmul measured in this run, XLA's planned bytes per step):
   eval_S{s}   the LM forward with carry (evaluate.eval_step)
   gen_S{s}_b{b}  sampling.generate: one token at a time in a jitted scan
               from the full distribution; _nucleus: with the sample
-              config's default filter (temperature 0.8, top_p 0.95)
+              config's default temperature, top_k and top_p
   *_S{s}_grouped  the same with model.stripe_input=grouped: every matmul of
               a layer split in S blocks, stripes shuffled between layers
   word_S{s}[_grouped][_adaptive]  the LM train step at the word-level shape

@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 
 from zebra_jax.benchmarks.shapes import model_config, zipf_probs
+from zebra_jax.config import base
 from zebra_jax.inference import sampling
 from zebra_jax.model import lm, metrics
 
@@ -156,9 +157,13 @@ def eval_runner(shape, stripes, grouped=False):
                         tokens[:, :-1], tokens[:, 1:]), {0: 1})
 
 
+_SAMPLE_FILTER = {k: base.get_config().sample[k]
+                  for k in ("temperature", "top_k", "top_p")}
+
+
 def gen_runner(shape, stripes, batch, grouped=False, nucleus=False):
   """sampling.generate from the full distribution; nucleus: with the
-  sample config's default filter (temperature 0.8, top_p 0.95)."""
+  sample config's default temperature, top_k and top_p."""
   cfg = model_config(shape, stripes, grouped)
   graphdef, params = _create(cfg)
   step_fn = functools.partial(lm.decode_step, graphdef=graphdef)
@@ -167,7 +172,6 @@ def gen_runner(shape, stripes, batch, grouped=False, nucleus=False):
   run = functools.partial(
       sampling.generate, step_fn, params, carry, logits, jax.random.key(0),
       num_new_tokens=shape["gen_tokens"],
-      **(dict(temperature=0.8, top_p=0.95) if nucleus else
-         dict(temperature=1.0)))
+      **(_SAMPLE_FILTER if nucleus else dict(temperature=1.0)))
   jax.block_until_ready(run())  # compiles
   return lambda: jax.block_until_ready(run())
