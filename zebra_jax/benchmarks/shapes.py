@@ -14,11 +14,14 @@ NO_PREALLOCATE = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 # The word-level shape of the word_* rows: a small LSTM under a large
 # vocabulary, tokens drawn from a Zipf law (ids sorted by frequency).
 _WORD = dict(hidden=256, vocab=16384, cutoffs=(2048, 8192), div_val=4)
-SHAPES = {  # hidden = embed (tied head); vocab 8192 for the LM rows.
+# hidden = embed (tied head); vocab 8192 for the LM rows. native: the CPU
+# shapes (float32) also time model.recurrence=native.
+SHAPES = {
     "A": dict(hidden=512, layers=2, batch=32, seq_len=64, vocab=8192,
               dtype="float32", stripes=(1, 2, 4, 8), lm_stripes=(1, 8),
               grouped_stripes=(2, 4, 8), word=_WORD,
-              gen_tokens=256, windows=(64, 256, 1024), budget_gb=8.0),
+              gen_tokens=256, windows=(64, 256, 1024), budget_gb=8.0,
+              native=True),
     "gpu": dict(hidden=1024, layers=2, batch=64, seq_len=64, vocab=8192,
                 dtype="bfloat16", stripes=(1, 2, 4, 8), lm_stripes=(1, 8),
                 grouped_stripes=(2, 4, 8), word=_WORD,
@@ -28,7 +31,7 @@ SHAPES = {  # hidden = embed (tied head); vocab 8192 for the LM rows.
                   grouped_stripes=(4,),
                   word=dict(hidden=32, vocab=512, cutoffs=(64, 256),
                             div_val=4),
-                  gen_tokens=8, windows=(8, 16), budget_gb=1.0),
+                  gen_tokens=8, windows=(8, 16), budget_gb=1.0, native=True),
 }
 
 

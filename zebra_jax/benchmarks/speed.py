@@ -13,6 +13,8 @@ best matmul measured in this run, XLA's planned bytes per step):
               config's default temperature, top_k and top_p
   *_S{s}_grouped  the same with model.stripe_input=grouped: every matmul of
               a layer split in S blocks, stripes shuffled between layers
+  *_native    the same with model.recurrence=native: the time loops as
+              compiled C++ (native_recurrence.py; CPU shapes)
   word_S{s}[_grouped][_adaptive]  the LM train step at the word-level shape
               (hidden 256, 16,384 words, Zipf-distributed tokens), full or
               adaptive head: where the softmax, not the recurrence, costs
@@ -68,6 +70,10 @@ def row_specs(shape) -> dict:
   grouped = shape["grouped_stripes"]
   lm_rows = [(s, False) for s in shape["lm_stripes"]] + [
       (s, True) for s in grouped]
+  # model.recurrence=native beside the scan: the first dense and the last
+  # grouped setting (CPU shapes only)
+  native_rows = ([(first, False), (grouped[-1], True)] if shape.get("native")
+                 else [])
   suffix = lambda is_grouped: "_grouped" if is_grouped else ""
   core_flops = lambda s, g=False: step_flops(shape, s, grouped=g,
                                              input_grad=False)
@@ -86,13 +92,22 @@ def row_specs(shape) -> dict:
           **{f"core_S{s}_autodiff": (p(core_runner, shape, s,
                                        custom_vjp=False),
                                      b * t, core_flops(s))
-             for s in (first, last)}},
-      "lm": {f"lm_S{s}{suffix(g)}": (p(lm_runner, shape, s, grouped=g),
-                                     b * t, lm_flops(s, g))
-             for s, g in lm_rows},
-      "eval": {f"eval_S{s}{suffix(g)}": (p(eval_runner, shape, s, g), b * t,
-                                         lm_flops(s, g, train=False))
-               for s, g in lm_rows},
+             for s in (first, last)},
+          **{f"core_S{s}{suffix(g)}_native": (
+              p(core_runner, shape, s, grouped=g, kernel="native"), b * t,
+              core_flops(s, g)) for s, g in native_rows}},
+      "lm": {**{f"lm_S{s}{suffix(g)}": (p(lm_runner, shape, s, grouped=g),
+                                        b * t, lm_flops(s, g))
+                for s, g in lm_rows},
+             **{f"lm_S{s}{suffix(g)}_native": (
+                 p(lm_runner, shape, s, grouped=g, kernel="native"), b * t,
+                 lm_flops(s, g)) for s, g in native_rows}},
+      "eval": {**{f"eval_S{s}{suffix(g)}": (p(eval_runner, shape, s, g),
+                                            b * t, lm_flops(s, g, train=False))
+                  for s, g in lm_rows},
+               **{f"eval_S{s}{suffix(g)}_native": (
+                   p(eval_runner, shape, s, g, kernel="native"), b * t,
+                   lm_flops(s, g, train=False)) for s, g in native_rows}},
       "gen": {f"gen_S{s}{suffix(g)}_b{gb}{'_nucleus' if n else ''}": (
                   p(gen_runner, shape, s, gb, g, nucleus=n),
                   gb * shape["gen_tokens"], lm_flops(s, g, train=False))

@@ -125,9 +125,11 @@ def word_runner(shape, stripes, *, grouped=False, head="full"):
                  {0: 0, 1: 1})
 
 
-def lm_runner(shape, stripes, *, seq_len=None, remat=False, grouped=False):
-  """The full LM train step: embedding, layers, tied head, mean CE, Adam."""
-  cfg = model_config(shape, stripes, grouped, remat=remat)
+def lm_runner(shape, stripes, *, seq_len=None, remat=False, grouped=False,
+              kernel="scan"):
+  """The full LM train step: embedding, layers, tied head, mean CE, Adam.
+  kernel: the layers' recurrence (model.recurrence)."""
+  cfg = model_config(shape, stripes, grouped, remat=remat, recurrence=kernel)
   graphdef, params = _create(cfg)
   carry = lm.init_carry(cfg, shape["batch"])
   tokens = random_tokens(shape, seq_len)
@@ -143,12 +145,12 @@ def lm_runner(shape, stripes, *, seq_len=None, remat=False, grouped=False):
                  (params, tx.init(params), tokens, carry), {0: 0, 1: 1})
 
 
-def eval_runner(shape, stripes, grouped=False):
+def eval_runner(shape, stripes, grouped=False, kernel="scan"):
   """The LM forward with carry, as evaluation runs it. Imported here: the
   training floor brings the multi-process flags, which importing a benchmark
   should not define."""
   from zebra_jax.training import evaluate  # pylint: disable=g-import-not-at-top
-  cfg = model_config(shape, stripes, grouped)
+  cfg = model_config(shape, stripes, grouped, recurrence=kernel)
   graphdef, params = _create(cfg)
   tokens = random_tokens(shape)
   step = jax.jit(functools.partial(evaluate.eval_step, graphdef=graphdef),

@@ -83,7 +83,9 @@ FIELDS = dict(
                 "windows, less memory)"),
         recurrence=F("scan", one_of(model_config.RECURRENCES), "scan "
                      "(lax.scan) | pallas: one fused kernel per stripe on "
-                     "GPUs (interpret mode elsewhere: slow)"),
+                     "GPUs (interpret mode elsewhere: slow) | native: the "
+                     "time loops as compiled C++ on CPUs, float32 (built on "
+                     "first use; the scan elsewhere)"),
     ),
     optim=dict(
         name=F("adam", one_of(("adam", "adamw", "sgd", "lamb")),

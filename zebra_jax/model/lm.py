@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zebra_jax.model import adaptive_softmax as asm, metrics, recurrence
-from zebra_jax.model import pallas_recurrence
+from zebra_jax.model import native_recurrence, pallas_recurrence
 from zebra_jax.model.config import DTYPES, ModelConfig
 from zebra_jax.model import mesh_axes
 
@@ -127,7 +127,9 @@ class ZebraLSTMLayer(nnx.Module):
     # custom_vjp=False: JAX's autodiff of the scan (a reference for tests and
     # the benchmark; it ignores remat).
     self.custom_vjp = custom_vjp
-    self.kernel = kernel  # scan | pallas (pallas_recurrence.py, same math)
+    # scan | pallas | native (pallas_recurrence.py, native_recurrence.py:
+    # the same math)
+    self.kernel = kernel
     # PyTorch nn.LSTM's uniform init range, 1/sqrt(H). A grouped unit reads
     # S times fewer inputs and recurrent units, so 1/sqrt(H/S) keeps its
     # pre-activation's variance (and S = 1 grouped draws the dense weights).
@@ -173,8 +175,9 @@ class ZebraLSTMLayer(nnx.Module):
     args = (inputs.astype(dt), w_x.astype(dt), bias,
             to_stripes(h0), to_stripes(c0), w_h.astype(dt))
     if self.custom_vjp:
-      layer_fn = (pallas_recurrence.zebra_layer if self.kernel == "pallas"
-                  else recurrence.zebra_layer)
+      layer_fn = {"pallas": pallas_recurrence.zebra_layer,
+                  "native": native_recurrence.zebra_layer}.get(
+                      self.kernel, recurrence.zebra_layer)
       ys, h, c = layer_fn(*args, self.unroll, self.remat)
     else:
       ys, h, c = recurrence.zebra_layer_autodiff(*args, self.unroll)

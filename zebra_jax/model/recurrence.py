@@ -267,6 +267,55 @@ def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0):
 zebra_layer.defvjp(_zebra_layer_fwd, _zebra_layer_bwd)
 
 
+def kernel_layer(forward, backward):
+  """`zebra_layer` with its two time loops run by kernels (the Pallas and
+  the native CPU ones); the rest, the input projection, the gates'
+  recomputation under remat and the window gradients, is this module's.
+
+  forward(x_proj, h0, c0, w_h, keep) -> (ys, h, c, saved), saved () / (cs,)
+    / (cs, gates) for keep None / "states" / "gates".
+  backward(d_ys, gates, cs, c0, w_h, d_h, d_c) -> (dz, dh0, dc0), d_h and
+    d_c float32.
+  Returns layer(inputs, w_x, bias, h0, c0, w_h, remat) -> (ys, h, c).
+  """
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+  def layer(inputs, w_x, bias, h0, c0, w_h, remat):
+    del remat  # only changes what the backward pass keeps
+    ys, h, c, _ = forward(project_inputs(inputs, w_x, bias), h0, c0, w_h,
+                          None)
+    return ys, h, c
+
+  def layer_fwd(inputs, w_x, bias, h0, c0, w_h, remat):
+    ys, h, c, saved = forward(project_inputs(inputs, w_x, bias), h0, c0, w_h,
+                              "states" if remat else "gates")
+    return (ys, h, c), (inputs, w_x, bias, h0, c0, w_h, ys, saved)
+
+  def layer_bwd(remat, residuals, cotangents):
+    inputs, w_x, bias, h0, c0, w_h, ys, saved = residuals
+    d_ys, d_h_last, d_c_last = cotangents
+    dt = w_h.dtype
+    # h_{t-1} in the compute dtype is exactly the previous output: the scan
+    # casts its float32 h_{t-1} to that dtype before every use in the
+    # backward pass, so nothing else needs saving.
+    h_prev = jnp.concatenate([h0.astype(dt)[:, None], ys[:, :-1]], axis=1)
+    if remat:  # recompute the gates with two large matmuls, as the scan does
+      (cs,) = saved
+      s, t, b, g = h_prev.shape
+      gates = _activate(
+          project_inputs(inputs, w_x, bias)
+          + _matmul(h_prev.reshape(s, t * b, g), w_h, ((2,), (1,)),
+                    ((0,), (0,))).reshape(s, t, b, -1))
+    else:
+      cs, gates = saved
+    dz, dh0, dc0 = backward(d_ys, gates, cs, c0, w_h,
+                            d_h_last.astype(jnp.float32),
+                            d_c_last.astype(jnp.float32))
+    return window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0)
+
+  layer.defvjp(layer_fwd, layer_bwd)
+  return layer
+
+
 
 def zebra_layer_autodiff(inputs, w_x, bias, h0, c0, w_h, unroll=1):
   """The same function left to JAX's autodiff: the reference that tests and

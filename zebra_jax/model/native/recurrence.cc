@@ -1,0 +1,342 @@
+// A ZebraLSTM layer's time loops on a CPU: one XLA FFI call per loop.
+//
+// Why hand-written: XLA's CPU backend runs every time step of a lax.scan as
+// separate ops (a matmul, a gate fusion, one write per output window), one
+// after another on one thread, and none of the libraries it calls has a
+// kernel for a block-diagonal (striped) LSTM step. Here a step is one pass:
+// the recurrent matmul accumulates onto the projected inputs in registers,
+// the gate math runs on the rows it has just written, and every window is
+// written once where the backward pass will read it. Stripes never read each
+// other's state, so each thread runs the whole window of its own stripes
+// (or, with fewer stripes than threads, of its own batch rows) with no
+// synchronisation between time steps.
+//
+// Layouts are recurrence.py's: stripe-major, row-major, float32.
+//   x_proj, gates, dz [S, T, B, 4G]   gates [i | f | g | o] within a stripe
+//   ys, cs, d_ys      [S, T, B, G]
+//   h, c              [S, B, G]
+//   w_h               [S, G, 4G]
+// The matmuls and the cell are exact float32 arithmetic but for tanh, a
+// rational approximation (the one XLA's CPU backend uses; largest error
+// against float64 about 3.5e-7).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;  // one AVX-512 register; two AVX2 ones
+// aligned(4): loads and stores at any float address.
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)),
+                                 aligned(4)));
+
+inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
+inline Vec Splat(float x) {  // one vbroadcastss (Vec{} + x adds a zero first)
+  return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+inline float Min(float a, float b) { return a < b ? a : b; }
+inline float Max(float a, float b) { return a > b ? a : b; }
+inline float Select(bool m, float a, float b) { return m ? a : b; }
+inline Vec Min(Vec a, Vec b) { return a < b ? a : b; }
+inline Vec Max(Vec a, Vec b) { return a > b ? a : b; }
+template <typename M>
+inline Vec Select(M m, Vec a, Vec b) { return m ? a : b; }
+inline float Abs(float a) { return a < 0 ? -a : a; }
+inline Vec Abs(Vec a) { return a < 0 ? -a : a; }
+
+// tanh as a 13/6 rational function on [-7.905, 7.905], x itself near 0.
+template <typename T>
+inline T Tanh(T a) {
+  const T x = Max(Min(a, T{} + 7.90531110763549805f), T{} - 7.90531110763549805f);
+  const T x2 = x * x;
+  T p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
+  p = x2 * p + -8.60467152213735e-11f;
+  p = x2 * p + 5.12229709037114e-08f;
+  p = x2 * p + 1.48572235717979e-05f;
+  p = x2 * p + 6.37261928875436e-04f;
+  p = x2 * p + 4.89352455891786e-03f;
+  T q = x2 * 1.19825839466702e-06f + 1.18534705686654e-04f;
+  q = x2 * q + 2.26843463243900e-03f;
+  q = x2 * q + 4.89352518554385e-03f;
+  return Select(Abs(a) < 0.0004f, a, x * p / q);
+}
+
+// C[R, V*16] = X + A[R, K] W[K, V*16] (X null: 0), in registers.
+// X may be C itself: a block is read whole before it is written.
+template <int R, int V>
+inline void Block(int k_size, const float* a, int lda, const float* w, int ldw,
+                  const float* x, int ldx, float* c, int ldc) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      acc[r][v] = x ? Load(x + r * ldx + v * kLanes) : Vec{};
+  for (int k = 0; k < k_size; ++k) {
+    Vec ak[R];
+    for (int r = 0; r < R; ++r) ak[r] = Splat(a[r * lda + k]);
+    for (int v = 0; v < V; ++v) {
+      Vec wk = Load(w + k * ldw + v * kLanes);
+      // Kept in a register: each W vector is read once for all R rows
+      // (folded into every FMA instead, the loads bound the loop).
+      asm("" : "+v"(wk));
+      for (int r = 0; r < R; ++r) acc[r][v] += ak[r] * wk;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) Store(c + r * ldc + v * kLanes, acc[r][v]);
+}
+
+template <int V>
+inline void Columns(int rows, int k_size, const float* a, int lda,
+                    const float* w, int ldw, const float* x, int ldx, float* c,
+                    int ldc) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4)
+    Block<4, V>(k_size, a + r * lda, lda, w, ldw, x ? x + r * ldx : nullptr,
+                ldx, c + r * ldc, ldc);
+  for (; r < rows; ++r)
+    Block<1, V>(k_size, a + r * lda, lda, w, ldw, x ? x + r * ldx : nullptr,
+                ldx, c + r * ldc, ldc);
+}
+
+// C[rows, n] = X + A[rows, k] W[k, n]; W row-major with row stride n.
+void Matmul(int rows, int n, int k_size, const float* a, int lda,
+            const float* w, const float* x, int ldx, float* c, int ldc) {
+  int j = 0;
+  for (; j + 4 * kLanes <= n; j += 4 * kLanes)
+    Columns<4>(rows, k_size, a, lda, w + j, n, x ? x + j : nullptr, ldx, c + j,
+               ldc);
+  for (; j + kLanes <= n; j += kLanes)
+    Columns<1>(rows, k_size, a, lda, w + j, n, x ? x + j : nullptr, ldx, c + j,
+               ldc);
+  for (; j < n; ++j)
+    for (int r = 0; r < rows; ++r) {
+      float sum = x ? x[r * ldx + j] : 0.0f;
+      for (int k = 0; k < k_size; ++k) sum += a[r * lda + k] * w[k * n + j];
+      c[r * ldc + j] = sum;
+    }
+}
+
+// f(j, Vec{}) for 16 elements from j at a time, then f(j, 0.0f) for the
+// rest: the same code, vector and scalar.
+template <typename F>
+inline void Lanes(int n, F&& f) {
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes) f(j, Vec{});
+  for (; j < n; ++j) f(j, 0.0f);
+}
+
+template <typename T>
+inline T Get(const float* p, T) {
+  if constexpr (sizeof(T) == sizeof(float)) return *p; else return Load(p);
+}
+inline void Put(float* p, float v) { *p = v; }
+inline void Put(float* p, Vec v) { Store(p, v); }
+
+// One (stripe, batch rows) share of a window.
+struct Task { int stripe, row0, rows; };
+
+// Splits S stripes x B rows over at most `threads` threads: whole stripes
+// when there are enough, else each stripe's rows in equal parts.
+std::vector<std::vector<Task>> Plan(int s, int b, int threads) {
+  threads = std::max(1, threads);
+  const int parts = std::min(b, std::max(1, (threads + s - 1) / s));
+  std::vector<Task> tasks;
+  for (int i = 0; i < s; ++i)
+    for (int p = 0; p < parts; ++p) {
+      const int r0 = b * p / parts, r1 = b * (p + 1) / parts;
+      tasks.push_back({i, r0, r1 - r0});
+    }
+  const int used = std::min<int>(threads, tasks.size());
+  std::vector<std::vector<Task>> plan(used);
+  for (size_t t = 0; t < tasks.size(); ++t)
+    plan[t * used / tasks.size()].push_back(tasks[t]);
+  return plan;
+}
+
+template <typename F>
+void Run(const std::vector<std::vector<Task>>& plan, F&& work) {
+  std::vector<std::thread> pool;
+  for (size_t i = 1; i < plan.size(); ++i)
+    pool.emplace_back([&, i] { for (const Task& t : plan[i]) work(t); });
+  for (const Task& t : plan[0]) work(t);
+  for (auto& th : pool) th.join();
+}
+
+struct Shape {
+  int s, t, b, g;
+  int64_t Window(int width) const { return int64_t(t) * b * width; }
+};
+
+// Forward: gates (which may be x_proj's buffer) = act(x_proj + h W), then
+// c, h; writes ys, the final (h, c) and, when keep, every c_t.
+void Forward(const Shape& d, int threads, bool keep, const float* x_proj,
+             const float* h0, const float* c0, const float* w_h, float* ys,
+             float* h_out, float* c_out, float* cs, float* gates) {
+  const int g = d.g, k4 = 4 * g;
+  Run(Plan(d.s, d.b, threads), [&](const Task& task) {
+    const int s = task.stripe, n = task.rows;
+    const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
+    std::vector<float> h(h0 + state0, h0 + state0 + int64_t(n) * g);
+    std::vector<float> c(c0 + state0, c0 + state0 + int64_t(n) * g);
+    const float* w = w_h + int64_t(s) * g * k4;
+    for (int t = 0; t < d.t; ++t) {
+      const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
+      float* z = gates + row * k4;
+      Matmul(n, k4, g, h.data(), g, w, x_proj + row * k4, k4, z, k4);
+      for (int r = 0; r < n; ++r) {
+        float* zr = z + int64_t(r) * k4;
+        for (int q = 0; q < 4; ++q) {  // sigmoid(x) = (1 + tanh(x / 2)) / 2
+          const float half = q == 2 ? 1.0f : 0.5f;  // g: tanh
+          float* zq = zr + q * g;
+          Lanes(g, [&](int j, auto u) {
+            Put(zq + j, Tanh(Get(zq + j, u) * half) * half + (1.0f - half));
+          });
+        }
+        float* hr = h.data() + int64_t(r) * g;
+        float* cr = c.data() + int64_t(r) * g;
+        float* yr = ys + (row + r) * g;
+        float* csr = keep ? cs + (row + r) * g : nullptr;
+        Lanes(g, [&](int j, auto u) {
+          using T = decltype(u);
+          const T cn = Get(zr + g + j, u) * Get(cr + j, u) +
+                       Get(zr + j, u) * Get(zr + 2 * g + j, u);
+          const T hn = Get(zr + 3 * g + j, u) * Tanh(cn);
+          Put(cr + j, cn);
+          Put(hr + j, hn);
+          Put(yr + j, hn);
+          if (csr) Put(csr + j, cn);
+        });
+      }
+    }
+    std::copy(h.begin(), h.end(), h_out + state0);
+    std::copy(c.begin(), c.end(), c_out + state0);
+  });
+}
+
+// Backward: the reverse loop carries (dh, dc); per step the pre-activation
+// gradients dz_t (written over the gates, which may share dz's buffer) and
+// dh_{t-1} = dz_t W^T.
+void Backward(const Shape& d, int threads, const float* d_ys, const float* gates,
+              const float* cs, const float* c0, const float* w_h,
+              const float* dh_last, const float* dc_last, float* dz,
+              float* dh0, float* dc0) {
+  const int g = d.g, k4 = 4 * g;
+  Run(Plan(d.s, d.b, threads), [&](const Task& task) {
+    const int s = task.stripe, n = task.rows;
+    const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
+    std::vector<float> dh(dh_last + state0, dh_last + state0 + int64_t(n) * g);
+    std::vector<float> dc(dc_last + state0, dc_last + state0 + int64_t(n) * g);
+    // W^T [4G, G]: dz_t W^T reads it row by row, as the forward reads W.
+    std::vector<float> wt(int64_t(k4) * g);
+    const float* w = w_h + int64_t(s) * g * k4;
+    for (int i = 0; i < g; ++i)
+      for (int k = 0; k < k4; ++k) wt[int64_t(k) * g + i] = w[int64_t(i) * k4 + k];
+    for (int t = d.t - 1; t >= 0; --t) {
+      const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
+      for (int r = 0; r < n; ++r) {
+        const float* gr = gates + (row + r) * k4;
+        float* zr = dz + (row + r) * k4;
+        const float* cr = cs + (row + r) * g;
+        const float* cp = t ? cs + (row - d.b + r) * g : c0 + state0 + int64_t(r) * g;
+        const float* dyr = d_ys + (row + r) * g;
+        float* dhr = dh.data() + int64_t(r) * g;
+        float* dcr = dc.data() + int64_t(r) * g;
+        Lanes(g, [&](int j, auto u) {
+          using T = decltype(u);
+          const T i = Get(gr + j, u), f = Get(gr + g + j, u);
+          const T gg = Get(gr + 2 * g + j, u), o = Get(gr + 3 * g + j, u);
+          const T tc = Tanh(Get(cr + j, u));
+          const T dhj = Get(dhr + j, u) + Get(dyr + j, u);
+          const T dcj = Get(dcr + j, u) + dhj * o * (1.0f - tc * tc);
+          Put(zr + j, dcj * gg * i * (1.0f - i));
+          Put(zr + g + j, dcj * Get(cp + j, u) * f * (1.0f - f));
+          Put(zr + 2 * g + j, dcj * i * (1.0f - gg * gg));
+          Put(zr + 3 * g + j, dhj * tc * o * (1.0f - o));
+          Put(dcr + j, dcj * f);
+        });
+      }
+      Matmul(n, g, k4, dz + row * k4, k4, wt.data(), nullptr, 0, dh.data(), g);
+    }
+    std::copy(dh.begin(), dh.end(), dh0 + state0);
+    std::copy(dc.begin(), dc.end(), dc0 + state0);
+  });
+}
+
+Shape WindowShape(const ffi::AnyBuffer::Dimensions& window, int width) {
+  return {int(window[0]), int(window[1]), int(window[2]), width};
+}
+
+ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> x_proj, ffi::Buffer<ffi::F32> h0,
+                       ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w_h,
+                       ffi::ResultBuffer<ffi::F32> ys,
+                       ffi::ResultBuffer<ffi::F32> h,
+                       ffi::ResultBuffer<ffi::F32> c,
+                       ffi::ResultBuffer<ffi::F32> cs,
+                       ffi::ResultBuffer<ffi::F32> gates, int64_t threads) {
+  const auto dims = x_proj.dimensions();
+  if (dims.size() != 4 || dims[3] % 4)
+    return ffi::Error::InvalidArgument("x_proj must be [S, T, B, 4G]");
+  const Shape d = WindowShape(dims, int(dims[3] / 4));
+  const bool keep = cs->element_count() > 0;
+  Forward(d, int(threads), keep, x_proj.typed_data(), h0.typed_data(),
+          c0.typed_data(), w_h.typed_data(), ys->typed_data(), h->typed_data(),
+          c->typed_data(), keep ? cs->typed_data() : nullptr,
+          gates->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> d_ys, ffi::Buffer<ffi::F32> gates,
+                        ffi::Buffer<ffi::F32> cs, ffi::Buffer<ffi::F32> c0,
+                        ffi::Buffer<ffi::F32> w_h, ffi::Buffer<ffi::F32> dh_last,
+                        ffi::Buffer<ffi::F32> dc_last,
+                        ffi::ResultBuffer<ffi::F32> dz,
+                        ffi::ResultBuffer<ffi::F32> dh0,
+                        ffi::ResultBuffer<ffi::F32> dc0, int64_t threads) {
+  const auto dims = gates.dimensions();
+  if (dims.size() != 4 || dims[3] % 4)
+    return ffi::Error::InvalidArgument("gates must be [S, T, B, 4G]");
+  const Shape d = WindowShape(dims, int(dims[3] / 4));
+  Backward(d, int(threads), d_ys.typed_data(), gates.typed_data(),
+           cs.typed_data(), c0.typed_data(), w_h.typed_data(),
+           dh_last.typed_data(), dc_last.typed_data(), dz->typed_data(),
+           dh0->typed_data(), dc0->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraForward, ForwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x_proj
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // h0
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // c0
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_h
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // ys
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // h
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // c
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // cs
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // gates
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackward, BackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // d_ys
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gates
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cs
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // c0
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_h
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dh_last
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dc_last
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dz
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dh0
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dc0
+                                  .Attr<int64_t>("threads"));
