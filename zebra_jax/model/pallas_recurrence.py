@@ -416,50 +416,14 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c, launch, interpret):
 # ------------------------------------------------------- the layer function
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _fused_layer(inputs, w_x, bias, h0, c0, w_h, unroll, remat, launch,
-                 interpret):
-  del unroll, remat
-  x_proj = recurrence.project_inputs(inputs, w_x, bias)
-  ys, h, c, _ = _forward(x_proj, h0, c0, w_h, launch, None, interpret)
-  return ys, h, c
-
-
-def _fused_fwd(inputs, w_x, bias, h0, c0, w_h, unroll, remat, launch,
-               interpret):
-  del unroll
-  x_proj = recurrence.project_inputs(inputs, w_x, bias)
-  ys, h, c, saved = _forward(x_proj, h0, c0, w_h, launch,
-                             "states" if remat else "gates", interpret)
-  return (ys, h, c), (inputs, w_x, bias, h0, c0, w_h, ys, saved)
-
-
-def _fused_bwd(unroll, remat, launch, interpret, residuals, cotangents):
-  del unroll
-  inputs, w_x, bias, h0, c0, w_h, ys, saved = residuals
-  d_ys, d_h_last, d_c_last = cotangents
-  dt = w_h.dtype
-  # h_{t-1} in the compute dtype is exactly the previous output: the scan
-  # casts its float32 h_{t-1} to that dtype before every use in the backward
-  # pass, so nothing else needs saving.
-  h_prev = jnp.concatenate([h0.astype(dt)[:, None], ys[:, :-1]], axis=1)
-  matmul = lambda spec, a, b: jnp.einsum(spec, a, b,
-                                         preferred_element_type=jnp.float32)
-  if remat:  # recompute the gates with two large matmuls, as the scan does
-    (cs,) = saved
-    gates = recurrence._activate(  # pylint: disable=protected-access
-        recurrence.project_inputs(inputs, w_x, bias)
-        + matmul("stbg,sgk->stbk", h_prev, w_h))
-  else:
-    cs, gates = saved
-  dz, dh0, dc0 = _backward(d_ys, gates, cs, c0, w_h,
-                           d_h_last.astype(jnp.float32),
-                           d_c_last.astype(jnp.float32), launch, interpret)
-  return recurrence.window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0,
-                                    dc0)
-
-
-_fused_layer.defvjp(_fused_fwd, _fused_bwd)
+@functools.cache
+def _fused_layer(launch, interpret):
+  """recurrence.kernel_layer with this launch's forward and backward kernels
+  (one per plan and mode: jax.custom_vjp functions are traced by identity)."""
+  return recurrence.kernel_layer(
+      lambda x_proj, h0, c0, w_h, keep: _forward(x_proj, h0, c0, w_h, launch,
+                                                 keep, interpret),
+      lambda *args: _backward(*args, launch, interpret))
 
 
 def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False, *,
@@ -488,5 +452,5 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False, *,
                f"instead (S={s}, B={b}, G={g}, {jnp.dtype(w_h.dtype).name})")
     return recurrence.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
                                   remat)
-  return _fused_layer(inputs, w_x, bias, h0, c0, w_h, unroll, remat, launch,
-                      bool(interpret))
+  return _fused_layer(launch, bool(interpret))(inputs, w_x, bias, h0, c0, w_h,
+                                               remat)
