@@ -9,7 +9,7 @@ def test_op_kinds_from_hlo_names():
       "ynn_fusion.3", "dot.1", "cublas-gemm.2", "copy.5",
       "bitcast_dynamic-update-slice_fusion.1", "concatenate.2",
       "wrapped_copy", "add_divide_fusion.7", "subtract_multiply_fusion",
-      "while.1", "loop_fusion.4")}
+      "while.1", "loop_fusion.4", "custom-call.3", "ffi_call.20")}
   assert kinds == {
       "ynn_fusion.3": "matmul", "dot.1": "matmul",
       "cublas-gemm.2": "matmul", "copy.5": "data movement",
@@ -17,7 +17,9 @@ def test_op_kinds_from_hlo_names():
       "concatenate.2": "data movement", "wrapped_copy": "data movement",
       "add_divide_fusion.7": "elementwise & other",
       "subtract_multiply_fusion": "elementwise & other", "while.1": None,
-      "loop_fusion.4": "elementwise & other"}
+      "loop_fusion.4": "elementwise & other",
+      "custom-call.3": "native time loops",
+      "ffi_call.20": "native time loops"}
 
 
 def test_scope_categories_from_named_scopes():

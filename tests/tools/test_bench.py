@@ -61,6 +61,14 @@ def test_quick_bench_writes_every_row(tmp_path):
   assert set(breakdown) == {n for n in rows if not n.startswith("torch")}
   for name, b in breakdown.items():
     assert b["ops"] > 0 and b["matmul"] > 0, (name, b)
+  # model.recurrence=native rows: their time loops are the kernels' calls.
+  native = {n for n in rows if n.endswith("_native")}
+  assert {"core_S1_native", "core_S4_grouped_native", "lm_S1_native",
+          "eval_S4_grouped_native"} <= native
+  for name in native:
+    assert breakdown[name]["native time loops"] > 0, (name, breakdown[name])
+  assert all(b["native time loops"] == 0 for n, b in breakdown.items()
+             if n not in native)
   assert "device time of one traced step" in out.stdout
 
   memory = result["memory"]

@@ -57,6 +57,7 @@ from zebra_jax.benchmarks.steps import (core_runner, eval_runner, gen_runner,
 from zebra_jax.benchmarks.table import print_rows, speed_columns
 from zebra_jax.benchmarks.timing import datasheet, matmul_peak, time_interleaved
 from zebra_jax.benchmarks.torch_reference import torch_runners
+from zebra_jax.benchmarks import traces
 from zebra_jax.benchmarks.traces import trace_rows
 from zebra_jax.runtime import profiling
 
@@ -208,10 +209,10 @@ def print_table(result, trace_dir=None) -> None:
   if result.get("trace_breakdown"):
     print(f"\ndevice time of one traced step, ms by kind of op "
           f"(trace in {trace_dir or 'the trace folder'})")
-    kinds = ("matmul", "data movement", "elementwise & other")
-    print(f"{'row':<28}" + "".join(f"{k:>21}" for k in kinds) + f"{'ops':>8}")
+    print(f"{'row':<28}" + "".join(f"{k:>21}" for k in traces.KINDS)
+          + f"{'ops':>8}")
     for name, b in result["trace_breakdown"].items():
-      print(f"{name:<28}" + "".join(f"{b[k]:>21.1f}" for k in kinds)
+      print(f"{name:<28}" + "".join(f"{b[k]:>21.1f}" for k in traces.KINDS)
             + f"{b['ops']:>8}")
   for note in result["notes"]:
     print(f"note: {note}")

@@ -22,17 +22,24 @@ def trace_rows(trace_dir, runners) -> dict:
 # What the ops of a trace do, from their HLO names: matmuls (XLA's own dot
 # ops, or the library calls it fuses them into: YNNPACK/XNNPACK/oneDNN on
 # CPUs, cuBLAS/Triton GEMMs on GPUs), moves of data (layout copies, the
-# per-time-step writes of a scan into its window buffers, concatenations), and
-# the rest (elementwise fusions such as the gate math, reductions).
+# per-time-step writes of a scan into its window buffers, concatenations), the
+# native time loops (model.recurrence=native: custom calls, a whole loop's
+# matmuls and gate math each), and the rest (elementwise fusions such as the
+# gate math, reductions).
 _MATMUL_OPS = ("dot", "ynn", "xnn", "onednn", "cublas", "gemm", "triton_gemm",
                "convolution")
 _DATA_MOVES = ("copy", "dynamic-update-slice", "dynamic-slice", "concatenate",
                "transpose", "slice")
 
 
+KINDS = ("matmul", "data movement", "native time loops", "elementwise & other")
+
+
 def op_kind(hlo_op: str) -> str | None:
-  """"matmul", "data movement" or "elementwise & other" for an HLO op name;
-  None for loop ops, whose events span their bodies' ops."""
+  """One of KINDS for an HLO op name; None for loop ops, whose events span
+  their bodies' ops."""
+  if hlo_op.startswith(("custom-call", "ffi_call")):  # jax.ffi.ffi_call
+    return "native time loops"
   words = hlo_op.split(".")[0].split("_")
   if words[0] in ("while", "conditional", "call"):
     return None
@@ -53,7 +60,7 @@ def trace_breakdown(trace_dir: str, names: list[str]) -> dict:
            if e.get("name") in names}
   result = {}
   for name, (start, end) in spans.items():
-    kinds = {"matmul": 0.0, "data movement": 0.0, "elementwise & other": 0.0}
+    kinds = dict.fromkeys(KINDS, 0.0)
     ops = 0
     for e in events:
       op = e.get("args", {}).get("hlo_op")
