@@ -148,13 +148,21 @@ def compiled_train_step(cfg, data, stripe, accum=1):
   return step.lower(state, batch).compile()
 
 
-@pytest.mark.parametrize("stripe_input", ["dense", "grouped"])
-@pytest.mark.parametrize("data,stripe", [(1, 8), (2, 4)])
-def test_no_collective_inside_the_time_loop(stripe_input, data, stripe):
-  cfg = tiny_config(stripe_input, stripe)
+@pytest.mark.parametrize("stripe_input,data,stripe,recurrence", [
+    ("dense", 1, 8, "scan"), ("grouped", 1, 8, "scan"),
+    ("dense", 2, 4, "scan"), ("grouped", 2, 4, "scan"),
+    ("grouped", 2, 4, "native")])
+def test_no_collective_inside_the_time_loop(stripe_input, data, stripe,
+                                            recurrence):
+  cfg = tiny_config(stripe_input, stripe, recurrence=recurrence)
   text = compiled_train_step(cfg, data, stripe).as_text()
-  # Two layers: a forward and a backward time loop each.
-  assert len(hc.while_bodies(text)) == 4
+  # Two layers: a forward and a backward time loop each, as while loops or
+  # as one call each into the native library.
+  if recurrence == "scan":
+    assert len(hc.while_bodies(text)) == 4
+  else:
+    assert hc.while_bodies(text) == []
+    assert text.count('custom_call_target="zebra_native_') == 4
   assert hc.in_while_loops(text) == []
   counts = hc.count(text)
   for kind, n in _design(cfg, data, stripe).items():
@@ -200,7 +208,7 @@ def test_data_parallel_step_moves_only_gradients(stripe_input):
 
 
 def test_accumulation_loop_holds_only_the_layer_exchanges():
-  cfg = tiny_config("dense", 4)
+  cfg = tiny_config("dense", 4, recurrence="scan")
   text = compiled_train_step(cfg, 2, 4, accum=2).as_text()
   bodies = hc.while_bodies(text)
   comps = hc.computations(text)
