@@ -18,8 +18,8 @@ over words they do the same in 51-55% of the classic's time.
 
 Why model.recurrence=native: the same model with its time loops as compiled
 C++ (zebra_jax/model/native_recurrence.py); this job trained 1,500 steps in
-97 s instead of 120 s on 2 CPU cores, to the same valid and test perplexity
-(3.89, 4.70). Without a C++ compiler it runs the scan, with one warning line.
+97-110 s instead of 120 s on 2 CPU cores, to the same valid and test
+perplexity (3.89, 4.70). Without a C++ compiler it runs the scan, with one warning line.
 """
 
 import ml_collections
