@@ -32,6 +32,7 @@ import logging
 import os
 import pathlib
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -81,9 +82,11 @@ def _cpu_features() -> str:
 
 def _build(cxx: str) -> pathlib.Path:
   """Compiles SOURCE unless a library for this source, compiler, jax and
-  CPU is cached; returns its path. Raises OSError or CalledProcessError."""
-  version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                           check=True).stdout
+  CPU is cached; returns its path. Raises OSError or CalledProcessError.
+  cxx may hold words ("ccache g++"), as $CXX often does."""
+  command = shlex.split(cxx)
+  version = subprocess.run([*command, "--version"], capture_output=True,
+                           text=True, check=True).stdout
   key = hashlib.sha256("\n".join(
       [SOURCE.read_text(), cxx, version, jax.__version__, " ".join(_FLAGS),
        _cpu_features()]).encode()).hexdigest()[:20]
@@ -95,7 +98,8 @@ def _build(cxx: str) -> pathlib.Path:
   # same time each rename a complete library.
   with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
     built = pathlib.Path(tmp) / path.name
-    subprocess.run([cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE),
+    subprocess.run([*command, *_FLAGS, f"-I{jax.ffi.include_dir()}",
+                    str(SOURCE),
                     "-o", str(built)], capture_output=True, text=True,
                    check=True)
     os.replace(built, path)
