@@ -162,7 +162,7 @@ def test_lm_matches_scan():
 
 
 def test_bfloat16_runs_the_scan_and_says_why_once(caplog, monkeypatch):
-  monkeypatch.setattr(native_recurrence, "_warned", set())  # said before?
+  monkeypatch.setattr(recurrence, "_warned", set())  # said before?
   args = _args(2, "dense", steps=3, batch=4, width=8, dtype=jnp.bfloat16)
   with caplog.at_level(logging.WARNING):
     for _ in range(2):

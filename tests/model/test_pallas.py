@@ -272,7 +272,7 @@ def test_model_recurrence_pallas_trains_like_scan(stripe_input, caplog):
       return sums["loss_sum"] / sums["count"]
     return jax.jit(jax.value_and_grad(loss))(params)
 
-  pallas_recurrence._warned.clear()  # pylint: disable=protected-access
+  recurrence._warned.clear()  # pylint: disable=protected-access
   with caplog.at_level(logging.WARNING):
     got = loss_and_grads("pallas")
   want = loss_and_grads("scan")

@@ -28,7 +28,6 @@ runs the scan instead, with one warning line saying why.
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import pathlib
 import platform
@@ -47,15 +46,6 @@ SOURCE = pathlib.Path(__file__).with_name("native") / "recurrence.cc"
 _FORWARD, _BACKWARD = "zebra_native_forward", "zebra_native_backward"
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17",
           "-shared", "-fPIC", "-pthread", "-w")
-
-_warned = set()
-
-
-def _warn_once(message: str) -> None:
-  if message not in _warned:
-    _warned.add(message)
-    logging.warning("%s", message)
-
 
 def compiler() -> str | None:
   """The C++ compiler to build with: $CXX, else c++ or g++ on the PATH."""
@@ -189,7 +179,7 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):
   results. Where the kernels cannot run, the scan runs, with one warning."""
   why = unavailable(w_h.dtype, inputs.shape)
   if why:
-    _warn_once(f"model.recurrence=native: {why}; running the scan instead")
+    recurrence.warn_once(f"model.recurrence=native: {why}; running the scan instead")
     return recurrence.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
                                   remat)
   return _native_layer(inputs, w_x, bias, h0, c0, w_h, remat)

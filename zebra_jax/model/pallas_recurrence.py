@@ -86,7 +86,6 @@ Pallas thread is a warpgroup of 128 CUDA threads) needs:
 
 import functools
 import importlib
-import logging
 from typing import NamedTuple
 
 import jax
@@ -101,15 +100,6 @@ _SM_REGISTERS = 65536   # 32-bit registers per SM (sm_80 to sm_100)
 _THREAD_REGISTERS = 255
 _REGISTER_SHARE = 0.75  # of the cap that live values may take
 _BLOCK_REGISTERS = 32   # a streamed U_s block's registers per thread
-
-_warned = set()
-
-
-def _warn_once(message: str) -> None:
-  if message not in _warned:
-    _warned.add(message)
-    logging.warning("%s", message)
-
 
 class Plan(NamedTuple):
   """How a layer's window runs: rows is None when the scan runs instead."""
@@ -441,14 +431,14 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False, *,
   if interpret is None:
     interpret = platform != "gpu"
     if interpret:
-      _warn_once(f"model.recurrence=pallas on {platform}: the kernel runs in "
+      recurrence.warn_once(f"model.recurrence=pallas on {platform}: the kernel runs in "
                  "Pallas interpret mode (exact but slow); use "
                  "model.recurrence=scan off GPUs")
   s, b, g = h0.shape
   if launch is None:
     launch = launch_plan(b, g, w_h.dtype, triton=not interpret, budget=budget)
   if launch.rows is None:
-    _warn_once(f"model.recurrence=pallas: {launch.why}; running the scan "
+    recurrence.warn_once(f"model.recurrence=pallas: {launch.why}; running the scan "
                f"instead (S={s}, B={b}, G={g}, {jnp.dtype(w_h.dtype).name})")
     return recurrence.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
                                   remat)

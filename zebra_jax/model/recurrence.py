@@ -40,9 +40,21 @@ stripe, as in PyTorch.
 """
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
+
+
+_warned = set()
+
+
+def warn_once(message: str) -> None:
+  """Logs a warning the first time this process sees it: the kernels' "running
+  the scan instead" lines, which every traced layer would repeat."""
+  if message not in _warned:
+    _warned.add(message)
+    logging.warning("%s", message)
 
 
 def _activate(z):
