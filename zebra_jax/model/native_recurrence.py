@@ -179,7 +179,8 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):
   results. Where the kernels cannot run, the scan runs, with one warning."""
   why = unavailable(w_h.dtype, inputs.shape)
   if why:
-    recurrence.warn_once(f"model.recurrence=native: {why}; running the scan instead")
+    recurrence.warn_once(
+        f"model.recurrence=native: {why}; running the scan instead")
     return recurrence.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
                                   remat)
   return _native_layer(inputs, w_x, bias, h0, c0, w_h, remat)

@@ -431,15 +431,17 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False, *,
   if interpret is None:
     interpret = platform != "gpu"
     if interpret:
-      recurrence.warn_once(f"model.recurrence=pallas on {platform}: the kernel runs in "
-                 "Pallas interpret mode (exact but slow); use "
-                 "model.recurrence=scan off GPUs")
+      recurrence.warn_once(
+          f"model.recurrence=pallas on {platform}: the kernel runs in Pallas "
+          "interpret mode (exact but slow); use model.recurrence=scan off "
+          "GPUs")
   s, b, g = h0.shape
   if launch is None:
     launch = launch_plan(b, g, w_h.dtype, triton=not interpret, budget=budget)
   if launch.rows is None:
-    recurrence.warn_once(f"model.recurrence=pallas: {launch.why}; running the scan "
-               f"instead (S={s}, B={b}, G={g}, {jnp.dtype(w_h.dtype).name})")
+    recurrence.warn_once(
+        f"model.recurrence=pallas: {launch.why}; running the scan instead "
+        f"(S={s}, B={b}, G={g}, {jnp.dtype(w_h.dtype).name})")
     return recurrence.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
                                   remat)
   return _fused_layer(launch, bool(interpret))(inputs, w_x, bias, h0, c0, w_h,
