@@ -72,6 +72,30 @@ def test_claims_against_the_best_classic_of_any_width():
   assert "ends at a lower test ppl than the classic LSTM at hidden 74" in said[1]
 
 
+def test_between_striped_settings_only_what_separates():
+  classic = [_run("s1_h256", s, 7.0 + 0.1 * s, [(60, 8.0), (120, 6.0)],
+                  num_stripes=1) for s in range(2)]
+  dense = [_run("s8_h256", s, 5.0 + 0.1 * s, [(30, 8.0), (60, 5.0)])
+           for s in range(2)]
+  dense4 = [_run("s4_h256", s, 5.05 + 0.1 * s, [(29 + s, 8.0), (60, 5.0)],
+                 num_stripes=4) for s in range(2)]
+  wide = [dict(_run("s8_grouped_h520_eqtime", s, 4.0 + 0.1 * s,
+                    [(40 + s, 8.0), (120, 4.0)], role="equal_time",
+                    hidden=520), stripe_input="grouped") for s in range(2)]
+  rows = stripes_report.table(classic + dense + dense4 + wide, [8.0])
+  said = stripes_report.between_striped(rows)
+  assert not any("classic LSTM" in line for line in said)  # striped only
+  assert said[0] == ("- dense S=4 (hidden 256) and dense S=8 (hidden 256): "
+                     "no column separates, no claim.")
+  assert said[1].startswith(
+      "- grouped S=8, = classic step time (hidden 520) reaches valid ppl 8 "
+      "in 135% of the training time of dense S=8 (hidden 256) (40 s against "
+      "30 s")
+  assert said[2].startswith("- grouped S=8, = classic step time (hidden 520) "
+                            "ends at a lower test ppl than dense S=8")
+  assert len(said) == 5  # and the same two lines against dense S=4
+
+
 def test_every_setting_of_the_plot_has_its_own_line():
   colors = ["C0", "C1", "C2"]
   looks = [stripes_report.line_style(i, colors) for i in range(12)]

@@ -176,6 +176,41 @@ def best_classic(rows: Sequence[dict]) -> dict | None:
              key=lambda r: r["valid_ppl"], default=None)
 
 
+def _called(row: dict) -> str:
+  """How a claim names the setting it is measured against."""
+  if row["num_stripes"] == 1:
+    return f"the classic LSTM at hidden {row['hidden_size']}"
+  return f"{label(row)} (hidden {row['hidden_size']})"
+
+
+def _compare(r: dict, base: dict) -> list[str]:
+  """`r` against `base`: per target and for the final test ppl, a claim where
+  the seeds' ranges separate, "no claim" where they overlap."""
+  name, them = f"{label(r)} (hidden {r['hidden_size']})", _called(base)
+  lines = []
+  for mine, theirs in zip(r["to_target"], base["to_target"]):
+    if mine["reached"] < r["seeds"] or theirs["reached"] < base["seeds"]:
+      continue  # a seed that never got there has no time to compare
+    if _separate(mine["range"], theirs["range"]):
+      lines.append(f"- {name} reaches valid ppl {mine['target']:g} in "
+                   f"{100 * mine['mean'] / theirs['mean']:.0f}% of the "
+                   f"training time of {them} ({mine['mean']:.0f} s "
+                   f"against {theirs['mean']:.0f} s; the seeds' ranges "
+                   f"separate).")
+    else:
+      lines.append(f"- {name} and {them} reach valid ppl "
+                   f"{mine['target']:g} in overlapping times: no claim.")
+  if _separate(r["test_ppl_range"], base["test_ppl_range"]):
+    better = r["test_ppl"] < base["test_ppl"]
+    lines.append(f"- {name} ends at a {'lower' if better else 'higher'} "
+                 f"test ppl than {them} ({r['test_ppl']:.2f} against "
+                 f"{base['test_ppl']:.2f}; ranges separate).")
+  else:
+    lines.append(f"- {name} and {them} end at overlapping test ppl: no "
+                 f"claim.")
+  return lines
+
+
 def claims(rows: Sequence[dict], base: dict | None = None) -> list[str]:
   """Each setting against `base` (default: the classic LSTM at the config's
   width), where the seeds' ranges separate; the rest are listed as not
@@ -184,32 +219,26 @@ def claims(rows: Sequence[dict], base: dict | None = None) -> list[str]:
   base = next((r for r in rows if _is_classic(r)), None) if at_width else base
   if base is None or base["seeds"] < 2:
     return []
-  them = f"the classic LSTM at hidden {base['hidden_size']}"
   lines = []
   for r in rows:
     if r is base or r["seeds"] < 2 or (not at_width and r["num_stripes"] == 1):
       continue
-    name = f"{label(r)} (hidden {r['hidden_size']})"
-    for mine, theirs in zip(r["to_target"], base["to_target"]):
-      if mine["reached"] < r["seeds"] or theirs["reached"] < base["seeds"]:
-        continue  # a seed that never got there has no time to compare
-      if _separate(mine["range"], theirs["range"]):
-        lines.append(f"- {name} reaches valid ppl {mine['target']:g} in "
-                     f"{100 * mine['mean'] / theirs['mean']:.0f}% of the "
-                     f"training time of {them} ({mine['mean']:.0f} s "
-                     f"against {theirs['mean']:.0f} s; the seeds' ranges "
-                     f"separate).")
-      else:
-        lines.append(f"- {name} and {them} reach valid ppl "
-                     f"{mine['target']:g} in overlapping times: no claim.")
-    if _separate(r["test_ppl_range"], base["test_ppl_range"]):
-      better = r["test_ppl"] < base["test_ppl"]
-      lines.append(f"- {name} ends at a {'lower' if better else 'higher'} "
-                   f"test ppl than {them} ({r['test_ppl']:.2f} against "
-                   f"{base['test_ppl']:.2f}; ranges separate).")
-    else:
-      lines.append(f"- {name} and {them} end at overlapping test ppl: no "
-                   f"claim.")
+    lines += _compare(r, base)
+  return lines
+
+
+def between_striped(rows: Sequence[dict]) -> list[str]:
+  """Every pair of striped settings: what separates them, the later setting
+  of the table against the earlier. Choosing a default among striped
+  settings needs these; a pair that separates in no column says so once."""
+  striped = [r for r in rows if r["num_stripes"] > 1 and r["seeds"] >= 2]
+  lines = []
+  for i, base in enumerate(striped):
+    for r in striped[i + 1:]:
+      said = [line for line in _compare(r, base)
+              if not line.endswith("no claim.")]
+      lines += said or [f"- {label(r)} (hidden {r['hidden_size']}) and "
+                        f"{_called(base)}: no column separates, no claim."]
   return lines
 
 
@@ -271,7 +300,8 @@ def write(out: str, records: Sequence[dict], meta: dict) -> dict:
   meta = {**meta, "targets_used": targets}
   rows = table(records, targets)
   text = markdown(rows, targets)
-  said = {"classic": claims(rows), "best_classic": []}
+  said = {"classic": claims(rows), "best_classic": [],
+          "striped": between_striped(rows)}
   best = best_classic(rows)
   if best is not None and not _is_classic(best):
     said["best_classic"] = claims(rows, best)
@@ -288,7 +318,9 @@ def write(out: str, records: Sequence[dict], meta: dict) -> dict:
     for key, title in (("classic", "Against the classic LSTM at the "
                          "config's width"),
                        ("best_classic", "Against the classic LSTM with the "
-                        "lowest valid ppl of any width")):
+                        "lowest valid ppl of any width"),
+                       ("striped", "Between the striped settings (the "
+                        "columns where a pair's seeds separate)")):
       if said[key]:
         f.write(f"\n{title}:\n\n" + "\n".join(said[key]) + "\n")
   title = (f"valid ppl, {meta['budget_minutes']:g} min per run, "
