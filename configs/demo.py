@@ -10,11 +10,12 @@ The corpus is English documentation text shipped with every Python install
 (pydoc topics and standard-library docstrings), so it needs no network.
 
 Why 4 dense stripes at hidden 256 (base's model): at equal wall-clock on this
-corpus (docs/stripes_vs_classic.md, 3 seeds x 3.25 min on 2 CPU cores) dense
-S=4 and S=8 tie for the best setting, reaching the classic LSTM's final
-perplexity in 56% of its training time and ending lowest (test ppl 4.50 and
-4.53 against 5.09 for the classic LSTM of this width, 4.59 to 5.47 grouped);
-over words they do the same in 51-55% of the classic's time.
+corpus (docs/stripes_vs_classic.md, 3 seeds x 3.25 min on 2 CPU cores, with
+this config's native time loops) nothing separates from it over characters,
+where it reaches the classic LSTM's final perplexity in 50% of its training
+time and ends lower (test ppl 4.16 against 4.45); over words dense stripes
+(S=8) beat every grouped setting in every column. Grouped S=8 is the fastest
+to a loose target but ends above dense S=8 at both levels (seeds apart).
 
 Why model.recurrence=native: the same model with its time loops as compiled
 C++ (zebra_jax/model/native_recurrence.py); this job trained 1,500 steps in
