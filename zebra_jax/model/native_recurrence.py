@@ -89,9 +89,8 @@ def _build(cxx: str) -> pathlib.Path:
   with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
     built = pathlib.Path(tmp) / path.name
     subprocess.run([*command, *_FLAGS, f"-I{jax.ffi.include_dir()}",
-                    str(SOURCE),
-                    "-o", str(built)], capture_output=True, text=True,
-                   check=True)
+                    str(SOURCE), "-o", str(built)], capture_output=True,
+                   text=True, check=True)
     os.replace(built, path)
   return path
 
