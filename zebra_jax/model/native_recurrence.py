@@ -159,14 +159,16 @@ def _forward(x_proj, h0, c0, w_h, keep):
 
 
 def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
-  """-> dz [S, T, B, 4G] (written over the gates' buffer), dh0, dc0."""
+  """-> dz [S, T, B, 4G] (written over the gates' buffer), dh0, dc0.
+  W_h goes in transposed ([S, 4G, G]): XLA's transpose, once per call."""
   s, t, b, g4 = gates.shape
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
   return jax.ffi.ffi_call(
       _BACKWARD, (jax.ShapeDtypeStruct(gates.shape, f32), state, state),
       input_output_aliases={1: 0}, vmap_method="sequential")(
-          d_ys.astype(f32), gates, cs, c0.astype(f32), w_h, d_h, d_c,
+          d_ys.astype(f32), gates, cs, c0.astype(f32),
+          jnp.swapaxes(w_h, 1, 2), d_h, d_c,
           threads=np.int64(threads()))
 
 

@@ -15,7 +15,9 @@
 //   x_proj, gates, dz [S, T, B, 4G]   gates [i | f | g | o] within a stripe
 //   ys, cs, d_ys      [S, T, B, G]
 //   h, c              [S, B, G]
-//   w_h               [S, G, 4G]
+//   w_h               [S, G, 4G]   (forward)
+//   w_t               [S, 4G, G]   (backward: W_h^T, read row by row as the
+//                                  forward reads W_h)
 // The matmuls and the cell are exact float32 arithmetic but for tanh, a
 // rational approximation (the one XLA's CPU backend uses; largest error
 // against float64 about 3.5e-7).
@@ -224,9 +226,12 @@ void Forward(const Shape& d, int threads, bool keep, const float* x_proj,
 
 // Backward: the reverse loop carries (dh, dc); per step the pre-activation
 // gradients dz_t (written over the gates, which may share dz's buffer) and
-// dh_{t-1} = dz_t W^T.
+// dh_{t-1} = dz_t W^T. W^T comes transposed by the caller, one copy that
+// every thread reads: a transposed copy per thread took longer than a
+// dense S=1 layer's whole reverse loop gained over the forward one, and
+// doubled what the threads read from the shared cache each step.
 void Backward(const Shape& d, int threads, const float* d_ys, const float* gates,
-              const float* cs, const float* c0, const float* w_h,
+              const float* cs, const float* c0, const float* w_t,
               const float* dh_last, const float* dc_last, float* dz,
               float* dh0, float* dc0) {
   const int g = d.g, k4 = 4 * g;
@@ -235,11 +240,7 @@ void Backward(const Shape& d, int threads, const float* d_ys, const float* gates
     const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
     std::vector<float> dh(dh_last + state0, dh_last + state0 + int64_t(n) * g);
     std::vector<float> dc(dc_last + state0, dc_last + state0 + int64_t(n) * g);
-    // W^T [4G, G]: dz_t W^T reads it row by row, as the forward reads W.
-    std::vector<float> wt(int64_t(k4) * g);
-    const float* w = w_h + int64_t(s) * g * k4;
-    for (int i = 0; i < g; ++i)
-      for (int k = 0; k < k4; ++k) wt[int64_t(k) * g + i] = w[int64_t(i) * k4 + k];
+    const float* wt = w_t + int64_t(s) * k4 * g;
     for (int t = d.t - 1; t >= 0; --t) {
       const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
       for (int r = 0; r < n; ++r) {
@@ -264,7 +265,7 @@ void Backward(const Shape& d, int threads, const float* d_ys, const float* gates
           Put(dcr + j, dcj * f);
         });
       }
-      Matmul(n, g, k4, dz + row * k4, k4, wt.data(), nullptr, 0, dh.data(), g);
+      Matmul(n, g, k4, dz + row * k4, k4, wt, nullptr, 0, dh.data(), g);
     }
     std::copy(dh.begin(), dh.end(), dh0 + state0);
     std::copy(dc.begin(), dc.end(), dc0 + state0);
@@ -296,7 +297,7 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> x_proj, ffi::Buffer<ffi::F32> h0,
 
 ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> d_ys, ffi::Buffer<ffi::F32> gates,
                         ffi::Buffer<ffi::F32> cs, ffi::Buffer<ffi::F32> c0,
-                        ffi::Buffer<ffi::F32> w_h, ffi::Buffer<ffi::F32> dh_last,
+                        ffi::Buffer<ffi::F32> w_t, ffi::Buffer<ffi::F32> dh_last,
                         ffi::Buffer<ffi::F32> dc_last,
                         ffi::ResultBuffer<ffi::F32> dz,
                         ffi::ResultBuffer<ffi::F32> dh0,
@@ -306,7 +307,7 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> d_ys, ffi::Buffer<ffi::F32> gates,
     return ffi::Error::InvalidArgument("gates must be [S, T, B, 4G]");
   const Shape d = WindowShape(dims, int(dims[3] / 4));
   Backward(d, int(threads), d_ys.typed_data(), gates.typed_data(),
-           cs.typed_data(), c0.typed_data(), w_h.typed_data(),
+           cs.typed_data(), c0.typed_data(), w_t.typed_data(),
            dh_last.typed_data(), dc_last.typed_data(), dz->typed_data(),
            dh0->typed_data(), dc0->typed_data());
   return ffi::Error::Success();
@@ -333,7 +334,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackward, BackwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gates
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cs
                                   .Arg<ffi::Buffer<ffi::F32>>()  // c0
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_h
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_h^T
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dh_last
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dc_last
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dz
