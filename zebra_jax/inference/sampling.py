@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax.errors import UserError
+from zebra_jax.model import metrics
 
 
 class DecodeState(NamedTuple):
@@ -95,7 +96,7 @@ def filter_logits(logits, *, temperature, top_k, top_p):
   logits = logits.astype(jnp.float32)
   vocab = logits.shape[-1]
   if temperature == 0:  # The T -> 0 limit: all mass on the (first) argmax.
-    best = jax.nn.one_hot(jnp.argmax(logits, -1), vocab, dtype=jnp.bool_)
+    best = jax.nn.one_hot(metrics.argmax(logits), vocab, dtype=jnp.bool_)
     return jnp.where(best, 0.0, -jnp.inf)
   if temperature != 1:
     logits = logits / temperature
@@ -187,7 +188,7 @@ def sample_next(key, logits, *, temperature, top_k, top_p):
   """
   check_options(temperature=temperature, top_k=top_k, top_p=top_p)
   if temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return metrics.argmax(logits)
   filtered = filter_logits(
       logits, temperature=temperature, top_k=top_k, top_p=top_p)
   return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zebra_jax.errors import UserError
+from zebra_jax.model import metrics
 
 
 def cluster_bounds(vocab_size: int, cutoffs: Sequence[int]) -> tuple:
@@ -207,6 +208,6 @@ class AdaptiveSoftmax(nnx.Module):
     num_chunks = -(-n // c)
     rows = jnp.pad(hidden, ((0, num_chunks * c - n), (0, 0)))
     best = jax.lax.map(
-        lambda h: jnp.argmax(self.log_probs(h), -1).astype(jnp.int32),
+        lambda h: metrics.argmax(self.log_probs(h)),
         rows.reshape(num_chunks, c, -1))
     return best.reshape(-1)[:n]

@@ -11,6 +11,22 @@ import jax.numpy as jnp
 import optax
 
 
+def argmax(x: jax.Array) -> jax.Array:
+  """`jnp.argmax(x, -1)` as int32: the first largest entry's index (the
+  first NaN's, where there is one).
+
+  Why not jnp.argmax: XLA's CPU backend runs it as one reduction over
+  (value, index) pairs that it does not vectorise, 37 ms for [2048, 8192]
+  float32 logits, about 5x the whole cross-entropy beside it. Here it is a
+  max (which XLA shares with the cross-entropy's) and a min over the
+  indices that hold it: 6.7 ms more than the cross-entropy alone.
+  """
+  top = jnp.max(x, axis=-1, keepdims=True)
+  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  return jnp.min(jnp.where((x == top) | jnp.isnan(x), index, x.shape[-1]),
+                 axis=-1)
+
+
 def token_sums(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
   """Summed cross-entropy, correct top-1 predictions and token count.
 
@@ -22,7 +38,7 @@ def token_sums(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
   """
   logits = logits.astype(jnp.float32)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  correct = (argmax(logits) == targets).astype(jnp.float32)
   return {"loss_sum": losses.sum(), "correct": correct.sum(),
           "count": jnp.asarray(targets.size, jnp.float32)}
 
