@@ -186,7 +186,7 @@ def _called(row: dict) -> str:
 def _compare(r: dict, base: dict, overlaps: bool = True) -> list[str]:
   """`r` against `base`: per target and for the final test ppl, a claim where
   the seeds' ranges separate, "no claim" where they overlap (if `overlaps`)."""
-  name, them = f"{label(r)} (hidden {r['hidden_size']})", _called(base)
+  name, them = _called(r), _called(base)
   lines = []
   for mine, theirs in zip(r["to_target"], base["to_target"]):
     if mine["reached"] < r["seeds"] or theirs["reached"] < base["seeds"]:
@@ -236,7 +236,7 @@ def between_striped(rows: Sequence[dict]) -> list[str]:
   for i, base in enumerate(striped):
     for r in striped[i + 1:]:
       lines += _compare(r, base, overlaps=False) or [
-          f"- {label(r)} (hidden {r['hidden_size']}) and {_called(base)}: "
+          f"- {_called(r)} and {_called(base)}: "
           "no column separates, no claim."]
   return lines
 
