@@ -1,12 +1,14 @@
 """Every mode with the model's stripes split over devices, as a user runs it.
 
-`--config.parallel.stripe_devices=4` on 8 emulated devices: train -> eval ->
-sample -> score -> export through the CLI. Sampling and scoring then run
-the layers split over 4 devices (`loading.placement`); the reference is the
-same workdir with `--config.parallel.stripe_devices=1`, one device.
+`--config.parallel.stripe_devices=4` on 8 emulated devices (data 2 x stripe
+4): train past two evaluations that each sample -> eval -> sample -> score ->
+export through the CLI. Sampling and scoring then run the layers split over 4
+devices (`loading.placement`); the reference is the same workdir with
+`--config.parallel.stripe_devices=1`, one device.
 """
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -30,17 +32,40 @@ def _cli(workdir, *args):
   return out.stdout
 
 
+def _eval_samples(workdir):
+  """{step: text} of the samples training wrote to TensorBoard at each
+  evaluation (None without the tensorboard package)."""
+  try:
+    from tensorboard.backend.event_processing import event_accumulator
+  except ImportError:
+    return None
+  acc = event_accumulator.EventAccumulator(
+      os.path.join(workdir, "tensorboard"),
+      size_guidance={event_accumulator.TENSORS: 0})
+  acc.Reload()
+  return {e.step: e.tensor_proto.string_val[0].decode()
+          for e in acc.Tensors("sample/text_summary")}
+
+
+@pytest.mark.slow
 def test_every_mode_with_stripe_devices(tmp_path):
   run = str(tmp_path / "run")
+  # 20 steps, evaluated at 10 and 20: the second evaluation's sample runs
+  # the sampler built at the first on the new weights.
   train = _cli(run, "--config=configs/demo.py:tiny",
                "--config.parallel.stripe_devices=4",
-               "--config.train.num_steps=10")
+               "--config.train.num_steps=20", "--config.train.eval_every=10",
+               "--config.sample.temperature=0")
   assert "test ppl" in train
   assert "valid ppl" in _cli(run, "--mode=eval")
   greedy = ["--mode=sample", "--prompt=The ", "--config.sample.temperature=0"]
   one = ["--config.parallel.stripe_devices=1"]
-  assert sampled_text(_cli(run, *greedy)) == sampled_text(
-      _cli(run, *greedy, *one))
+  split = sampled_text(_cli(run, *greedy))
+  assert split == sampled_text(_cli(run, *greedy, *one))
+  samples = _eval_samples(run)
+  if samples is not None:  # the loss fell: step 20 is the best checkpoint
+    assert sorted(samples) == [10, 20]
+    assert samples[20].strip() == split
   scored = ["--mode=score", f"--text={TEXT}"]
   # printed to 4 decimals: equal up to the last digit's rounding
   assert score_numbers(_cli(run, *scored)) == pytest.approx(

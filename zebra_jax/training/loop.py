@@ -220,13 +220,18 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
   wall = time.perf_counter() - started
   trained = step - first_step
   tokens_per_batch = batcher.tokens_per_batch
-  summary = {"steps": step, "best_valid_loss": run.best_valid,
-             "best_valid_ppl": float(np.exp(min(run.best_valid, 700))),
+  evaluated = run.best_step is not None  # else no loss, not an infinite one
+  summary = {"steps": step,
+             "best_valid_loss": run.best_valid if evaluated else None,
+             "best_valid_ppl": (float(np.exp(min(run.best_valid, 700)))
+                                if evaluated else None),
              "best_valid_step": run.best_step,
              "tokens_seen": step * tokens_per_batch,
              "tok_per_s": trained * tokens_per_batch / max(wall, 1e-9),
              "wall_s": wall, "train_s": wall - run.paused,
              "params": n_params, "preempted": run.preempted,
+             # A signal stopped it before num_steps: the exit status says so.
+             "stopped_early": run.preempted and step < cfg.train.num_steps,
              "checkpoints": ckpt.directory}
   log.summary(summary, workdir, config_path)
   log.close()
@@ -262,7 +267,8 @@ class _Run:
     """Continue from a restored checkpoint."""
     self.state, self.last_saved = state, int(state.step)
     self.position = pipeline.DataPosition.from_dict(meta["position"])
-    self.best_valid = meta["best_valid_loss"]
+    best = meta["best_valid_loss"]  # null (older: Infinity) before an eval
+    self.best_valid = float("inf") if best is None else best
     self.best_step = meta["best_valid_step"]
     self.log.info(f"resuming from checkpoint at step {latest} "
                   f"(epoch {self.position.epoch}, batch {self.position.index})")
@@ -361,7 +367,8 @@ class _Run:
 
   def _save(self, step: int, valid) -> None:
     meta = {"step": step, "position": self.position.to_dict(),
-            "best_valid_loss": self.best_valid,
+            "best_valid_loss": (self.best_valid if self.best_step is not None
+                                else None),  # strict JSON: no Infinity
             "best_valid_step": self.best_step}
     self.ckpt.save(step, self.state, meta, valid["loss"] if valid else None)
     self.last_saved = step
@@ -386,8 +393,10 @@ def _make_eval_sampler(cfg, model, tokenizer, splits, graphdef):
       generator = sample.Generator(
           loading.Loaded(_with_model(cfg, model), tokenizer, splits,
                          graphdef, params, 0))
-    else:  # same compiled code, new weights
-      generator.params = jax.device_put(params, jax.local_devices()[0])
+    else:  # same compiled code, new weights, laid out as the old ones (one
+      # device, or split over the stripe devices: loading.placement)
+      generator.params = jax.device_put(
+          params, jax.tree.map(lambda a: a.sharding, generator.params))
     return generator.generate([cfg.sample.prompt], options)[0]
 
   try:  # a prompt this vocabulary cannot encode must not stop training
