@@ -19,7 +19,8 @@ for ((i = 0; i < nproc; i++)); do
   pids+=($!)
 done
 # A signal to this script reaches every process (Ctrl-C reaches them anyway):
-# they agree on a step, save there and exit 0; rerun to resume.
+# they agree on a step, save there and exit 75 (stopped early); rerun to
+# resume.
 trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
 trap 'kill -INT "${pids[@]}" 2>/dev/null' INT
 status=0

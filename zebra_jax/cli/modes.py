@@ -1,5 +1,7 @@
 """What each --mode runs: MODES[mode](cfg, workdir, **nouns).
 
+A mode may return an exit status (train does); None means 0.
+
 Every function takes the config, the workdir and the command line's nouns
 (which prompt file, which texts, where to export...) by keyword, and uses
 the ones its mode needs. Modules are imported inside so that `--help` and
@@ -8,13 +10,18 @@ flag errors answer before JAX starts.
 
 
 def train(cfg, workdir, *, config, **_):
-  """Trains; then, unless stopped early, evaluates valid/test and samples."""
+  """Trains; then, unless stopped early, evaluates valid/test and samples.
+
+  Returns the exit status: preemption.EXIT_STOPPED_EARLY when a signal
+  stopped the run before train.num_steps (a checkpoint is saved), else 0.
+  """
   from zebra_jax.inference import sample
-  from zebra_jax.training import evaluate, loop
+  from zebra_jax.training import evaluate, loop, preemption
   summary = loop.run(cfg, workdir, config)  # config: for the printed hints
   if cfg.train.report_at_end and not summary["preempted"]:
     evaluate.run(cfg, workdir)
     sample.run(cfg, workdir)
+  return preemption.exit_status(summary["stopped_early"])
 
 
 def evaluate(cfg, workdir, *, split, **_):

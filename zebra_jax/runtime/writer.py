@@ -9,7 +9,6 @@ text, nothing else is written), else not at all. Each fallback says so in one
 warning line on stderr; metrics.jsonl is written either way.
 """
 
-import json
 import os
 import sys
 import time
@@ -18,7 +17,7 @@ from typing import Any
 import jax
 
 from zebra_jax.errors import UserError
-from zebra_jax.runtime import progress
+from zebra_jax.runtime import progress, strict_json
 
 
 TENSORBOARDX_HINT = "pip install tensorboardX"
@@ -108,12 +107,15 @@ class MetricWriter:
       progress.write(message)  # above an open progress bar, if any
 
   def record(self, kind: str, step: int, values: dict[str, Any]) -> None:
-    """One metrics.jsonl line (and TensorBoard scalars for numeric values)."""
+    """One metrics.jsonl line (and TensorBoard scalars for numeric values);
+    a non-finite value is written as null and left out of TensorBoard."""
     if not self.active:
       return
+    values = strict_json.finite(values)  # NaN, inf: null here, none in TB
     try:
-      self._jsonl.write(json.dumps({"kind": kind, "step": step,
-                                    "time": time.time(), **values}) + "\n")
+      self._jsonl.write(strict_json.dumps({"kind": kind, "step": step,
+                                           "time": time.time(), **values})
+                        + "\n")
       self._jsonl.flush()
       if self._tb is not None:
         for key, value in values.items():

@@ -12,6 +12,11 @@ is agreed: one all-gather of a small code per process (bit 0 SIGINT, bit 1
 SIGTERM, bit 2 out of time). The time budget is process 0's clock alone, so
 there is one answer to "is time up". Every process then stops at the same
 step, with the same reason.
+
+How a train run ended is its exit status, for launchers (launch/slurm.sbatch)
+that must not parse logs: 0 when it reached train.num_steps (or its time
+budget), EXIT_STOPPED_EARLY when a signal stopped it before that after saving
+a checkpoint to resume from, 2 for a usage error, anything else a crash.
 """
 
 import signal
@@ -22,6 +27,26 @@ import numpy as np
 
 _SIGNAL_BITS = {"SIGINT": 1, "SIGTERM": 2}
 _OUT_OF_TIME = 4
+
+# sysexits.h's EX_TEMPFAIL ("try again later"): saved, not finished; rerun
+# the same command (or requeue the job) to continue.
+EXIT_STOPPED_EARLY = 75
+
+
+def exit_status(stopped_early: bool) -> int:
+  """The train command's exit status (0 or EXIT_STOPPED_EARLY).
+
+  With several processes it returns only once every process has got here,
+  after the checkpoint and the last metrics line are written: srun
+  --kill-on-bad-exit kills a task's peers as soon as one exits non-zero, and
+  must not cut them short.
+  """
+  if not stopped_early:
+    return 0
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("zebra_jax: stopped early")
+  return EXIT_STOPPED_EARLY
 
 
 class StopRequest:
