@@ -4,13 +4,12 @@ and the inference benchmark."""
 import json
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import loading, sample
+from zebra_jax.inference import engine, loading, sample
 from zebra_jax.inference import benchmark
 from tests.helpers import REPO
 
@@ -20,7 +19,9 @@ PROMPTS = ["the ", "line 12: the quick", "x"]
 @pytest.fixture(scope="module")
 def trained(char_run):
   cfg, workdir = char_run
-  return cfg, workdir, sample.Generator(loading.load_for_inference(cfg, workdir))
+  gen = sample.Generator(loading.load_for_inference(cfg, workdir))
+  yield cfg, workdir, gen
+  gen.close()
 
 
 def test_batched_prompts_of_different_lengths_match_each_alone(trained):
@@ -42,14 +43,22 @@ def test_batched_prompts_of_different_lengths_match_each_alone(trained):
 
 
 def test_chunks_and_seeds_reproduce(trained):
-  _, _, gen = trained
+  cfg, workdir, gen = trained
   options = sample.Options(max_new_tokens=20, temperature=1.0, top_p=0.95,
                            num_samples=2, seed=7)
   one_shot = gen.generate(PROMPTS[:2], options)
   assert len(one_shot) == 4 and one_shot[0].startswith(PROMPTS[0])
   assert one_shot[2].startswith(PROMPTS[1])
-  chunked = gen.generate(PROMPTS[:2], sample.Options(**{
-      **options.__dict__, "chunk": 3}))
+  assert one_shot[0] != one_shot[1]  # each sample its own stream of the seed
+  # Other engine shapes: 3 tokens per decode call, prompts in chunks of 5
+  # (line 12's prompt takes 4), 2 slots (rows wait in the queue).
+  other_shapes = sample.Generator(loading.load_for_inference(cfg, workdir),
+                                  decode_block=3, prefill_chunk=5,
+                                  prefill_rows=1, slots=2)
+  try:
+    chunked = other_shapes.generate(PROMPTS[:2], options)
+  finally:
+    other_shapes.close()
   assert chunked == one_shot  # token i always uses fold_in(key, i)
   other = gen.generate(PROMPTS[:2], sample.Options(**{
       **options.__dict__, "seed": 8}))
@@ -58,7 +67,7 @@ def test_chunks_and_seeds_reproduce(trained):
 
 def test_stop_string_and_streaming(trained):
   _, _, gen = trained
-  base = sample.Options(max_new_tokens=30, temperature=1.0, seed=1, chunk=4)
+  base = sample.Options(max_new_tokens=30, temperature=1.0, seed=1)
   free = gen.generate(["the "], base)[0][len("the "):]
   # A stop string that first appears after a few characters (sampled text
   # varies enough to have one).
@@ -106,7 +115,7 @@ def test_cli_prompt_file_and_stream(trained, tmp_path):
   prompts = tmp_path / "prompts.txt"
   prompts.write_text("the \n\nline 12: the quick\n")
   common = [sys.executable, "-m", "zebra_jax.main",
-            "--config=configs/demo.py:tiny", f"--workdir={workdir}",
+            "--config=demo:tiny", f"--workdir={workdir}",
             "--config.data.source=text", f"--config.data.path={cfg.data.path}",
             "--mode=sample", "--config.sample.max_new_tokens=16",
             "--config.sample.temperature=0"]
@@ -157,12 +166,11 @@ def test_bpe_continuations_keep_their_own_spaces_and_whole_characters():
   from zebra_jax.data.tokenizers import BPESpec, BPETokenizer
   tok = BPETokenizer.build(["hello world, the world is big. wörld é\n" * 50],
                            BPESpec(bpe_vocab_size=300))
-  gen = types.SimpleNamespace(tokenizer=tok)
   ids = tok.encode_prompt("hello world")
-  assert sample.Generator._continuation(gen, "hello", ids[1:]) == " world"
+  assert engine.continuation(tok, "hello", ids[1:]) == " world"
   euro = tok.encode_prompt("a€")  # unseen in training: 3 byte tokens
-  partial = sample.Generator._continuation(gen, "x", euro[:-1])
+  partial = engine.continuation(tok, "x", euro[:-1])
   assert partial.startswith("a") and partial.endswith("\ufffd")
-  assert sample._stream_safe(partial, "", final=False) == "a"
-  assert sample._stream_safe(partial, "", final=True) == partial
-  assert sample.Generator._continuation(gen, "x", euro) == "a€"
+  assert engine.stream_safe(partial, (), final=False) == "a"
+  assert engine.stream_safe(partial, (), final=True) == partial
+  assert engine.continuation(tok, "x", euro) == "a€"

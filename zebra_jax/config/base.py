@@ -174,6 +174,16 @@ FIELDS = dict(
         max_prompt_tokens=F(4096, POSITIVE_INT, "tokens in one prompt"),
         max_rows=F(64, POSITIVE_INT, "prompts x num_samples"),
         max_score_tokens=F(100_000, POSITIVE_INT, "tokens scored per request"),
+        slots=F(64, POSITIVE_INT, "rows generating at once (the engine's "
+                "running batch); more requests wait in the queue"),
+        queue=F(256, NON_NEGATIVE_INT, "requests waiting for a slot; beyond "
+                "it the answer is 503 with Retry-After"),
+        prefill_chunk=F(16, POSITIVE_INT, "prompt tokens per row per prefill "
+                        "call: the one compiled prompt shape"),
+        prefill_rows=F(8, POSITIVE_INT, "prompts per prefill call"),
+        decode_block=F(4, POSITIVE_INT, "tokens per decode call: fewer "
+                       "dispatches against a request joining or stopping up "
+                       "to this many steps late"),
     ),
     export=dict(  # --mode=export: the Triton model's config.pbtxt
         triton_instance=F("auto", one_of(("auto", "cpu", "gpu")), "auto (GPU "

@@ -1,4 +1,10 @@
-"""A trained model read back from a workdir: config, tokenizer, data, params.
+"""A trained model read back from a workdir: config, tokenizer, params.
+
+Inference needs the workdir alone: config.json, the tokenizer the model was
+trained with (workdir/tokenizer/) and a checkpoint. The corpus is read only
+by eval and training, which ask for `Loaded.splits` (read on first use), so
+a workdir copied to a machine without its corpus samples, scores, serves and
+exports.
 
 Inference restores the parameters alone: the optimizer moments (twice the
 parameters again under Adam), the training carry and the loss scale stay on
@@ -6,6 +12,7 @@ disk, so a model loads in a third of the memory and from any batch size.
 """
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import jax
@@ -13,7 +20,7 @@ from absl import logging
 import ml_collections
 import numpy as np
 
-from zebra_jax.data import pipeline
+from zebra_jax.data import pipeline, tokenizers
 from zebra_jax.errors import UserError
 from zebra_jax.model import lm
 from zebra_jax.runtime import checkpoint, distributed, parallel, rundir
@@ -21,18 +28,42 @@ from zebra_jax.runtime import checkpoint, distributed, parallel, rundir
 
 @dataclasses.dataclass
 class Loaded:
-  """A trained model and its data, as read back from a workdir."""
+  """A trained model, as read back from a workdir."""
   cfg: ml_collections.ConfigDict
   tokenizer: Any
-  splits: dict[str, np.ndarray]
   graphdef: Any
   params: Any
   step: int
+  workdir: str | None = None
+  _splits: dict[str, np.ndarray] | None = None
+
+  @property
+  def splits(self) -> dict[str, np.ndarray]:
+    """The corpus' token ids per split, for eval: read (through the data
+    pipeline, which needs the corpus or its cache) on first use only."""
+    if self._splits is None:
+      if self.workdir is None:
+        raise ValueError("this model was not loaded from a workdir: no data")
+      _, self._splits = distributed.process_zero_first(
+          lambda: pipeline.load_eval_data(self.cfg, self.workdir),
+          "loading the data")
+    return self._splits
+
+
+def load_tokenizer(workdir: str):
+  """The tokenizer saved in workdir/tokenizer/ by training."""
+  folder = os.path.join(workdir, "tokenizer")
+  if not tokenizers.has_saved(folder):
+    raise UserError(f"workdir {workdir!r} has no tokenizer ({folder} holds "
+                    "none): train first with --mode=train and this "
+                    "--workdir")
+  return tokenizers.load(folder)
 
 
 def load_for_inference(cfg: ml_collections.ConfigDict, workdir: str,
                        step: int | None = None) -> Loaded:
-  """Reads config.json, the tokenizer, data and the best (or given) checkpoint.
+  """Reads config.json, the tokenizer and the best (or given) checkpoint;
+  never the corpus (see `Loaded.splits`).
 
   Args:
     cfg: the caller's config; its eval/sample settings and compute dtype win.
@@ -46,13 +77,12 @@ def load_for_inference(cfg: ml_collections.ConfigDict, workdir: str,
   if step is None:
     raise UserError(f"workdir {workdir} has no checkpoint in "
                     f"{ckpt.directory}: train first with --mode=train")
-  tokenizer, splits = distributed.process_zero_first(
-      lambda: pipeline.load_eval_data(merged, workdir), "loading the data")
+  tokenizer = load_tokenizer(workdir)
   graphdef, abstract_params = lm.abstract(merged.model)
   params = ckpt.restore_params(
       step, parallel.replicated_like(parallel.make_mesh(), abstract_params))
   ckpt.close()
-  return Loaded(merged, tokenizer, splits, graphdef, params, step)
+  return Loaded(merged, tokenizer, graphdef, params, step, workdir)
 
 
 def local_replica(params: Any) -> Any:

@@ -1,25 +1,25 @@
 """--mode=sample: generate text from one or several prompts with a trained workdir.
 
-Each prompt is consumed once as a window; then each new token is one step of
-the recurrence with the (h, c) carry, inside jitted loops (zebra_jax.inference.sampling),
-so the cost per token does not grow with the length of the text.
-
-Several prompts run as one batch. Prompts of different lengths are never
-padded: rows are grouped by prompt length and each group's prompts are
-consumed together, so every row starts generating from exactly the carry it
-would have alone. Generation then runs in chunks of `chunk` tokens, which
-lets the host print tokens as they come (`stream`) and stop every row once it
-has produced the `stop` string.
+Every row (prompt x num_samples) is one request to the serving engine
+(zebra_jax.inference.engine), the same one `--mode=serve` and the Triton
+model run: prompts enter in fixed-size chunks, then every decode call
+advances every row, each with its own settings and random stream (row j of
+a prompt draws from its own stream of the seed). So a prompt's text is the
+same here, through the server and alone, whatever ran beside it. The cost
+per token does not grow with the length of the text: each new token is one
+step of the recurrence with the (h, c) carry.
 """
 
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax.errors import UserError
+from zebra_jax.inference import engine as engines
 from zebra_jax.inference import loading, sampling
 from zebra_jax.model import lm
 
@@ -34,11 +34,11 @@ class Options:
   stop: str = ""          # cut each row before this text; "" = off
   num_samples: int = 1    # rows per prompt
   seed: int = 0
-  chunk: int = 32         # tokens per jitted call: stream / stop granularity
+  chunk: int = 32         # --mode=sample's tokens per decode call
 
   @classmethod
   def from_config(cls, sample_cfg) -> "Options":
-    """config.sample's values (configs/base.py defines every field)."""
+    """config.sample's values (config/base.py defines every field)."""
     return cls(**{f.name: sample_cfg[f.name] for f in dataclasses.fields(cls)})
 
   def check(self) -> None:
@@ -58,14 +58,29 @@ def _consume_prompt(params, tokens, carry, *, graphdef):
   return lm.last_logits(graphdef, params, tokens, carry)
 
 
-class Generator:
-  """A loaded model with its jitted prompt and step functions, built once.
+ENGINE_FIELDS = ("slots", "queue", "prefill_chunk", "prefill_rows",
+                 "decode_block")
 
-  Reusing one Generator (as the HTTP server does) reuses the compiled code:
-  sampling caches its loop per step_fn object.
+
+def engine_options(cfg, **overrides) -> dict:
+  """The engine's sizes from cfg.serve (slots, queue, chunks), overridden."""
+  serve = cfg.get("serve", {})
+  defaults = {"slots": 64, "queue": 256, "prefill_chunk": 16,
+              "prefill_rows": 8, "decode_block": 4}
+  out = {k: int(serve.get(k, v)) for k, v in defaults.items()}
+  out.update(overrides)
+  return out
+
+
+class Generator:
+  """A loaded model placed for inference, and the engine it generates with.
+
+  Needs (config, tokenizer, params) only: `from_parts` builds one without a
+  workdir (training's periodic samples). The engine compiles its programs
+  when first used, once per Generator.
   """
 
-  def __init__(self, loaded: loading.Loaded):
+  def __init__(self, loaded: loading.Loaded, **engine_overrides):
     self.loaded, self.tokenizer = loaded, loaded.tokenizer
     # One device, or the run's stripe devices (loading.placement).
     place = loading.placement(loaded)
@@ -74,6 +89,45 @@ class Generator:
         _consume_prompt, graphdef=loaded.graphdef)))
     self.step_fn = place.wrap(functools.partial(lm.decode_step,
                                                 graphdef=loaded.graphdef))
+    self._engine_options = engine_options(loaded.cfg, **engine_overrides)
+    self._engine = None
+    self._engine_lock = threading.Lock()
+
+  @classmethod
+  def from_parts(cls, cfg, tokenizer, graphdef, params,
+                 **engine_overrides) -> "Generator":
+    """A generator from a config, its tokenizer and parameters alone."""
+    return cls(loading.Loaded(cfg, tokenizer, graphdef, params, 0),
+               **engine_overrides)
+
+  def engine_model(self) -> engines.Model:
+    """What the engine needs of this model."""
+    return engines.Model(
+        step_fn=self.step_fn, params=self.params,
+        init_carry=functools.partial(lm.init_carry, self.loaded.cfg.model),
+        vocab_size=int(self.loaded.cfg.model.vocab_size),
+        tokenizer=self.tokenizer)
+
+  @property
+  def engine(self) -> engines.Engine:
+    """The running batch every generate() goes through (built on first use)."""
+    with self._engine_lock:
+      if self._engine is None:
+        self._engine = engines.Engine(self.engine_model(),
+                                      **self._engine_options)
+      return self._engine
+
+  def set_params(self, params) -> None:
+    """New weights, laid out as the old ones (one device, or split over the
+    stripe devices): the compiled programs stay valid."""
+    self.params = jax.device_put(
+        params, jax.tree.map(lambda a: a.sharding, self.params))
+    if self._engine is not None:
+      self._engine.model.params = self.params
+
+  def close(self) -> None:
+    if self._engine is not None:
+      self._engine.close()
 
   def encode(self, prompt: str) -> np.ndarray:
     if not prompt:
@@ -82,7 +136,9 @@ class Generator:
 
   def prime(self, rows: list[np.ndarray],
             track_seen: bool = True) -> sampling.DecodeState:
-    """Consumes every row's prompt: the DecodeState to generate from.
+    """Consumes every row's prompt as one window: the DecodeState to run
+    `sampling.generate_chunk` from (the generation benchmark times that
+    model-level loop; requests go through the engine).
 
     Rows of equal length are consumed as one batch [n, T]; the results are
     put back in row order. One compile per distinct (n, T).
@@ -111,8 +167,8 @@ class Generator:
     Args:
       prompts: texts; rows are prompt-major (p0 s0, p0 s1, ..., p1 s0, ...).
       options: sampling settings; checked here.
-      on_text: optional callback(row, new_text) called after every chunk with
-        the text row 0 added (for streaming); a single-row request only.
+      on_text: optional callback(row, new_text), called as row 0's text
+        grows (for streaming; from the engine's thread).
 
     Returns:
       one string per row: prompt + generated text, cut before `stop`.
@@ -120,67 +176,36 @@ class Generator:
     options.check()
     if not prompts:
       raise UserError("no prompts given: pass --prompt or --prompt_file")
-    ids = [self.encode(p) for p in prompts]
-    rows = [r for r in ids for _ in range(options.num_samples)]
-    texts = [p for p in prompts for _ in range(options.num_samples)]
-    state = self.prime(rows, track_seen=options.repetition_penalty != 1)
-    key = jax.random.PRNGKey(options.seed)
-    chunk = min(options.chunk, options.max_new_tokens)
-    settings = dict(temperature=options.temperature, top_k=options.top_k,
-                    top_p=options.top_p,
-                    repetition_penalty=options.repetition_penalty)
-    new = np.zeros((len(rows), 0), np.int32)
-    done = np.zeros(len(rows), bool)
-    streamed = 0
-    while new.shape[1] < options.max_new_tokens and not done.all():
-      tokens, state = sampling.generate_chunk(
-          self.step_fn, self.params, state, key, new.shape[1],
-          num_new_tokens=chunk, **settings)
-      new = np.concatenate([new, np.asarray(jax.device_get(tokens))], 1)
-      new = new[:, :options.max_new_tokens]  # the last chunk may overshoot
-      if not (options.stop or on_text):
-        continue  # nothing to look at before the end
-      outs = [self._continuation(t, row) for t, row in zip(texts, new)]
-      if options.stop:
-        done |= np.array([options.stop in o for o in outs])
-      if on_text is not None:
-        safe = _stream_safe(outs[0], options.stop, final=bool(done[0]))
-        if len(safe) > streamed:
-          on_text(0, safe[streamed:])
-          streamed = len(safe)
-    outs = [_cut(self._continuation(t, row), options.stop)
-            for t, row in zip(texts, new)]
-    if on_text is not None and len(outs[0]) > streamed:
-      on_text(0, outs[0][streamed:])
-    return [t + o for t, o in zip(texts, outs)]
-
-  def _continuation(self, prompt: str, ids) -> str:
-    """Decoded new tokens. Word tokens need a space after the prompt; char
-    and byte-level BPE tokens carry their own spaces (" world" is one BPE
-    token), so they are joined as they are."""
-    text = self.tokenizer.decode(ids)
-    if (self.tokenizer.spaces_in_tokens or not text
-        or prompt[-1:].isspace()):
-      return text
-    return " " + text
+    for p in prompts:
+      self.encode(p)  # a UserError for text the model cannot read, first
+    settings = to_settings(options)
+    rows = [(p, j) for p in prompts for j in range(options.num_samples)]
+    engine = self.engine
+    done = []
+    try:
+      for i, (prompt, j) in enumerate(rows):
+        stream = (lambda text: on_text(0, text)) if (
+            on_text is not None and i == 0) else None
+        done.append(engine.submit(
+            prompt, dataclasses.replace(settings, sample_index=j),
+            on_text=stream, block=True))
+      return [p + c.result() for (p, _), c in zip(rows, done)]
+    except engines.BadPrompt as e:
+      raise UserError(f"{e}") from None
+    finally:
+      for c in done:
+        c.cancel()  # a no-op once finished; frees the rest after an error
 
 
-def _cut(text: str, stop: str) -> str:
-  return text.split(stop, 1)[0] if stop else text
-
-
-def _stream_safe(text: str, stop: str, final: bool) -> str:
-  """The part of `text` that can be printed now: before a stop string found,
-  holding back a tail that might be the start of one still to come, and a
-  trailing U+FFFD (a UTF-8 character whose other BPE bytes are still to come:
-  the next chunk decodes it whole)."""
-  if not final:
-    text = text.rstrip("\ufffd")
-  if not stop:
-    return text
-  if stop in text or final:
-    return _cut(text, stop)
-  return text[:max(0, len(text) - len(stop) + 1)]
+def to_settings(options: Options, stops=()) -> engines.Settings:
+  """An engine request's settings from sample Options (plus stop strings)."""
+  return engines.Settings(
+      max_new_tokens=int(options.max_new_tokens),
+      temperature=float(options.temperature), top_k=int(options.top_k),
+      top_p=float(options.top_p),
+      repetition_penalty=float(options.repetition_penalty),
+      seed=int(options.seed),
+      stop=tuple(stops) or ((options.stop,) if options.stop else ()))
 
 
 def read_prompt_file(path: str) -> list[str]:
@@ -198,15 +223,6 @@ def read_prompt_file(path: str) -> list[str]:
   return prompts
 
 
-def generate_text(loaded: loading.Loaded, prompt: str, *, max_new_tokens: int,
-                  temperature: float, top_k: int, top_p: float,
-                  num_samples: int, seed: int) -> list[str]:
-  """Returns num_samples continuations (prompt included) of `prompt`."""
-  return Generator(loaded).generate([prompt], Options(
-      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-      top_p=top_p, num_samples=num_samples, seed=seed))
-
-
 def run(cfg, workdir: str, prompts: list[str] | None = None) -> list[str]:
   """--mode=sample: cfg.sample's prompt, or `prompts` (from --prompt_file)."""
   options = Options.from_config(cfg.sample)
@@ -218,7 +234,7 @@ def run(cfg, workdir: str, prompts: list[str] | None = None) -> list[str]:
                     "one prompt and --config.sample.num_samples=1, or drop "
                     "--config.sample.stream")
   loaded = loading.load_for_inference(cfg, workdir)
-  generator = Generator(loaded)
+  generator = Generator(loaded, decode_block=options.chunk)
   show = jax.process_index() == 0
   header = lambda i, n: (f"----- sample {i + 1}/{n} (step {loaded.step}, "
                          f"temperature {options.temperature}) -----")
@@ -226,7 +242,10 @@ def run(cfg, workdir: str, prompts: list[str] | None = None) -> list[str]:
   if stream and show:
     print(header(0, 1) + "\n" + prompts[0], end="", flush=True)
     on_text = lambda row, text: print(text, end="", flush=True)
-  texts = generator.generate(prompts, options, on_text=on_text)
+  try:
+    texts = generator.generate(prompts, options, on_text=on_text)
+  finally:
+    generator.close()
   if show and stream:
     print("\n", flush=True)
   elif show:

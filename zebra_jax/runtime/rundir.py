@@ -99,6 +99,7 @@ def load_config(cfg: ml_collections.ConfigDict,
                     f"--mode=train --workdir={workdir}")
   merged = files.load_saved(workdir)
   merged.eval, merged.sample = cfg.eval, cfg.sample
+  merged.serve = cfg.serve  # how to serve, not what the model is
   merged.parallel = cfg.parallel  # how to lay the model out: not its shape
   merged.model.dtype = cfg.model.dtype  # compute dtype may differ from training
   merged.model.adaptive_chunk_rows = cfg.model.adaptive_chunk_rows  # memory only

@@ -20,7 +20,7 @@ from absl import logging
 
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
-from zebra_jax.inference import loading, sample
+from zebra_jax.inference import sample
 from zebra_jax.model import lm, metrics
 from zebra_jax.model.config import ModelConfig
 from zebra_jax.runtime import checkpoint, parallel, profiling, progress, rundir, writer
@@ -177,7 +177,7 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
            f"hidden {model.hidden_size} in {model.num_stripes} stripes "
            f"| vocab {model.vocab_size} | {jax.device_count()} "
            f"{jax.devices()[0].platform} device(s)")
-  eval_sampler = _make_eval_sampler(cfg, model, tokenizer, splits, graphdef)
+  eval_sampler = _make_eval_sampler(cfg, model, tokenizer, graphdef)
   step = first_step = int(run.state.step)
   profiler = profiling.StepProfiler(workdir, cfg.profile.start_step,
                                     cfg.profile.num_steps)
@@ -374,7 +374,7 @@ class _Run:
     self.last_saved = step
 
 
-def _make_eval_sampler(cfg, model, tokenizer, splits, graphdef):
+def _make_eval_sampler(cfg, model, tokenizer, graphdef):
   """A function params -> a short text from cfg.sample.prompt, for TensorBoard.
 
   One Generator is reused so its compiled loop is too. Single-process only:
@@ -389,14 +389,13 @@ def _make_eval_sampler(cfg, model, tokenizer, splits, graphdef):
 
   def draw(params) -> str:
     nonlocal generator
-    if generator is None:
-      generator = sample.Generator(
-          loading.Loaded(_with_model(cfg, model), tokenizer, splits,
-                         graphdef, params, 0))
+    if generator is None:  # (config, tokenizer, params): no data needed
+      generator = sample.Generator.from_parts(
+          _with_model(cfg, model), tokenizer, graphdef, params, slots=1,
+          decode_block=options.chunk)
     else:  # same compiled code, new weights, laid out as the old ones (one
       # device, or split over the stripe devices: loading.placement)
-      generator.params = jax.device_put(
-          params, jax.tree.map(lambda a: a.sharding, generator.params))
+      generator.set_params(params)
     return generator.generate([cfg.sample.prompt], options)[0]
 
   try:  # a prompt this vocabulary cannot encode must not stop training
