@@ -184,6 +184,8 @@ FIELDS = dict(
         decode_block=F(4, POSITIVE_INT, "tokens per decode call: fewer "
                        "dispatches against a request joining or stopping up "
                        "to this many steps late"),
+        api_key=F("", TEXT, "'' = none; else every route but /health needs "
+                  "'Authorization: Bearer KEY' (or set $ZEBRA_JAX_API_KEY)"),
     ),
     export=dict(  # --mode=export: the Triton model's config.pbtxt
         triton_instance=F("auto", one_of(("auto", "cpu", "gpu")), "auto (GPU "

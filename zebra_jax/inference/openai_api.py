@@ -31,13 +31,15 @@ MAX_STOPS = 4
 
 
 class ApiError(Exception):
-  """A 4xx in OpenAI's error shape."""
+  """An error answer in OpenAI's shape (4xx, or 5xx with kind
+  "server_error")."""
 
   def __init__(self, message: str, param: str | None = None,
                status: int = 400, code: str | None = None,
-               kind: str = "invalid_request_error"):
+               kind: str = "invalid_request_error", headers=None):
     super().__init__(message)
     self.status, self.param, self.code, self.kind = status, param, code, kind
+    self.headers = headers  # extra HTTP headers, e.g. WWW-Authenticate
 
   def payload(self) -> dict:
     return {"error": {"message": str(self), "type": self.kind,
@@ -85,7 +87,8 @@ class Request:
 
 
 class Api:
-  """The OpenAI routes over a serve.Service (its generator, lock, limits)."""
+  """What the OpenAI routes accept and answer, over a serve.Service (its
+  tokenizer, defaults and limits); serve.App runs the requests."""
 
   def __init__(self, service):
     self.service = service
@@ -162,7 +165,7 @@ class Api:
         self.service.defaults, max_new_tokens=max_tokens,
         temperature=float(temperature), top_p=float(top_p), top_k=0,
         repetition_penalty=1.0, num_samples=1, seed=seed,
-        stop="")  # stop strings are cut here, where finish_reason is known
+        stop="")  # the stops travel apart: up to MAX_STOPS of them
     generator = self.service.generator
     for p in prompts:
       try:
@@ -175,92 +178,57 @@ class Api:
     return Request(prompts, options, stops, flags["stream"],
                    logprobs is not None, flags["echo"], model)
 
-  def completions(self, body):
-    """A response dict, or (streaming) a function of `write(bytes)`."""
-    req = self.check(body)
-    if req.stream:
-      return lambda write: self._stream(req, write)
+  def response(self, req: Request, rows, logprobs=None) -> dict:
+    """The completion object for finished rows (serve.Row: prompt, text,
+    reason, completion), `logprobs` per row when asked for."""
     choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-    with self.service.lock:
-      texts = self.service.generator.generate(req.prompts, req.options)
-      for i, (prompt, text) in enumerate(zip(req.prompts, texts)):
-        completion, reason = _cut(text[len(prompt):], req.stops)
-        choices.append({
-            "text": (prompt if req.echo else "") + completion, "index": i,
-            "logprobs": (self._logprobs(prompt, completion)
-                         if req.logprobs else None),
-            "finish_reason": reason})
-        usage["prompt_tokens"] += self._count(prompt)
-        usage["completion_tokens"] += (req.options.max_new_tokens
-                                       if reason == "length"
-                                       else self._count(completion))
+    for i, row in enumerate(rows):
+      choices.append({
+          "text": (row.prompt if req.echo else "") + row.text, "index": i,
+          "logprobs": logprobs[i] if logprobs else None,
+          "finish_reason": row.reason})
+      usage["prompt_tokens"] += row.completion.prompt_tokens
+      usage["completion_tokens"] += row.completion.completion_tokens
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": req.model,
             "choices": choices, "usage": usage}
 
-  def _count(self, text: str) -> int:
-    return len(self.service.generator.encode(text)) if text else 0
-
-  def _logprobs(self, prompt: str, completion: str) -> dict:
-    """The completion tokens' log-probabilities given what precedes them."""
-    tokenizer, generator = self.service.loaded.tokenizer, self.service.generator
-    head = len(generator.encode(prompt))
-    ids = generator.encode(prompt + completion) if completion else []
-    if len(ids) <= head:
-      return {"tokens": [], "token_logprobs": [], "top_logprobs": None,
-              "text_offset": []}
-    scores = self.service.scorer.score_ids(ids)[head - 1:]
-    tokens = [tokenizer.token_text(int(i)) for i in ids[head:]]
-    offsets, at = [], len(prompt)
-    for t in tokens:
-      offsets.append(at)
-      at += len(t)
-    return {"tokens": tokens, "token_logprobs": [float(x) for x in scores],
-            "top_logprobs": None, "text_offset": offsets}
-
-  def _stream(self, req: Request, write) -> None:
-    """Server-sent events: text as it is generated, one prompt after another
-    (choice `index`), a last chunk per prompt with its finish_reason, then
-    [DONE]."""
-    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-    def event(index, text, reason=None):
-      chunk = {"id": cid, "object": "text_completion", "created": created,
-               "model": req.model, "choices": [{
-                   "text": text, "index": index, "logprobs": None,
-                   "finish_reason": reason}]}
-      write(f"data: {json.dumps(chunk)}\n\n".encode("utf-8"))
-
-    with self.service.lock:
-      for index, prompt in enumerate(req.prompts):
-        if req.echo:
-          event(index, prompt)
-        state = {"text": "", "sent": 0}
-        hold = max([len(s) for s in req.stops] + [1]) - 1
-
-        def on_text(row, text, index=index, state=state):
-          del row
-          state["text"] += text
-          done, _ = _cut(state["text"], req.stops)
-          safe = done if done != state["text"] else (
-              state["text"][:max(0, len(state["text"]) - hold)])
-          if len(safe) > state["sent"]:
-            event(index, safe[state["sent"]:])
-            state["sent"] = len(safe)
-
-        [text] = self.service.generator.generate([prompt], req.options,
-                                                 on_text=on_text)
-        completion, reason = _cut(text[len(prompt):], req.stops)
-        if len(completion) > state["sent"]:
-          event(index, completion[state["sent"]:])
-        event(index, "", reason)
-    write(b"data: [DONE]\n\n")
+  def events(self, req: Request) -> "Events":
+    return Events(req)
 
 
-def _cut(text: str, stops: list) -> tuple[str, str]:
-  """(text before the first stop string, finish_reason)."""
-  cuts = [text.index(s) for s in stops if s in text]
-  if cuts:
-    return text[:min(cuts)], "stop"
-  return text, "length"
+class Events:
+  """A stream's server-sent events: text as it is generated, every prompt
+  at once (choice `index`), a last chunk per prompt with its finish_reason,
+  then [DONE]."""
+
+  def __init__(self, req: Request):
+    self.req = req
+    self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+  def _event(self, index: int, text: str, reason=None) -> bytes:
+    chunk = {"id": self.id, "object": "text_completion",
+             "created": self.created, "model": self.req.model,
+             "choices": [{"text": text, "index": index, "logprobs": None,
+                          "finish_reason": reason}]}
+    return f"data: {json.dumps(chunk)}\n\n".encode("utf-8")
+
+  def echo(self) -> bytes:
+    return b"".join(self._event(i, p) for i, p in enumerate(self.req.prompts))
+
+  def chunk(self, updates) -> bytes:
+    """Events for [(index, new text, finish_reason or None)]: one event per
+    row's new text (a burst of tokens travels together), then its end."""
+    texts, ends = {}, []
+    for index, text, reason in updates:
+      if text:
+        texts[index] = texts.get(index, "") + text
+      if reason is not None:
+        ends.append((index, reason))
+    return b"".join([self._event(i, t) for i, t in texts.items()]
+                    + [self._event(i, "", r) for i, r in ends])
+
+  @staticmethod
+  def done() -> bytes:
+    return b"data: [DONE]\n\n"
