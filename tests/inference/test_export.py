@@ -104,6 +104,12 @@ def test_triton_model_execute_with_stand_in_requests(exported, monkeypatch):
   assert responses[1].output_tensors == []
   first, again = (texts_of(r)[0] for r in responses[2:])
   assert first == again and first.startswith("the ")  # seeded
-  # Greedy rows ran as one batch; the two sampled requests as another.
-  assert [r.output_tensors[2].as_numpy()[0, 0] for r in responses[::2]] == [2, 2]
+  sampled_here = sample.Generator(loaded).generate(prompts[:1], sample.Options(
+      max_new_tokens=10, temperature=1.0, top_p=loaded.cfg.sample.top_p,
+      top_k=loaded.cfg.sample.top_k, seed=3))  # the model's defaults
+  assert [first] == sampled_here  # the same engine, the same random stream
+  # Greedy and sampled rows ran in one batch: settings are per-row data.
+  assert [r.output_tensors[2].as_numpy()[0, 0] for r in responses[::2]] == [4, 4]
+  assert sorted(os.listdir(os.path.join(model_dir, "1"))) == [
+      "artifact", "engine.py", "model.py", "requirements.txt"]
   triton_model.finalize()

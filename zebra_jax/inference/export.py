@@ -22,6 +22,7 @@ a big model's weights do not hit protobuf's 2 GB limit. `carry` is one
     triton/zebra_lstm/config.pbtxt   Triton Python backend; export.triton_instance
                                      picks CPU or GPU (auto: GPU if jax sees one)
     triton/zebra_lstm/1/model.py     loads ./artifact (copied to 1/artifact)
+    triton/zebra_lstm/1/engine.py    the serving engine model.py runs
     triton/zebra_lstm/1/requirements.txt   what model.py's Python needs
 """
 
@@ -35,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import loading
+from zebra_jax.inference import engine as engines
+from zebra_jax.inference import loading, sample
 from zebra_jax.model import lm
 from zebra_jax.runtime import distributed
 
@@ -103,6 +105,7 @@ def write_artifact(loaded: loading.Loaded, folder: str,
                   else "logits"),
       "sample": {k: loaded.cfg.sample[k] for k in
                  ("max_new_tokens", "temperature", "top_k", "top_p")},
+      "engine": sample.engine_options(loaded.cfg),  # serve.slots, ...
       "functions": {
           "prompt.jax": "(params, carry, tokens int32 [b, t]) -> "
                         "(last logits float32 [b, V], carry)",
@@ -208,6 +211,7 @@ def write_triton_repository(artifact: str, repository: str,
     f.write(config)
   shutil.copy(os.path.join(_TRITON_TEMPLATES, "model.py"),
               os.path.join(version_dir, "model.py"))
+  shutil.copy(engines.__file__, os.path.join(version_dir, "engine.py"))
   with open(os.path.join(artifact, "manifest.json")) as f:
     kind = json.load(f)["tokenizer"]
   with open(os.path.join(version_dir, "requirements.txt"), "w") as f:

@@ -3,8 +3,9 @@
 Needs numpy, jax (with jaxlib for the serving platform) and flatbuffers (jax
 reads the serialized functions with it), plus the HF `tokenizers` package for
 a BPE model: `requirements.txt` next to this file lists them. Also the
-`artifact/` folder next to this file: two `jax.export` functions, the
-weights, the tokenizer files. No zebra_jax, Flax or config code runs here,
+`artifact/` folder next to this file (two `jax.export` functions, the
+weights, the tokenizer files) and `engine.py`, zebra_jax's serving engine,
+which imports jax and numpy only. No zebra_jax, Flax or config code runs here,
 and that is deliberate: a Triton deployment copies the model repository into
 the server's own Python environment, where installing the training package
 (Flax, optax, orbax, absl, ml_collections, pinned to the trainer's versions)
@@ -21,18 +22,21 @@ not as BYTES (TYPE_STRING): the Python backend stub of Triton 2.51 mis-reads
 BYTES inputs when the model's Python has numpy 2, which every supported jax
 needs, while numeric tensors pass intact.
 
-Generation: every request Triton hands to one execute() call (the dynamic
-batcher merges concurrent requests) with the same sampling settings runs as
-one batch: the prompt function consumes the prompts (rows of equal length
-together), then the step function runs once per new token with the (h, c)
-carry; sampling (temperature, top-k, top-p) happens on the host in numpy, so
-every request may use different settings without a recompile, and each
-request draws from its own SEED, so its text does not depend on what it was
-batched with. BATCH_ROWS returns how many rows ran together.
+Generation goes through the serving engine (engine.py, the one --mode=sample
+and --mode=serve run), over the exported step function: every row of every
+request Triton hands to one execute() call (the dynamic batcher merges
+concurrent requests) joins the engine's running batch, whatever its
+settings: temperature, top-k, top-p and the seed are per-row data, so
+nothing recompiles, and row j of a request draws from its own stream of the
+request's SEED, so its text does not depend on what it was batched with and
+equals what zebra_jax generates for the same settings. BATCH_ROWS returns
+how many rows ran together.
 """
 
+import importlib.util
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -44,6 +48,25 @@ except ImportError:  # importable outside Triton (Artifact is useful alone)
 
 UNK, EOS = "<unk>", "<eos>"
 RECORD = "tokenizer.zebra.json"
+
+
+def _load_engine():
+  """engine.py: next to this file in an exported repository, or beside the
+  triton/ folder in the zebra_jax sources."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  for path in (os.path.join(here, "engine.py"),
+               os.path.join(here, os.pardir, "engine.py")):
+    if os.path.exists(path):
+      name = "zebra_serving_engine"
+      spec = importlib.util.spec_from_file_location(name, path)
+      module = importlib.util.module_from_spec(spec)
+      sys.modules[name] = module  # dataclasses look their module up
+      spec.loader.exec_module(module)
+      return module
+  raise ImportError(f"engine.py is missing next to {__file__}: export again")
+
+
+engines = _load_engine()
 
 
 class _VocabTokenizer:
@@ -125,14 +148,6 @@ def load_tokenizer(folder: str):
   return TOKENIZERS[record["kind"]](folder, record)
 
 
-def join(tokenizer, prompt: str, continuation: str) -> str:
-  """Word tokens need a space between prompt and continuation."""
-  if (tokenizer.spaces_in_tokens or not continuation
-      or prompt[-1:].isspace()):
-    return prompt + continuation
-  return prompt + " " + continuation
-
-
 class Artifact:
   """The exported model: prompt/step functions, weights, tokenizer."""
 
@@ -151,6 +166,7 @@ class Artifact:
                      for i in range(self.manifest["num_params"])]
     self.device = device
     self._prompt, self._step = jax.jit(prompt.call), jax.jit(step.call)
+    self._step_exported, self._engine = step, None
 
   def init_carry(self, batch: int):
     zeros = lambda: jax.device_put(np.zeros(
@@ -173,28 +189,52 @@ class Artifact:
     """tokens int32 [b] -> (logits [b, V], carry)."""
     return self._step(self.params, carry, np.asarray(tokens, np.int32))
 
+  def engine(self, **options):
+    """The serving engine over the exported step function (built once;
+    options as engine.Engine's: slots, queue, prefill_chunk, ...)."""
+    if self._engine is None:
+      exported = self._step_exported
+      hidden, layers = self.manifest["hidden_size"], self.manifest["num_layers"]
+
+      def init_carry(batch):
+        zeros = lambda: jax.numpy.zeros((batch, hidden), np.float32)
+        return tuple((zeros(), zeros()) for _ in range(layers))
+
+      model = engines.Model(
+          step_fn=lambda params, carry, tokens: exported.call(params, carry,
+                                                              tokens),
+          params=self.params, init_carry=init_carry,
+          vocab_size=int(self.manifest["vocab_size"]),
+          tokenizer=self.tokenizer)
+      options = {**self.manifest.get("engine", {}), **options}
+      self._engine = engines.Engine(model, **options)
+    return self._engine
+
+  def submit(self, prompt: str, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             sample_index: int = 0):
+    """One row into the engine; its Completion (.result() is the text
+    after the prompt)."""
+    check([prompt], max_new_tokens, temperature, top_k, top_p)
+    settings = engines.Settings(
+        max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+        top_k=int(top_k), top_p=float(top_p), seed=int(seed),
+        sample_index=int(sample_index))
+    return self.engine().submit(prompt, settings, block=True)
+
   def generate(self, prompts: list[str], max_new_tokens: int,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int = 0, rngs=None) -> list[str]:
-    """prompt + continuation for every prompt (host-side sampling).
+               seed: int = 0) -> list[str]:
+    """prompt + continuation for every prompt; row j draws from stream j of
+    `seed`."""
+    rows = [self.submit(p, max_new_tokens, temperature, top_k, top_p, seed,
+                        j) for j, p in enumerate(prompts)]
+    return [p + r.result() for p, r in zip(prompts, rows)]
 
-    `rngs` (one numpy Generator per row; rows may share one) replaces the
-    single generator seeded with `seed`."""
-    check(prompts, max_new_tokens, temperature, top_k, top_p)
-    rows = [self.tokenizer.encode_prompt(p) for p in prompts]
-    if any(not r for r in rows):
-      raise ValueError("a PROMPT has no tokens")
-    logits, carry = self.prompt_logits(rows)
-    if rngs is None:
-      rngs = [np.random.default_rng(seed)] * len(rows)
-    new = []
-    for _ in range(max_new_tokens):
-      tokens = sample(np.asarray(logits), rngs, temperature, top_k, top_p)
-      new.append(tokens)
-      logits, carry = self.step(carry, tokens)
-    new = np.stack(new, 1)                                        # [b, n]
-    return [join(self.tokenizer, p, self.tokenizer.decode(r.tolist()))
-            for p, r in zip(prompts, new)]
+  def close(self) -> None:
+    if self._engine is not None:
+      self._engine.close()
+      self._engine = None
 
 
 def check(prompts, max_new_tokens, temperature, top_k, top_p) -> None:
@@ -204,29 +244,6 @@ def check(prompts, max_new_tokens, temperature, top_k, top_p) -> None:
   if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
     raise ValueError("need MAX_NEW_TOKENS >= 1, TEMPERATURE >= 0, "
                      "TOP_K >= 0 and 0 < TOP_P <= 1")
-
-
-def sample(logits, rngs, temperature, top_k, top_p):
-  """One token per row from float [b, V] logits: greedy when temperature 0;
-  row i draws from rngs[i] (rows may share a generator: they draw in order)."""
-  if temperature == 0:
-    return logits.argmax(-1).astype(np.int32)
-  logits = logits.astype(np.float64) / temperature
-  if 0 < top_k < logits.shape[-1]:
-    kth = np.sort(logits, -1)[:, -top_k][:, None]
-    logits = np.where(logits < kth, -np.inf, logits)
-  probs = np.exp(logits - logits.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
-  if top_p < 1:  # the nucleus: keep tokens while the mass before is < top_p
-    order = np.argsort(-probs, -1)                        # most likely first
-    sorted_p = np.take_along_axis(probs, order, -1)
-    keep = np.zeros(probs.shape, bool)
-    np.put_along_axis(keep, order, np.cumsum(sorted_p, -1) - sorted_p < top_p,
-                      -1)
-    probs = np.where(keep, probs, 0.0)
-    probs /= probs.sum(-1, keepdims=True)
-  return np.array([rng.choice(len(p), p=p) for rng, p in zip(rngs, probs)],
-                  np.int32)
 
 
 def encode_texts(texts: list[str]):
@@ -327,47 +344,32 @@ class TritonPythonModel:
     return prompts, settings, self._scalar(request, "SEED", 0, int)
 
   def execute(self, requests):
-    """Requests with the same settings generate as one batch of rows."""
+    """Every row of every request joins the engine's running batch at once,
+    whatever its settings; a bad request fails alone."""
     responses = [None] * len(requests)
-    groups = {}                   # settings -> [(request index, prompts, seed)]
+    running = []                              # (request index, prompts, rows)
     for i, request in enumerate(requests):
+      rows = []
       try:
         prompts, settings, seed = self._read(request)
-        groups.setdefault(settings, []).append((i, prompts, seed))
+        for j, p in enumerate(prompts):
+          rows.append(self.artifact.submit(p, *settings, seed=seed,
+                                           sample_index=j))
+        running.append((i, prompts, rows))
       except Exception as e:  # one bad request must not fail the batch
+        for row in rows:
+          row.cancel()
         responses[i] = self._error(e)
-    for (max_new, temperature, top_k, top_p), members in groups.items():
-      prompts, rngs = [], []
-      for _, ps, seed in members:
-        rng = np.random.default_rng(seed)   # per request: batch-independent
-        prompts += ps
-        rngs += [rng] * len(ps)
+    together = sum(len(rows) for _, _, rows in running)
+    for i, prompts, rows in running:
       try:
-        texts = self.artifact.generate(prompts, max_new, temperature, top_k,
-                                       top_p, rngs=rngs)
-      except Exception as e:  # e.g. a prompt with no tokens: answer alone
-        if len(members) > 1:
-          for i, ps, seed in members:
-            responses[i] = self._one(ps, (max_new, temperature, top_k, top_p),
-                                     seed, len(ps))
-          continue
-        responses[members[0][0]] = self._error(e)
-        continue
-      start = 0
-      for i, ps, _ in members:
-        responses[i] = self._response(texts[start:start + len(ps)],
-                                      len(prompts))
-        start += len(ps)
+        texts = [p + r.result() for p, r in zip(prompts, rows)]
+        responses[i] = self._response(texts, together)
+      except Exception as e:  # pylint: disable=broad-except
+        responses[i] = self._error(e)
     self.executions += 1
     self.requests += len(requests)
     return responses
-
-  def _one(self, prompts, settings, seed, rows):
-    try:
-      texts = self.artifact.generate(prompts, *settings, seed=seed)
-      return self._response(texts, rows)
-    except Exception as e:  # pylint: disable=broad-except
-      return self._error(e)
 
   @staticmethod
   def _response(texts, rows):
@@ -383,4 +385,5 @@ class TritonPythonModel:
         output_tensors=[], error=pb_utils.TritonError(str(e)))
 
   def finalize(self):
+    self.artifact.close()
     self.artifact = None
