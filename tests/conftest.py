@@ -40,7 +40,7 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Imported only now: jax reads the flags above when it starts.
 import pytest  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
-from configs import demo  # pylint: disable=g-import-not-at-top
+from zebra_jax.configs import demo  # pylint: disable=g-import-not-at-top
 from zebra_jax.training import loop  # pylint: disable=g-import-not-at-top
 
 

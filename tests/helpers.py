@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from configs import wt103
+from zebra_jax.configs import wt103
 from zebra_jax.runtime import parallel
 from zebra_jax.training import loop, train_state
 

@@ -1,4 +1,4 @@
-"""Command line: zebra-jax (or python -m zebra_jax.main) --config=configs/demo.py.
+"""Command line: zebra-jax (or python -m zebra_jax.main) --config=demo.
 
 Flags name things (what to run, where, which prompt); every number is a
 config field, e.g. --config.model.num_stripes=8 or
@@ -19,9 +19,9 @@ from zebra_jax.errors import UserError
 from zebra_jax.runtime import distributed  # defines the multi-process flags
 
 _CONFIG = flags.DEFINE_string(
-    "config", None, "Config file[:variant], e.g. configs/demo.py or "
-    "configs/wt103.py:tiny; outside --mode=train, default: the workdir's "
-    "config.json. --config.x.y=v sets a field.")
+    "config", None, "Shipped config NAME[:variant] (base, demo, wt103, e.g. "
+    "demo:tiny) or a config file path[:variant]; outside --mode=train, "
+    "default: the workdir's config.json. --config.x.y=v sets a field.")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory: config.json, tokenizer/, checkpoints/, "
     "metrics.jsonl (default: runs/<config name>[-<variant>]).")

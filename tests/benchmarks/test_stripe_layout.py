@@ -1,6 +1,6 @@
 """The stripe-layout rows read what the compiled step holds and sends."""
 
-from configs import demo
+from zebra_jax.configs import demo
 from zebra_jax.benchmarks import stripe_layout
 
 

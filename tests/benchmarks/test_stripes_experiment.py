@@ -3,7 +3,7 @@ LSTM and the equal-step-time width search."""
 
 import math
 
-from configs import demo
+from zebra_jax.configs import demo
 from zebra_jax.benchmarks import stripes_experiment
 
 _VOCAB = 112  # the embedded corpus' character vocabulary

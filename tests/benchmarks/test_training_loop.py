@@ -1,7 +1,6 @@
 """The training-loop benchmark's parts: its configs, log interval and the
 torch side's absence reported."""
 
-import os
 import sys
 
 import ml_collections
@@ -10,11 +9,10 @@ import pytest
 from zebra_jax.benchmarks import training_loop
 from zebra_jax.config import files
 from zebra_jax.errors import UserError
-from tests.helpers import REPO
 
 
 def _base() -> ml_collections.ConfigDict:
-  return files.load_file(os.path.join(REPO, "configs", "base.py"))
+  return files.load_file("base")
 
 
 def test_missing_torch_is_reported_not_faked(monkeypatch):

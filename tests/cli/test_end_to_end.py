@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import pytest
 
-from configs import demo
+from zebra_jax.configs import demo
 from zebra_jax.data import tokenizers
 from zebra_jax.inference import export, loading, sample, score, serve
 from zebra_jax.model import lm

@@ -31,7 +31,7 @@ def test_a_gpu_is_what_jax_sees():
 
 def test_train_eval_sample_on_the_gpu(tmp_path):
   workdir = str(tmp_path / "run")
-  common = ["-m", "zebra_jax.main", "--config=configs/demo.py:tiny",
+  common = ["-m", "zebra_jax.main", "--config=demo:tiny",
             f"--workdir={workdir}"]
   out = _run(*common, "--config.train.num_steps=30")
   assert "test ppl" in out

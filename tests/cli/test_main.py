@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import demo
+from zebra_jax.configs import demo
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, sample
 from zebra_jax.training import evaluate, loop
@@ -74,12 +74,12 @@ def test_cli_train_eval_sample_char_level(tmp_path):
   text = tmp_path / "story.txt"
   text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy "
                           f"dog.\n" for i in range(300)))
-  out = _cli(f"--config={REPO}/configs/demo.py:tiny",
+  out = _cli("--config=demo:tiny",
              "--config.data.source=text", f"--config.data.path={text}",
              "--config.train.report_at_end=false", cwd=tmp_path)
   assert out.returncode == 0, out.stderr
   assert "| epoch 1 step 20 |" in out.stdout and "valid ppl" in out.stdout
-  workdir = "--workdir=runs/demo-tiny"  # the default for demo.py:tiny
+  workdir = "--workdir=runs/demo-tiny"  # the default for demo:tiny
   assert (tmp_path / "runs" / "demo-tiny" / "config.json").is_file()
   out = _cli(workdir, "--mode=eval", cwd=tmp_path)
   assert out.returncode == 0, out.stderr
@@ -92,13 +92,13 @@ def test_cli_train_eval_sample_char_level(tmp_path):
                "--config.sample.max_new_tokens=12", cwd=tmp_path)
   assert out.returncode == 0, out.stderr
   assert "the quick" in out.stdout and out.stdout == again.stdout
-  assert "temperature 0.8" in out.stdout  # configs/demo.py's, from config.json
+  assert "temperature 0.8" in out.stdout  # the demo config's, from config.json
 
 
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
   data = write_wikitext(tmp_path / "wt")
   workdir = str(tmp_path / "run")
-  args = ["--config=configs/wt103.py:tiny", f"--workdir={workdir}",
+  args = ["--config=wt103:tiny", f"--workdir={workdir}",
           f"--config.data.path={data}", "--config.model.head=full",
           "--config.train.num_steps=100000",
           "--config.checkpoint.every_steps=10", "--config.train.eval_every=1000",
@@ -146,7 +146,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
      "model.adaptive_div_val=0 must be a positive whole number"),
 ])
 def test_bad_config_gives_one_clear_line(tmp_path, override, message):
-  out = _cli("--config=configs/demo.py:tiny", f"--workdir={tmp_path}/run",
+  out = _cli("--config=demo:tiny", f"--workdir={tmp_path}/run",
              *override)
   assert out.returncode != 0
   assert "Traceback" not in out.stderr
@@ -220,7 +220,7 @@ def test_overrides_apply_to_the_workdirs_config_json(char_run, tmp_path):
   with the config file the run was trained from."""
   cfg, workdir = char_run
   saved = _greedy(f"--workdir={workdir}", cwd=tmp_path)
-  from_file = _greedy(f"--config={REPO}/configs/demo.py:tiny",
+  from_file = _greedy(f"--config={REPO}/zebra_jax/configs/demo.py:tiny",
                       f"--workdir={workdir}", "--config.data.source=text",
                       f"--config.data.path={cfg.data.path}", cwd=tmp_path)
   assert "temperature 0.0" in saved and saved == from_file

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import demo
+from zebra_jax.configs import demo
 from zebra_jax.inference import loading, sample, score
 from zebra_jax.training import loop
 from tests.helpers import REPO, sampled_text, score_numbers
@@ -52,7 +52,7 @@ def test_every_mode_with_stripe_devices(tmp_path):
   run = str(tmp_path / "run")
   # 20 steps, evaluated at 10 and 20: the second evaluation's sample runs
   # the sampler built at the first on the new weights.
-  train = _cli(run, "--config=configs/demo.py:tiny",
+  train = _cli(run, "--config=demo:tiny",
                "--config.parallel.stripe_devices=4",
                "--config.train.num_steps=20", "--config.train.eval_every=10",
                "--config.sample.temperature=0")

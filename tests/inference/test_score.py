@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import wt103
+from zebra_jax.configs import wt103
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, score
 from zebra_jax.training import evaluate, loop
@@ -70,7 +70,7 @@ def test_verbose_gives_per_token_logprobs(trained, capsys):
 def test_cli_score_and_bad_inputs(trained, tmp_path):
   cfg, workdir = trained
   common = [sys.executable, "-m", "zebra_jax.main",
-            "--config=configs/wt103.py:tiny", f"--workdir={workdir}",
+            "--config=wt103:tiny", f"--workdir={workdir}",
             f"--config.data.path={cfg.data.path}", "--mode=score"]
   out = subprocess.run(common + ["--text=the cat sat", "--text=the dog ran"],
                        capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from configs import demo
+from zebra_jax.configs import demo
 from zebra_jax.inference import export, loading, sample, serve, triton_local
 from zebra_jax.training import loop
 from tests.helpers import WORDS, http_post

@@ -303,7 +303,7 @@ def test_grouped_sharded_and_accumulated_steps_equal_single_device():
 
 
 def test_bad_stripe_input_is_one_config_error():
-  from configs import demo  # pylint: disable=g-import-not-at-top
+  from zebra_jax.configs import demo  # pylint: disable=g-import-not-at-top
   cfg = demo.get_config("tiny")
   assert cfg.model.stripe_input == "dense"
   cfg.model.stripe_input = "blocked"

@@ -135,7 +135,7 @@ def test_the_comparison_is_not_vacuous():
 def test_lm_matches_scan():
   """A whole ZebraLM (grouped stripes, two layers) with
   model.recurrence=native: the loss and its gradients equal the scan's."""
-  from configs import base  # pylint: disable=g-import-not-at-top
+  from zebra_jax.configs import base  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   cfg = base.get_config().model
   cfg.update(vocab_size=37, embed_size=16, hidden_size=16, num_layers=2,

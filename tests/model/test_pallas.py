@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import base
+from zebra_jax.configs import base
 from zebra_jax.model import lm, pallas_recurrence, recurrence
 
 T, B, G, IN = 3, 4, 4, 8  # window, batch, stripe width, layer input

@@ -13,7 +13,8 @@ import sys
 import ml_collections
 import pytest
 
-from configs import base, demo, wt103
+from zebra_jax.config import files
+from zebra_jax.configs import base, demo, wt103
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import config_checks
 from tests.helpers import REPO
@@ -141,23 +142,57 @@ def _leaves(tree, prefix=""):
 
 
 def test_every_base_field_is_checked():
-  """A field added to configs/base.py must be added to the checks too."""
+  """A field added to config/base.py must be added to the checks too."""
   checked = {f for f, _, _ in CASES} | {"model.adaptive_cutoffs"}
   fields = set(_leaves(base.get_config().to_dict()))
   assert not fields - checked, f"no check or test row: {fields - checked}"
-  assert not checked - fields, f"not in configs/base.py: {checked - fields}"
+  assert not checked - fields, f"not in config/base.py: {checked - fields}"
 
 
-def test_configs_load_by_path_from_another_directory(tmp_path):
-  """ml_collections loads config files by path: configs/ need not be on
-  sys.path (the package must be importable, as it is when installed)."""
+@pytest.mark.parametrize("spec", [
+    "wt103:tiny", "wt103.py:tiny",
+    # Where the shipped configs lived before they moved into the package:
+    # command lines written then name them by these paths.
+    "configs/wt103.py:tiny", "/old/checkout/configs/wt103.py:tiny"])
+def test_shipped_configs_load_by_name_from_any_directory(tmp_path,
+                                                         monkeypatch, spec):
+  monkeypatch.chdir(tmp_path)
+  assert files.load_file(spec).to_dict() == wt103.get_config("tiny").to_dict()
+  assert files.default_workdir(spec) == "runs/wt103-tiny"
+
+
+def test_a_config_file_of_ones_own_loads_by_path(tmp_path, monkeypatch):
+  """A file wins over a shipped name, even at a shipped config's old path."""
+  mine = tmp_path / "configs" / "demo.py"
+  mine.parent.mkdir()
+  mine.write_text("from zebra_jax.configs import demo\n"
+                  "def get_config(variant=''):\n"
+                  "  c = demo.get_config(variant)\n"
+                  "  c.model.hidden_size = 48\n"
+                  "  return c\n")
+  monkeypatch.chdir(tmp_path)
+  for spec in ("configs/demo.py:tiny", f"{mine}:tiny"):
+    assert files.load_file(spec).model.hidden_size == 48
+  assert files.load_file("demo:tiny").model.hidden_size == 32  # the shipped
+
+
+def test_shipped_names_are_the_shipped_files():
+  folder = os.path.dirname(demo.__file__)
+  assert files.shipped_names() == ["base", "demo", "wt103"]
+  assert files.as_path("demo:tiny") == os.path.join(folder, "demo.py") + ":tiny"
+  assert files.as_path("nope:tiny") == "nope:tiny"  # left for its reader
+
+
+def test_config_flag_of_ml_collections_takes_names(tmp_path):
+  """Tools whose --config is ml_collections' config flag (it reads files
+  only) take a shipped name too, from any directory."""
   code = ("from absl import flags; from ml_collections import config_flags; "
+          "from zebra_jax.cli import entry; "
           "c = config_flags.DEFINE_config_file('config'); "
-          f"flags.FLAGS(['x', '--config={REPO}/configs/wt103.py:tiny']); "
+          "entry.parse_flags(['x', '--config', 'wt103:tiny']); "
           "print(c.value.model.head, c.value.sample.chunk)")
   out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
-                       capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": REPO})
+                       capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   assert out.stdout.split() == ["adaptive", "32"]
 
@@ -176,10 +211,12 @@ def _one_error_line(out) -> str:
 
 
 def test_cli_mistyped_config_path(tmp_path):
-  line = _one_error_line(_cli(REPO, "--config=configs/nope.py",
+  line = _one_error_line(_cli(tmp_path, "--config=configs/nope.py",
                               f"--workdir={tmp_path}"))
   assert "no such file 'configs/nope.py'" in line
-  assert "base.py, demo.py, wt103.py" in line  # what exists instead
+  assert "shipped configs: base, demo, wt103" in line  # what exists instead
+  line = _one_error_line(_cli(tmp_path, "--config=dmeo:tiny"))
+  assert "no shipped config 'dmeo'" in line and "e.g. --config=demo:tiny" in line
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
@@ -188,7 +225,7 @@ def test_cli_damaged_config_json(tmp_path, mode):
   workdir.mkdir()
   whole = json.dumps(demo.get_config("tiny").to_dict(), indent=2)
   (workdir / "config.json").write_text(whole[:len(whole) // 2])  # disk full
-  config = (["--config=configs/demo.py:tiny"] if mode == "train" else [])
+  config = (["--config=demo:tiny"] if mode == "train" else [])
   line = _one_error_line(_cli(REPO, *config, f"--mode={mode}",
                               f"--workdir={workdir}"))
   assert f"{workdir}/config.json is damaged" in line
@@ -197,7 +234,7 @@ def test_cli_damaged_config_json(tmp_path, mode):
 
 def test_cli_grad_accum_steps_zero(tmp_path):
   line = _one_error_line(_cli(
-      REPO, "--config=configs/demo.py:tiny", f"--workdir={tmp_path}/run",
+      REPO, "--config=demo:tiny", f"--workdir={tmp_path}/run",
       "--config.train.grad_accum_steps=0"))
   assert ("--config.train.grad_accum_steps=0 must be a positive whole number"
           in line)

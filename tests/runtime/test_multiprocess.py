@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import demo
+from zebra_jax.configs import demo
 from zebra_jax.runtime import checkpoint, parallel
 from zebra_jax.training import train_state
 from tests.helpers import (REPO, flip_a_bit_orbax_reads, sampled_text,
@@ -40,7 +40,7 @@ def corpus(tmp_path_factory):
 
 def _args(corpus, workdir, *extra):
   story, _ = corpus
-  return ["-m", "zebra_jax.main", "--config=configs/demo.py:tiny",
+  return ["-m", "zebra_jax.main", "--config=demo:tiny",
           f"--workdir={workdir}", "--config.data.source=text",
           f"--config.data.path={story}", "--config.sample.prompt=the ",
           *extra]

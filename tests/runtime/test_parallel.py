@@ -171,7 +171,7 @@ def _losses(stdout: str) -> list[float]:
 
 def test_two_processes_match_one_process(tmp_path):
   data = write_wikitext(tmp_path / "wt")
-  args = ["-m", "zebra_jax.main", "--config=configs/wt103.py:tiny",
+  args = ["-m", "zebra_jax.main", "--config=wt103:tiny",
           f"--config.data.path={data}", "--config.train.num_steps=4",
           "--config.train.log_every=1", "--config.train.report_at_end=false",
           "--config.data.batch_size=16", "--config.model.dropout_hidden=0",

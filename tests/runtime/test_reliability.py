@@ -71,7 +71,7 @@ def test_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
 def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
   data = write_wikitext(tmp_path / "wt")
   workdir = str(tmp_path / "run")
-  args = [sys.executable, "-m", "zebra_jax.main", "--config=configs/wt103.py:tiny",
+  args = [sys.executable, "-m", "zebra_jax.main", "--config=wt103:tiny",
           f"--workdir={workdir}", f"--config.data.path={data}",
           "--config.model.head=full", "--config.train.log_every=2",
           "--config.train.eval_every=100000",

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import demo
+from zebra_jax.configs import demo
 from zebra_jax.errors import UserError
 from zebra_jax.model import lm
 from zebra_jax.model.config import ModelConfig

@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from tests.helpers import REPO
 from zebra_jax.benchmarks import stripes_experiment
 
 
@@ -24,7 +23,7 @@ def _compare_cli(out, *extra, check=True):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   done = subprocess.run(
       [sys.executable, "-m", "zebra_jax.tools.experiments",
-       f"--config={REPO}/configs/demo.py:tiny", f"--out={out}",
+       "--config=demo:tiny", f"--out={out}",
        "--budget_minutes=0.02", "--seeds=0", "--stripes=1", "--grouped=2",
        "--equal_time=2", "--no_classic", "--eval_points=2",
        "--curve_eval_batches=2", *extra],
@@ -87,7 +86,7 @@ def test_a_run_stopped_by_sigterm_is_not_a_result(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.Popen(
       [sys.executable, "-m", "zebra_jax.tools.experiments",
-       f"--config={REPO}/configs/demo.py:tiny", f"--out={out}",
+       "--config=demo:tiny", f"--out={out}",
        "--budget_minutes=2", "--seeds=0", "--stripes=1", "--no_classic",
        "--eval_points=2", "--curve_eval_batches=2"],
       env=env, cwd=str(tmp_path), stdout=subprocess.DEVNULL,

@@ -202,7 +202,7 @@ def test_training_without_tensorboardx(tmp_path):
       [str(tmp_path / "blocked"), REPO, os.environ.get("PYTHONPATH", "")]))
   out = subprocess.run(
       [sys.executable, "-m", "zebra_jax.main",
-       f"--config={REPO}/configs/demo.py:tiny", f"--workdir={workdir}",
+       "--config=demo:tiny", f"--workdir={workdir}",
        "--config.data.source=text", f"--config.data.path={text}",
        "--config.train.num_steps=4", "--config.train.log_every=2",
        "--config.train.eval_every=1000", "--config.checkpoint.every_steps=4",

@@ -75,7 +75,7 @@ def test_eval_options_are_checked(char_run):
 def test_cli_eval_one_split_prints_the_summary_block(char_run):
   cfg, workdir = char_run
   out = subprocess.run(
-      [sys.executable, "-m", "zebra_jax.main", "--config=configs/demo.py:tiny",
+      [sys.executable, "-m", "zebra_jax.main", "--config=demo:tiny",
        f"--workdir={workdir}", "--config.data.source=text",
        f"--config.data.path={cfg.data.path}", "--mode=eval", "--split=test",
        "--config.eval.seq_len=20"],

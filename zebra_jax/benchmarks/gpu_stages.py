@@ -284,9 +284,8 @@ def stage_wt103(results: Results, dry: bool, seconds: float) -> None:
 
 
 def _config(name: str, variant: str = ""):
-  """configs/NAME.py's config, loaded by path like --config does."""
-  sys.path.insert(0, REPO)
-  module = __import__(f"configs.{name}", fromlist=["get_config"])
+  """The shipped config NAME (zebra_jax/configs/NAME.py)."""
+  module = __import__(f"zebra_jax.configs.{name}", fromlist=["get_config"])
   return module.get_config(variant)
 
 

@@ -338,7 +338,7 @@ def run(cfg, out: str, budget_minutes: float = 3.25,
   """Runs (or resumes) the whole comparison; returns the results dict.
 
   Args:
-    cfg: the base config (e.g. configs/demo.py); model widths come from it.
+    cfg: the base config (e.g. the demo config); model widths come from it.
     stripes, grouped: num_stripes values run with dense and with grouped
       stripe input at the config's width.
     equal_time: grouped num_stripes values also run at the width whose step

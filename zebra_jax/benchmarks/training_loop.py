@@ -9,7 +9,7 @@ Shapes (2 layers, batch 32, window 64, float32, embedded corpus):
   A     hidden 512, characters (the corpus's own vocabulary, ~100 symbols)
   word  hidden 256, words, the 16,384 most frequent (the rest <unk>)
 
-JAX side: `training.loop.run`, the code `--mode=train` runs, on configs/base.py
+JAX side: `training.loop.run`, the code `--mode=train` runs, on the base config
 (or --config) with the shape's fields set, for warmup + steps steps. No
 evaluation, sample or checkpoint happens before the last step (the loop's
 closing evaluation and save come after it). Each log line writes a

@@ -69,8 +69,9 @@ def load(mode: str, spec: str | None, workdir: str | None,
     cfg = files.load_file(spec)
     workdir = workdir or files.default_workdir(spec)
   elif mode == "train":
-    raise UserError("--mode=train needs --config=FILE, e.g. --config=configs/"
-                    "demo.py (other modes read the workdir's config.json)")
+    raise UserError("--mode=train needs --config=NAME or FILE, e.g. "
+                    "--config=demo (other modes read the workdir's "
+                    "config.json)")
   elif workdir is None:
     raise UserError(f"--mode={mode} needs --workdir=DIR of a trained run (or "
                     f"--config=FILE, whose workdir defaults to runs/NAME)")

@@ -4,7 +4,7 @@ Used by zebra_jax.main and the tools, so every entry point parses flags the
 same way: absl flags, --config files, UserError as one line.
 """
 
-import os
+import re
 import sys
 from typing import Callable, Sequence
 
@@ -51,9 +51,24 @@ def parse_flags(argv: list[str],
     except flags.Error as e:
       usage_error(" ".join(str(e).split()))
   try:
-    return flags.FLAGS(argv)
+    return flags.FLAGS(_config_as_path(argv))
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     usage_error(_override_error(argv) or " ".join(str(e).split()))
+
+
+def _config_as_path(argv: list[str]) -> list[str]:
+  """argv with --config's shipped name as its file: ml_collections' config
+  flag reads files only."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg == "--":
+      break
+    given = re.match(r"^(--?config=)(.*)$", arg, re.DOTALL)
+    if given:
+      out[i] = given.group(1) + files.as_path(given.group(2))
+    elif arg in ("--config", "-config") and i + 1 < len(out):
+      out[i + 1] = files.as_path(out[i + 1])
+  return out
 
 
 def _override_error(argv: list[str]) -> str | None:
@@ -84,8 +99,7 @@ def run_tool(main: Callable[[list], int | None],
       argv, own_overrides=own_overrides))
 
 
-def default_config(name: str) -> str | None:
-  """configs/<name> of the source tree, if the package runs from one."""
-  path = os.path.join(files.CONFIGS_DIR, name.partition(":")[0])
-  return os.path.join(files.CONFIGS_DIR, name) if os.path.isfile(
-      path) else None
+def default_config(spec: str) -> str:
+  """A shipped config's file, as the default of ml_collections' config flag
+  (which reads files only): default_config("demo:tiny")."""
+  return files.as_path(spec)

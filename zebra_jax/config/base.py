@@ -1,6 +1,6 @@
 """Every config field, defined once: its default, what it may hold, what it means.
 
-Experiment configs (configs/demo.py, configs/wt103.py) start from
+Experiment configs (zebra_jax/configs/demo.py, wt103.py) start from
 `get_config()` here and state only what differs. Any field can be overridden
 on the command line, e.g. --config.model.num_stripes=8. Validation
 (runtime/config_checks.py) reads each field's rule from `FIELDS`.

@@ -1,7 +1,9 @@
 """Config files and a workdir's config.json, read into ConfigDicts.
 
-`load_file` is the one loader of config files (configs/demo.py[:variant]);
-`upgrade` is the one place an older config.json is brought up to date.
+`load_file` is the one loader of configs: a shipped config by name
+(demo[:variant], from zebra_jax/configs/) or a config file by path
+(path/to/mine.py[:variant]); `upgrade` is the one place an older config.json
+is brought up to date.
 """
 
 import importlib.util
@@ -13,10 +15,10 @@ import ml_collections
 from zebra_jax.config import base
 from zebra_jax.errors import UserError
 
-# The source tree's configs/ (absent when the package is installed alone).
-CONFIGS_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))), "configs")
+# The configs that ship with the package (zebra_jax/configs/), read as files
+# like a user's own: NAME names SHIPPED_DIR/NAME.py.
+SHIPPED_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # What a model section written before these fields existed means: the full
 # head, dense stripes, the lax.scan recurrence. Not today's defaults, which
 # may change: an old workdir must keep meaning what it was trained as.
@@ -24,14 +26,52 @@ _ABSENT_MODEL_FIELDS = dict(head="full", stripe_input="dense",
                             recurrence="scan")
 
 
+def shipped_names() -> list[str]:
+  """The names of the shipped configs: base, demo, wt103."""
+  return [name[:-3] for name in _config_files(SHIPPED_DIR)]
+
+
+def resolve(path: str) -> str | None:
+  """The file a --config names (the part before `:variant`), or None.
+
+  A file on disk wins, so a config of one's own is never shadowed. Otherwise
+  a shipped config's name: `demo`, `demo.py`, or any `.../configs/demo.py`,
+  which is where the shipped configs lived in the source tree before they
+  moved into the package (command lines written then keep working).
+  """
+  if os.path.isfile(path):
+    return path
+  folder, name = os.path.split(path)
+  name = name.removesuffix(".py")
+  if folder and os.path.basename(os.path.normpath(folder)) != "configs":
+    return None
+  if name in shipped_names():
+    return os.path.join(SHIPPED_DIR, f"{name}.py")
+  return None
+
+
+def as_path(spec: str) -> str:
+  """spec with a shipped config's name as its file (demo:tiny ->
+  .../zebra_jax/configs/demo.py:tiny), for readers of config files by path
+  (ml_collections' config flags); as given where nothing resolves."""
+  path, colon, variant = spec.partition(":")
+  found = resolve(path)
+  return f"{found}{colon}{variant}" if found else spec
+
+
 def load_file(spec: str) -> ml_collections.ConfigDict:
-  """configs/demo.py[:variant] -> its get_config(variant), or a UserError."""
+  """demo[:variant] or path/to/mine.py[:variant] -> its get_config(variant),
+  or a UserError."""
   path, _, variant = spec.partition(":")
-  if not os.path.isfile(path):
-    raise UserError(f"--config={spec}: no such file {path!r}; "
+  found = resolve(path)
+  if found is None:
+    missing = (f"no shipped config {path!r}" if os.sep not in path and
+               not path.endswith(".py") else f"no such file {path!r}")
+    raise UserError(f"--config={spec}: {missing}; "
                     f"{_where_configs_are(path)}")
   try:
-    module_spec = importlib.util.spec_from_file_location("_zebra_config", path)
+    module_spec = importlib.util.spec_from_file_location("_zebra_config",
+                                                         found)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module.get_config(variant) if variant else module.get_config()
@@ -42,15 +82,13 @@ def load_file(spec: str) -> ml_collections.ConfigDict:
 
 
 def _where_configs_are(path: str) -> str:
-  folder = os.path.dirname(path) or "."
-  known = _config_files(folder)
+  shipped = (f"shipped configs: {', '.join(shipped_names())} "
+             "(--config=NAME[:variant], e.g. --config=demo:tiny)")
+  folder = os.path.dirname(path) or ("." if path.endswith(".py") else "")
+  known = _config_files(folder) if folder else []
   if known:
-    return f"configs in {folder}: {', '.join(known)}"
-  folder = os.path.relpath(CONFIGS_DIR)
-  if _config_files(folder):
-    return f"e.g. --config={os.path.join(folder, 'demo.py')}"
-  return ("pass a config file that defines get_config(), e.g. configs/demo.py "
-          "of the source tree")
+    return f"configs in {folder}: {', '.join(known)}; {shipped}"
+  return shipped
 
 
 def _config_files(folder: str) -> list[str]:
@@ -69,7 +107,7 @@ def _config_files(folder: str) -> list[str]:
 
 
 def default_workdir(spec: str) -> str:
-  """runs/demo for configs/demo.py, runs/wt103-tiny for configs/wt103.py:tiny."""
+  """runs/demo for demo or demo.py, runs/wt103-tiny for wt103:tiny."""
   path, _, variant = spec.partition(":")
   name = os.path.splitext(os.path.basename(path))[0]
   return os.path.join("runs", f"{name}-{variant}" if variant else name)

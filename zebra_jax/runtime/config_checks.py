@@ -18,8 +18,8 @@ def _get(cfg, dotted):
   node = cfg
   for part in dotted.split("."):
     if part not in node:
-      raise UserError(f"config has no field {dotted}: start from configs/demo.py "
-                      f"or configs/wt103.py, which define every field")
+      raise UserError(f"config has no field {dotted}: start from the demo "
+                      f"or wt103 config, which define every field")
     node = node[part]
   return node
 

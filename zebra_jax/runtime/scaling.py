@@ -25,7 +25,7 @@ PER_NODE = 8        # GPUs per node: the stripe axis stays inside one
 def wt103_model(hidden: int = 2048, stripe_input: str | None = None,
                 **fields) -> ModelConfig:
   """The WikiText-103 recipe's model, at another hidden size if asked."""
-  from configs import wt103  # the repository's recipe, beside the package
+  from zebra_jax.configs import wt103  # pylint: disable=g-import-not-at-top
   cfg = wt103.get_config()
   cfg.model.update(vocab_size=267_735, hidden_size=hidden, embed_size=hidden,
                    **fields)

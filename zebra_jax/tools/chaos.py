@@ -1,7 +1,7 @@
 """Fault injection: break a small training run in every way we promise to survive.
 
   python -m zebra_jax.tools.chaos [--workdir=/tmp/chaos] [--steps=40] \
-      [--config=configs/demo.py:tiny] [--config.x=y ...]
+      [--config=demo:tiny] [--config.x=y ...]
 
 Trains a tiny model once without interruption, then again while, in turn,
 sending SIGTERM mid-run, SIGKILLing mid-save, corrupting the newest checkpoint
@@ -107,7 +107,7 @@ def _run(cmd, **kw):
 
 def main(argv: list[str]) -> int:
   if flags.FLAGS.config is None:
-    raise UserError("pass --config=FILE, e.g. --config=configs/demo.py:tiny")
+    raise UserError("pass --config=FILE, e.g. --config=demo:tiny")
   config, steps = _config_args(argv), flags.FLAGS.steps
   root = flags.FLAGS.workdir or tempfile.mkdtemp(prefix="zebra_chaos_")
   os.makedirs(root, exist_ok=True)
@@ -229,7 +229,7 @@ def _same_final_params(reference: str, chaos: str) -> bool:
 
 if __name__ == "__main__":
   config_flags.DEFINE_config_file(
-      "config", entry.default_config("demo.py:tiny"),
+      "config", entry.default_config("demo:tiny"),
       "Config file[:variant] of the runs; --config.x=y overrides apply.")
   flags.DEFINE_string("workdir", None, "Where the runs go (default: a new "
                       "temporary folder).")

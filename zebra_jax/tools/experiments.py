@@ -3,7 +3,7 @@
   launch/compare_stripes.sh char       # results/stripes_vs_classic/char
   python -m zebra_jax.tools.experiments --out=results/mine --budget_minutes=3.25 \
       --seeds=0,1,2 --stripes=1,4,8 --grouped=4,8,16 --equal_time=4,8,16 \
-      --config=configs/demo.py --config.optim.learning_rate=1e-3  # any field
+      --config=demo --config.optim.learning_rate=1e-3  # any field
 
 The settings, the fairness rules and the outputs:
 zebra_jax/benchmarks/stripes_experiment.py.
@@ -25,7 +25,7 @@ def main(argv: Sequence[str]) -> None:
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
   f = flags.FLAGS
   if f.config is None:
-    raise UserError("pass --config=FILE, e.g. --config=configs/demo.py")
+    raise UserError("pass --config=FILE, e.g. --config=demo")
   ints = lambda values: [int(x) for x in values]
   results = stripes_experiment.run(
       f.config, f.out, f.budget_minutes, ints(f.seeds), ints(f.stripes),
@@ -38,8 +38,8 @@ def main(argv: Sequence[str]) -> None:
 def _define_flags() -> None:
   """The tool's flags, defined when it runs (importing it defines none)."""
   config_flags.DEFINE_config_file(
-      "config", entry.default_config("demo.py"), "Config file[:variant]; "
-      "override fields with --config.x=y (default: configs/demo.py).")
+      "config", entry.default_config("demo"), "Config file[:variant]; "
+      "override fields with --config.x=y (default: demo).")
   flags.DEFINE_string("out", "runs/compare_stripes",
                       "Results go here; run folders in OUT/workdirs.")
   flags.DEFINE_float("budget_minutes", 3.25, "Wall-clock budget per run.")

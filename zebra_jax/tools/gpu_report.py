@@ -20,7 +20,7 @@ stage loses only the row it was measuring. Stages:
              model.recurrence=pallas, beside the scan in bf16 and fp32; a
              shape the kernel does not fit is a scan_fallback_* row) and the
              memory rows
-  wt103      configs/wt103.py's model (hidden 2048, S=8, the 267,735-word
+  wt103      the wt103 config's model (hidden 2048, S=8, the 267,735-word
              adaptive softmax, batch 128 x 128) trained on synthetic Zipf ids:
              tok/s, ms/step, memory, and the share of the step spent in the
              LSTM layers, the head and the optimizer from a jax.profiler trace

@@ -1,7 +1,7 @@
 """Per-device memory and collectives of the train step, stripe devices 1..8.
 
   python -m zebra_jax.tools.stripe_bench --config.model.num_stripes=8
-  python -m zebra_jax.tools.stripe_bench --config=configs/wt103.py:tiny
+  python -m zebra_jax.tools.stripe_bench --config=wt103:tiny
 
 The model is the config's (the demo's by default; a vocabulary of 256 when
 the config leaves it to the corpus).
@@ -44,7 +44,7 @@ def main(argv) -> None:
 
 def _flags() -> None:
   """The tool's flags, defined when it runs (importing it defines none)."""
-  flags.DEFINE_string("config", "configs/demo.py", "Config file[:variant]; "
+  flags.DEFINE_string("config", "demo", "Config NAME or file[:variant]; "
                       "--config.x=y sets a field (the model needs "
                       "num_stripes divisible by every stripe count).")
   flags.DEFINE_list("stripe_devices", ["1", "2", "4", "8"],

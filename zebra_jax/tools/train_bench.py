@@ -23,7 +23,7 @@ def main(argv: Sequence[str]) -> None:
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
   f = flags.FLAGS
   if f.config is None:
-    raise UserError("pass --config=FILE, e.g. --config=configs/base.py")
+    raise UserError("pass --config=FILE, e.g. --config=base")
   try:
     stripes = [int(s) for s in f.stripes]
   except ValueError as e:
@@ -37,9 +37,9 @@ def _define_flags() -> None:
   """The tool's flags, defined when it runs (importing it defines none)."""
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file(
-      "config", entry.default_config("base.py"), "Config file[:variant] "
+      "config", entry.default_config("base"), "Config file[:variant] "
       "whose optimizer, dropout and dtype both sides use; override fields "
-      "with --config.x=y (default: configs/base.py).")
+      "with --config.x=y (default: base).")
   flags.DEFINE_enum("shape", "A",
                     [s for s in training_loop.SHAPES if s != "quick"],
                     "A: hidden 512, characters. word: hidden 256, 16k words.")

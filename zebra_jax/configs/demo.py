@@ -1,10 +1,10 @@
 """ZebraLSTM on the embedded offline corpus: the quickstart job, sized for a laptop CPU.
 
-  python -m zebra_jax.main --config=configs/demo.py --workdir=runs/demo
-  python -m zebra_jax.main --config=configs/demo.py --workdir=runs/demo --mode=eval
-  python -m zebra_jax.main --config=configs/demo.py --workdir=runs/demo --mode=sample \
+  python -m zebra_jax.main --config=demo --workdir=runs/demo
+  python -m zebra_jax.main --config=demo --workdir=runs/demo --mode=eval
+  python -m zebra_jax.main --config=demo --workdir=runs/demo --mode=sample \
       --prompt="The module" --config.sample.temperature=0.7
-  python -m zebra_jax.main --config=configs/demo.py:tiny --workdir=/tmp/tiny  # seconds
+  python -m zebra_jax.main --config=demo:tiny --workdir=/tmp/tiny  # seconds
 
 The corpus is English documentation text shipped with every Python install
 (pydoc topics and standard-library docstrings), so it needs no network.
@@ -47,6 +47,5 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.checkpoint.every_steps = 10
     c.sample.max_new_tokens = 20
   elif variant:
-    raise ValueError(f"unknown variant {variant!r}: use configs/demo.py or "
-                     "configs/demo.py:tiny")
+    raise ValueError(f"unknown variant {variant!r}: use demo or demo:tiny")
   return c
