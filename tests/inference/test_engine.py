@@ -1,0 +1,190 @@
+"""The serving engine: a bounded set of compiled programs, and a request's
+text independent of what runs beside it."""
+
+import concurrent.futures
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from zebra_jax.inference import engine, loading, sample, sampling
+
+TEXT = "line 7: the quick brown fox jumps over the lazy dog. "
+
+
+@pytest.fixture(scope="module")
+def gen(char_run):
+  cfg, workdir = char_run
+  # Small shapes, so prompts span several prefill chunks and requests queue.
+  g = sample.Generator(loading.load_for_inference(cfg, workdir), slots=6,
+                       queue=64, prefill_chunk=8, prefill_rows=3,
+                       decode_block=3)
+  yield g
+  g.close()
+
+
+class _Lowerings:
+  """Counts programs jax lowers (each new program, compiled or read from
+  the persistent cache, is lowered once)."""
+
+  def __init__(self):
+    self.count, self.on = 0, True
+
+  def __call__(self, name, *args, **kwargs):
+    if self.on and name == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+      self.count += 1
+
+
+def test_compiled_programs_are_the_startup_set(gen):
+  e = gen.engine
+  assert e.stats()["compiled_programs"] == e.startup_programs == 2
+  lowerings = _Lowerings()
+  jax.monitoring.register_event_duration_secs_listener(lowerings)
+  try:
+    done = []
+    for length in range(1, 31):
+      for i, temperature in enumerate((0.0, 0.3, 0.7, 1.0, 1.7)):
+        done.append(e.submit(TEXT[:length], engine.Settings(
+            max_new_tokens=1 + (length + i) % 5, temperature=temperature,
+            top_k=(0, 3, 0, 50, 1)[i], top_p=(1.0, 1.0, 0.9, 0.5, 1.0)[i],
+            repetition_penalty=(1.0, 1.3, 1.0, 0.8, 1.0)[i], seed=length,
+            stop=("e",) if i == 2 else ()), block=True))
+    assert all(c.result(timeout=300) is not None for c in done)
+  finally:
+    lowerings.on = False
+    jax.monitoring.unregister_event_duration_listener(lowerings)
+  assert lowerings.count == 0
+  stats = e.stats()
+  assert stats["compiled_programs"] == stats["startup_programs"] == 2
+  assert stats["busy"] == stats["queued"] == 0
+  assert {c.finish_reason for c in done} == {"length", "stop"}
+
+
+REQUESTS = [(TEXT[:n], engine.Settings(
+    max_new_tokens=5 + n % 7, temperature=t, top_k=k, top_p=p,
+    repetition_penalty=r, seed=s))
+            for n, t, k, p, r, s in [
+                (1, 0.0, 0, 1.0, 1.0, 0), (3, 0.0, 0, 1.0, 1.3, 0),
+                (9, 0.0, 0, 1.0, 1.0, 0), (17, 0.0, 0, 1.0, 1.0, 0),
+                (25, 0.0, 5, 0.5, 1.0, 0), (40, 0.0, 0, 1.0, 2.0, 0),
+                (2, 1.0, 0, 1.0, 1.0, 1), (2, 1.0, 0, 1.0, 1.0, 2),
+                (11, 0.8, 4, 1.0, 1.0, 3), (16, 1.2, 0, 0.9, 1.0, 4),
+                (33, 1.0, 10, 0.8, 1.4, 5), (8, 0.5, 0, 1.0, 1.0, 6),
+                (5, 1.0, 0, 1.0, 1.0, -7), (21, 1.0, 1, 1.0, 1.0, 2**40),
+                (13, 0.0, 0, 1.0, 1.0, 9), (29, 2.0, 0, 0.95, 1.0, 10)]]
+
+
+def test_a_request_in_a_busy_batch_equals_it_alone(gen):
+  """16 threads at once (6 slots: rows join and leave mid-run, others wait
+  in the queue); every text, greedy or sampled, equals the same request
+  sent alone."""
+  e = gen.engine
+  barrier = threading.Barrier(len(REQUESTS))
+
+  def send(request):
+    barrier.wait()
+    return e.submit(*request).result(timeout=300)
+
+  with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+    together = list(pool.map(send, REQUESTS))
+  alone = [e.submit(*r).result(timeout=300) for r in REQUESTS]
+  assert together == alone
+  assert len(set(together[6:8])) == 2  # seeds 1 and 2 differ
+  assert all(len(t) == r[1].max_new_tokens for t, r in zip(alone, REQUESTS))
+
+
+def test_greedy_equals_the_model_level_loop(gen):
+  """An independent path: the whole prompt as one window (lm.last_logits),
+  then the scan of sampling.generate; the engine consumes prompts in masked
+  chunks of one-token steps and decodes in blocks."""
+  for n in (1, 8, 9, 30):
+    prompt = TEXT[:n]
+    ids = gen.encode(prompt)
+    state = gen.prime([ids])
+    tokens, _ = sampling.generate(gen.step_fn, gen.params, state.carry,
+                                  state.logits, jax.random.PRNGKey(0),
+                                  num_new_tokens=12, temperature=0.0)
+    expected = gen.tokenizer.decode(np.asarray(tokens[0]).tolist())
+    got = gen.engine.submit(prompt, engine.Settings(
+        max_new_tokens=12, temperature=0.0)).result(timeout=300)
+    assert got == expected
+
+
+def test_stop_strings_streaming_and_finish_reasons(gen):
+  e = gen.engine
+  free = e.submit("the ", engine.Settings(max_new_tokens=30, seed=1))
+  text = free.result(timeout=300)
+  assert free.finish_reason == "length" and len(text) == 30
+  assert free.completion_tokens == 30 and free.prompt_tokens == 4
+  # Two stop strings, the later-found one first: the text ends before the
+  # earliest occurrence of either.
+  first, second = text[6:8], text[12:14]
+  expected = text[:min(text.index(first), text.index(second))]
+  pieces, reasons = [], []
+  stopped = e.submit("the ", engine.Settings(
+      max_new_tokens=30, seed=1, stop=(second, first)),
+                     on_text=pieces.append, on_done=reasons.append)
+  assert stopped.result(timeout=300) == expected == "".join(pieces)
+  assert stopped.finish_reason == "stop" and reasons == ["stop"]
+  pieces.clear()
+  streamed = e.submit("the ", engine.Settings(max_new_tokens=30, seed=1),
+                      on_text=pieces.append)
+  assert streamed.result(timeout=300) == text == "".join(pieces)
+  assert len(pieces) >= 5  # as it grew, 3 tokens per decode call
+
+
+def test_queue_full_and_cancel(gen):
+  small = engine.Engine(gen.engine_model(), slots=1, queue=1,
+                        prefill_chunk=8, prefill_rows=1, decode_block=1)
+  try:
+    started = threading.Event()
+    long = small.submit("the ", engine.Settings(max_new_tokens=1000),
+                        on_text=lambda d: started.set())
+    assert started.wait(300)  # it holds the only slot
+    waiting = small.submit("x", engine.Settings(max_new_tokens=3,
+                                                temperature=0.0))
+    with pytest.raises(engine.QueueFull) as full:
+      small.submit("x", engine.Settings(max_new_tokens=3))
+    assert full.value.retry_after > 0
+    assert small.stats()["busy"] == 1 and small.stats()["queued"] == 1
+    long.cancel()  # frees the slot at the next step
+    assert len(waiting.result(timeout=300)) == 3
+    assert long.finish_reason == "cancelled"
+    assert len(long.text) < 1000
+    queued = small.submit("the ", engine.Settings(max_new_tokens=500))
+    gone = small.submit("x", engine.Settings(max_new_tokens=3))
+    gone.cancel()  # still queued: leaves without a slot
+    assert gone.result(timeout=300) == "" and gone.finish_reason == "cancelled"
+    queued.cancel()
+    queued.result(timeout=300)
+    with pytest.raises(engine.BadPrompt, match="empty"):
+      small.submit("", engine.Settings())
+    with pytest.raises(ValueError, match="top_p"):
+      small.submit("x", engine.Settings(top_p=0.0))
+  finally:
+    small.close()
+
+
+def test_a_failing_callback_cancels_only_its_request(gen):
+  e = gen.engine
+
+  def hang_up(delta):
+    raise BrokenPipeError("client gone")
+
+  broken = e.submit("the ", engine.Settings(max_new_tokens=200),
+                    on_text=hang_up)
+  fine = e.submit("the ", engine.Settings(max_new_tokens=20,
+                                          temperature=0.0))
+  broken.result(timeout=300)
+  assert broken.finish_reason == "cancelled"
+  assert broken.completion_tokens < 200  # its slot was freed early
+  assert len(fine.result(timeout=300)) == 20
+
+
+def test_seed_keys_match_jax_for_32_bit_seeds():
+  for seed in (0, 1, 7, 2**31, 2**32 - 1):
+    np.testing.assert_array_equal(engine.seed_key(seed),
+                                  np.asarray(jax.random.PRNGKey(seed)))
+  assert engine.seed_key(2**40)[0] == 256  # the high word is kept
+  assert not np.array_equal(engine.seed_key(-1), engine.seed_key(2**32 - 1))
