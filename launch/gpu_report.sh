@@ -4,13 +4,16 @@
 #
 #   bash launch/gpu_report.sh [--dry-run] [--no-install] [STAGE ...]
 #
-#   bash launch/gpu_report.sh                  # every stage
-#   bash launch/gpu_report.sh quick wt103      # these stages
+# On a GPU node lent one command at a time (under 10 minutes each), two calls,
+# each under 540 s (docs/gpu-results.md has the budgets):
+#   bash launch/gpu_report.sh smoke quick bench
+#   bash launch/gpu_report.sh wt103 precision infer scaling
+# and, after each, the returned gpu-results.json and .md copied over docs/.
 #   bash launch/gpu_report.sh --dry-run        # tiny shapes on any CPU
 #
-# Stages: quick bench wt103 precision infer scaling (none named: all of them;
-# each runs in its own process under its own time budget, zebra_jax/benchmarks/
-# gpu_stages.py's STAGE_BUDGET_S).
+# Stages: smoke quick bench wt103 precision infer scaling (none named: all of
+# them; each runs in its own process under its own time budget,
+# zebra_jax/benchmarks/gpu_results.py's STAGE_BUDGET_S).
 #
 # What it installs, one printed line per decision:
 # - jax: nothing when the Python already has jax with a CUDA plugin (a GPU
@@ -24,13 +27,15 @@
 #   without network.
 #
 # Writes OUT/gpu-results.md and OUT/gpu-results.json: OUT=docs by default, a
-# folder under /tmp for --dry-run (its figures mean nothing). Every stage adds
-# its section, so stages can run in separate sessions.
-# PYTHON=... picks the interpreter (default: python, else python3, on PATH).
+# folder under /tmp for --dry-run (its figures mean nothing). Where OUT has no
+# gpu-results.json, the run starts from docs/gpu-results.json (the previous
+# call's, carried in the tree). Every stage adds its section.
+# PYTHON=... picks the interpreter (default: the first of python3 and python
+# on PATH that imports jax, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; }
 
 dry=""
 install=1
@@ -47,17 +52,29 @@ for arg in "$@"; do
 done
 csv=$(IFS=,; echo "${stages[*]:-}")
 
-PYTHON=${PYTHON:-$(command -v python || command -v python3 || true)}
+pick_python() {
+  local name path
+  for name in python3 python; do
+    path=$(command -v "$name") || continue
+    if "$path" -c "import jax" 2>/dev/null; then
+      echo "$path"
+      return
+    fi
+  done
+  command -v python3 || command -v python || true
+}
+PYTHON=${PYTHON:-$(pick_python)}
 if [[ -z "$PYTHON" ]]; then
   echo "error: no python on PATH (set PYTHON=...)" >&2
   exit 2
 fi
+echo "python: ${PYTHON}"
 if [[ -n "$dry" ]]; then
   OUT=${OUT:-${TMPDIR:-/tmp}/zebra-gpu-report-dry-run}
 else
   OUT=${OUT:-docs}
 fi
-# Imports zebra_jax and configs from this checkout, in every subprocess too.
+# Imports zebra_jax from this checkout, in every subprocess too.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # "JAX_VERSION PLUGIN", "-" for what is missing. A plugin module is enough;

@@ -1,9 +1,10 @@
 """launch/gpu_report.sh's decisions and TensorBoard-less training.
 
 The script runs in a copy of launch/ under a temporary folder with a fake
-`python` first on PATH: the fake records every call and answers the jax probe
-as told, and fails loudly on a pip install of jax's CUDA extras, so a script
-that would install on a node that already has its GPU stack fails here.
+`python3` and `python` first on PATH: the fake records every call and answers
+the jax probe as told, and fails loudly on a pip install of jax's CUDA
+extras, so a script that would install on a node that already has its GPU
+stack fails here.
 """
 
 import json
@@ -41,8 +42,9 @@ exit 0
 """
 
 
-def _fake_repo(tmp_path, wheels=()):
-  """tmp/launch/gpu_report.sh (the real one) and tmp/bin/python (the fake)."""
+def _fake_repo(tmp_path, wheels=(), python3=FAKE_PYTHON):
+  """tmp/launch/gpu_report.sh (the real one), tmp/bin/python (the fake) and
+  tmp/bin/python3 (the fake, or the script given)."""
   root = tmp_path / "repo"
   (root / "launch").mkdir(parents=True)
   shutil.copy(os.path.join(REPO, "launch", "gpu_report.sh"),
@@ -53,15 +55,16 @@ def _fake_repo(tmp_path, wheels=()):
       (root / "wheels" / name).write_bytes(b"")
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
-  fake = bin_dir / "python"
-  fake.write_text(FAKE_PYTHON)
-  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  for name, text in (("python", FAKE_PYTHON), ("python3", python3)):
+    fake = bin_dir / name
+    fake.write_text(text)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
   return root, bin_dir
 
 
 def _run(tmp_path, *args, probe="0.11.2 jax_cuda13_plugin", missing="",
-         wheels=(), env=None):
-  root, bin_dir = _fake_repo(tmp_path, wheels)
+         wheels=(), env=None, python3=FAKE_PYTHON):
+  root, bin_dir = _fake_repo(tmp_path, wheels, python3)
   log = tmp_path / "calls.log"
   environ = {k: v for k, v in os.environ.items()
              if k not in ("NO_INSTALL", "PYTHON", "OUT", "CUDA_EXTRA")}
@@ -149,6 +152,24 @@ def test_missing_module_without_wheel_says_how(tmp_path):
   assert not _report_calls(calls) and not _pip_calls(calls)
 
 
+def test_python3_is_preferred_and_must_import_jax(tmp_path):
+  """python3 first; a python3 without jax loses to a python with it."""
+  out, calls = _run(tmp_path, "--dry-run", "bench")
+  assert out.returncode == 0, out.stderr
+  assert f"python: {tmp_path / 'bin' / 'python3'}" in out.stdout
+  assert len(_report_calls(calls)) == 1
+  no_jax = ("#!/usr/bin/env bash\n"
+            "echo \"$*\" >> \"$FAKE_LOG.python3\"\n"
+            "[[ \"$2\" == \"import jax\" ]] && exit 1\n"
+            "echo 'python3 without jax ran' >&2; exit 98\n")
+  out, calls = _run(tmp_path / "b", "--dry-run", "bench", python3=no_jax)
+  assert out.returncode == 0, out.stderr
+  assert f"python: {tmp_path / 'b' / 'bin' / 'python'}" in out.stdout
+  assert len(_report_calls(calls)) == 1  # the report ran on python
+  tried = (tmp_path / "b" / "calls.log.python3").read_text().splitlines()
+  assert tried == ["-c import jax"]
+
+
 def test_unknown_option(tmp_path):
   out, calls = _run(tmp_path, "--fast")
   assert out.returncode == 2 and "unknown option --fast" in out.stderr
@@ -182,6 +203,38 @@ def test_real_probe_finds_a_cuda_plugin(tmp_path):
   assert "with CUDA plugin found (jax_cuda13_plugin): nothing installed" \
          in out.stdout
   assert "REPORT --out=docs --stages=bench" in out.stdout
+
+
+# ------------------------------------------------------------- rehearsal
+
+
+def _rehearse(tmp_path, calls, **env):
+  environ = {k: v for k, v in os.environ.items()
+             if k not in ("NO_INSTALL", "OUT", "REHEARSAL_CALL_BUDGET")}
+  environ.update(PYTHON=sys.executable, TMPDIR=str(tmp_path), **env)
+  return subprocess.run(
+      ["bash", os.path.join(REPO, "launch", "gpu_rehearsal.sh"), "--here",
+       "--calls", calls], capture_output=True, text=True, env=environ,
+      timeout=400)
+
+
+@pytest.mark.slow
+def test_rehearsal_carries_one_file_through_the_calls(tmp_path):
+  """The rehearsal's calls on this Python (two cheap stages, one a call):
+  the second call starts from an empty OUT, and the combined file holds
+  both stages; a call past its budget fails the rehearsal."""
+  out = _rehearse(tmp_path, "scaling;infer")
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "== rehearsal passed: scaling, infer in one file over 2 calls" \
+      in out.stdout
+  assert "| carried " in out.stdout  # call 2 read call 1's file
+  assert "== call 2: exit 0" in out.stdout
+
+  out = _rehearse(tmp_path, "scaling", REHEARSAL_CALL_BUDGET="1")
+  assert out.returncode == 1
+  assert "call 1 killed at its 1 s budget" in out.stdout + out.stderr
+  assert not [p for p in os.listdir(tmp_path)
+              if p.startswith("zebra-gpu-rehearsal")]  # nothing left behind
 
 
 # ------------------------------------------------------------ TensorBoard

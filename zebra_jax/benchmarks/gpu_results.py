@@ -1,9 +1,68 @@
 """The GPU report's results: OUT/gpu-results.json, rewritten whole after every
-row, and the markdown page rendered from it.
+row, and the markdown page rendered from it; and the plan of calls that
+fills it on a GPU node lent one command at a time.
 """
 
 import json
 import os
+import textwrap
+
+from zebra_jax.runtime import strict_json
+
+STAGES = ("smoke", "quick", "bench", "wt103", "precision", "infer", "scaling")
+# Seconds each stage may run on one H100, its process's start included.
+STAGE_BUDGET_S = {"smoke": 60, "quick": 130, "bench": 310, "wt103": 170,
+                  "precision": 150, "infer": 120, "scaling": 60}
+# --dry_run: at least twice each stage's seconds on a loaded 2-core CPU
+# (smoke 20, quick 22, bench 128 with the speed rows, wt103 37, precision
+# 50, infer 14, scaling 15).
+DRY_BUDGET_S = {"smoke": 60, "quick": 90, "bench": 350, "wt103": 150,
+                "precision": 200, "infer": 60, "scaling": 60}
+# The node runs one command at a time, at most 10 minutes each: the report
+# is two commands, each adding its stages to the same gpu-results.json.
+CALLS = (("smoke", "quick", "bench"), ("wt103", "precision", "infer",
+                                       "scaling"))
+CALL_BUDGET_S = 540     # one command, its stages' budgets and overhead
+CALL_OVERHEAD_S = 40    # outside the stages: jax probe, wheels, driver
+START_UP_S = 180        # a cold start of the node, counted in its session
+SESSION_S = 1500        # the node's time for the whole report
+
+
+def call_command(stages) -> str:
+  return "bash launch/gpu_report.sh " + " ".join(stages)
+
+
+def sequence_lines() -> list[str]:
+  """The calls as markdown: each command and its budget, and how the
+  result file carries from one call to the next."""
+  worst = sum(START_UP_S + CALL_BUDGET_S for _ in CALLS)
+  lines = ["| call | command (repository root; the node sets $OUT) | "
+           "stage budgets, s | call budget, s |", "|---|---|---|---:|"]
+  for i, stages in enumerate(CALLS, 1):
+    budgets = " + ".join(f"{s} {STAGE_BUDGET_S[s]}" for s in stages)
+    lines.append(f"| {i} | `{call_command(stages)}` | {budgets} | "
+                 f"{CALL_BUDGET_S} |")
+  wrap = lambda text: textwrap.fill(text, 79, break_on_hyphens=False,
+                                     break_long_words=False)
+  return lines + [
+      "",
+      wrap(f"Each call's stages sum to at most {CALL_BUDGET_S - CALL_OVERHEAD_S} "
+      f"s, leaving {CALL_OVERHEAD_S} s for the jax probe, the wheels and "
+      f"the driver; run it with a {CALL_BUDGET_S} s timeout. Both calls, "
+      f"each from a cold start ({START_UP_S} s), take at most {worst} s of "
+      f"the node's {SESSION_S} s."),
+      "",
+      wrap("Results carry in the working tree: a call reads "
+      "`docs/gpu-results.json` (copied into `$OUT` first) and writes the "
+      "merged `gpu-results.json` and `gpu-results.md` into `$OUT`. After "
+      "each call, copy both back from the folder the node returns "
+      "(RETURNED) over `docs/` before the next call, so that the next "
+      "copy of the tree carries them:"),
+      "",
+      "    cp RETURNED/gpu-results.json RETURNED/gpu-results.md docs/",
+      "",
+      wrap("A stage run again replaces its own section only; every other "
+           "stage's rows stay.")]
 
 class Results:
   """OUT/gpu-results.json and the .md rendered from it, both rewritten
@@ -22,7 +81,7 @@ class Results:
   def save(self) -> None:
     os.makedirs(self.out, exist_ok=True)
     for path, text in ((self.json_path,
-                        json.dumps(self.data, indent=1, default=str)),
+                        strict_json.dumps(self.data, indent=1, default=str)),
                        (self.md_path, render(self.data))):
       tmp = f"{path}.tmp{os.getpid()}"
       with open(tmp, "w") as f:
@@ -62,12 +121,23 @@ def summary(report: dict) -> list[str]:
   mach = report.get("machine", {})
   gpus = mach.get("gpus") or []
   quick, bench_ = report.get("quick", {}), report.get("bench", {})
+  smoke = report.get("smoke", {})
   lines = [
       f"- machine: {', '.join(g['name'] for g in gpus) or 'no GPU'}"
       f" (driver {gpus[0]['driver'] if gpus else '-'}); jax "
       f"{mach.get('jax', '-')}, jaxlib {mach.get('jaxlib', '-')}, cuDNN "
       f"{_fmt(mach.get('cudnn_jax'), 'd')} (jax) / "
       f"{_fmt(mach.get('cudnn_torch'), 'd')} (torch {mach.get('torch')})"]
+  outside = report.get("versions", {}).get("outside", [])
+  if outside:
+    lines.append(f"- versions outside pyproject.toml: {'; '.join(outside)}")
+  if smoke.get("rows"):
+    failed = [r for r in smoke["rows"] if r["status"] != "ok"]
+    lines.append(f"- smoke ({smoke.get('backend', '-')}): "
+                 f"{len(smoke['rows']) - len(failed)}/{len(smoke['rows'])} "
+                 "Pallas kernels ran" + (
+                     f"; {failed[0]['name']}: {failed[0]['error']}"
+                     if failed else ""))
   peak = quick.get("peak")
   if peak:
     sheet = peak["datasheet_bf16_tflops"]
@@ -84,7 +154,9 @@ def summary(report: dict) -> list[str]:
   pallas = bench_.get("pallas", [])
   widest = max((r["stripes"] for r in pallas), default=None)
   for r in pallas:
-    if r["stripes"] == widest and not r["name"].startswith("scan_core"):
+    if r.get("error"):
+      lines.append(f"- {r['name']} ({r['dtype']}): error: {r['error']}")
+    elif r["stripes"] == widest and not r["name"].startswith("scan_core"):
       lines.append(f"- {r['name']} ({r['dtype']}): {r['vs_scan']:.2f} x scan,"
                    f" {r['kernel']}")
   w = report.get("wt103", {})
@@ -112,8 +184,15 @@ def summary(report: dict) -> list[str]:
   for stage, st in report.get("stages", {}).items():
     lines.append(f"- stage {stage}: {st.get('status', '-')}, "
                  f"{st.get('rows', 0)} rows, {_fmt(st.get('seconds'))} s of "
-                 f"{st.get('budget_s', '-')} s")
+                 f"{st.get('budget_s', '-')} s"
+                 + (f" ({st['device']})" if st.get("device") else ""))
   return lines
+
+
+def _precisions(found) -> str:
+  """tt.dot input precisions as 'ieee x4', or '-' where none were read."""
+  return ", ".join(f"{p} x{found.count(p)}" for p in sorted(set(found))) \
+      if found else "-"
 
 
 def _bench_table(rows) -> list[str]:
@@ -132,6 +211,8 @@ def _wt103_pallas(w: dict) -> str:
   p = w.get("pallas")
   if p is None:
     return "- model.recurrence=pallas: not measured (yet)"
+  if p.get("error"):
+    return f"- model.recurrence=pallas: error: {p['error']}"
   if p["kernel"] != "fused":
     return f"- model.recurrence=pallas: {p['kernel']}"
   return (f"- model.recurrence=pallas (fused kernel): "
@@ -149,6 +230,30 @@ def render(report: dict) -> str:
   if report.get("dry_run"):
     lines += ["**DRY RUN: tiny shapes, figures mean nothing.**", ""]
   lines += ["## Summary", ""] + summary(report) + [""]
+  lines += ["## How this page is made", "",
+            "Two commands on a GPU node (what each stage measures: "
+            "`python -m zebra_jax.tools.gpu_report --help`):", ""]
+  lines += sequence_lines() + [""]
+  versions = report.get("versions", {})
+  if versions.get("installed"):
+    lines += ["Installed: " + ", ".join(
+        f"{k} {v or 'missing'}" for k, v in versions["installed"].items())
+              + (f"; outside pyproject.toml's bounds: "
+                 f"{'; '.join(versions['outside'])}"
+                 if versions.get("outside") else
+                 "; all within pyproject.toml's bounds"), ""]
+  smoke = report.get("smoke", {})
+  if smoke.get("rows"):
+    lines += [f"## smoke: tiny Pallas kernels ({smoke.get('backend')})", "",
+              "| kernel | status | seconds | max abs error | tt.dot "
+              "precision |", "|---|---|---:|---:|---|"]
+    for r in smoke["rows"]:
+      lines.append(f"| {r['name']} | "
+                   f"{'ok' if r['status'] == 'ok' else r['error']} | "
+                   f"{_fmt(r.get('seconds'), '.1f')} | "
+                   f"{_fmt(r.get('max_abs_err'), '.2e')} | "
+                   f"{_precisions(r.get('dot_precision'))} |")
+    lines.append("")
   quick, b = report.get("quick", {}), report.get("bench", {})
   if quick.get("peak"):
     p = quick["peak"]
@@ -177,6 +282,10 @@ def render(report: dict) -> str:
               "| row | dtype | tok/s | ms/step | x scan | model TFLOP/s | "
               "kernel |", "|---|---|---:|---:|---:|---:|---|"]
     for r in b["pallas"]:
+      if r.get("error"):
+        lines.append(f"| {r['name']} | {r['dtype']} | - | - | - | - | "
+                     f"error: {r['error']} |")
+        continue
       lines.append(f"| {r['name']} | {r['dtype']} | "
                    f"{r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | "
                    f"{r['vs_scan']:.2f} | {r['model_tflops']:.2f} | "

@@ -1,11 +1,15 @@
 """The GPU report's stages, each run in its own process by tools/gpu_report.py:
-quick, bench, wt103, precision, infer, scaling (what each measures: that
-tool's docstring). Every stage writes each row as it lands.
+smoke, quick, bench, wt103, precision, infer, scaling (what each measures:
+that tool's docstring). Every stage writes each row as it lands; every
+Pallas row is guarded, so a Triton or ptxas error becomes a row that says
+so and the stage goes on.
 """
 
+import contextlib
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -18,7 +22,8 @@ import optax
 
 from zebra_jax.benchmarks import traces
 from zebra_jax.benchmarks.flops import step_flops
-from zebra_jax.benchmarks.gpu_results import Results
+from zebra_jax.benchmarks.gpu_results import (  # pylint: disable=unused-import
+    DRY_BUDGET_S, STAGE_BUDGET_S, STAGES, Results)
 from zebra_jax.benchmarks.memory import memory_rows
 from zebra_jax.benchmarks.shapes import SHAPES, model_config, zipf_probs
 from zebra_jax.benchmarks.speed import row_specs, time_group
@@ -26,22 +31,8 @@ from zebra_jax.benchmarks.steps import core_runner
 from zebra_jax.benchmarks.timing import (PEAK_CALL_SECONDS, datasheet,
                                          matmul_peak, time_interleaved)
 from zebra_jax.benchmarks.torch_reference import torch_runners
-from zebra_jax.model import lm, pallas_recurrence
+from zebra_jax.model import lm, pallas_recurrence, recurrence
 from zebra_jax.runtime import profiling
-
-STAGES = ("quick", "bench", "wt103", "precision", "infer", "scaling")
-# Seconds each stage may run, its process's start included. On one H100 the
-# stages fit; their sum stays under 30 minutes.
-STAGE_BUDGET_S = {"quick": 170, "bench": 540, "wt103": 300, "precision": 300,
-                  "infer": 240, "scaling": 150}
-# --dry_run: three times or more each stage's seconds on a loaded 2-core CPU
-# (quick 22, bench 128 with the speed rows and 15 without, wt103 37 with the
-# kernel's step, precision 50, infer 14, scaling 15).
-DRY_BUDGET_S = {"quick": 90, "bench": 400, "wt103": 150, "precision": 200,
-                "infer": 60, "scaling": 60}
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
 
 
 def machine() -> dict:
@@ -79,6 +70,137 @@ def machine() -> dict:
     info["gpus"] = []
     info["note"] = "nvidia-smi not found: no NVIDIA GPU on this machine"
   return info
+
+
+def first_error_line(exc: BaseException) -> str:
+  """The line of an exception that names the error (Triton's, ptxas' or
+  XLA's first line saying error), else its first line; with its type."""
+  lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
+  named = [l for l in lines if re.search(r"error", l, re.IGNORECASE)]
+  line = (named or lines or [""])[0]
+  return f"{type(exc).__name__}: {line}"[:400]
+
+
+@contextlib.contextmanager
+def triton_ir():
+  """Collects the Triton IR text of every Pallas kernel lowered inside the
+  block (jax's own lowering function, wrapped; the list stays empty on a
+  jax that lowers elsewhere)."""
+  texts = []
+  try:
+    from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
+    lower = reg.lowering.lower_jaxpr_to_triton_module
+  except (ImportError, AttributeError):
+    yield texts
+    return
+
+  def spy(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    texts.append(result.module.operation.get_asm())
+    return result
+
+  reg.lowering.lower_jaxpr_to_triton_module = spy
+  try:
+    yield texts
+  finally:
+    reg.lowering.lower_jaxpr_to_triton_module = lower
+
+
+def dot_precisions(text: str) -> list[str]:
+  """The inputPrecision of every tt.dot in Triton IR text: ieee where the
+  attribute is absent (Triton's default, not printed)."""
+  found = []
+  for line in text.splitlines():
+    if re.search(r"\btt\.dot\b", line):
+      named = re.search(r"inputPrecision = (\w+)", line)
+      found.append(named.group(1) if named else "ieee")
+  return found
+
+
+def _tiny_dot(dtype, interpret: bool):
+  """x @ w + 1 as one Pallas program of 16 x 16 tiles, Precision.HIGHEST
+  as the stripe kernel asks."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+
+  def kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...],
+                         precision=jax.lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32) + 1.0
+
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+    params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+  rng = np.random.default_rng(0)
+  x, w = (jnp.asarray(rng.standard_normal((16, 16)), dtype)
+          for _ in range(2))
+  fn = jax.jit(pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
+      interpret=interpret, compiler_params=params, name="zebra_smoke_dot"))
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + 1.0
+  return lambda: float(np.max(np.abs(np.asarray(fn(x, w)) - want)))
+
+
+def _tiny_stripes(dtype, interpret: bool):
+  """The stripe kernel's forward and backward at one 16-row block (S=2,
+  T=3, G=16) against the scan: the largest difference of the loss and
+  every gradient."""
+  s, t, b, g, n = 2, 3, 16, 16, 32
+  rng = np.random.default_rng(0)
+
+  def arr(shape, scale, dt=jnp.float32):
+    return jnp.asarray(scale * rng.standard_normal(shape), dt)
+  args = (arr((t, b, n), 1.0, dtype), arr((n, s, 4 * g), 0.3, dtype),
+          arr((s, 4 * g), 0.2), arr((s, b, g), 0.5), arr((s, b, g), 0.5),
+          arr((s, g, 4 * g), 0.2, dtype))
+
+  def loss(layer):
+    def fn(*a):
+      ys, h, c = layer(*a)
+      return jnp.sum(ys.astype(jnp.float32) ** 2) + jnp.sum(h) + jnp.sum(c)
+    return jax.jit(jax.value_and_grad(fn, argnums=tuple(range(6))))
+
+  kernel = loss(lambda *a: pallas_recurrence.zebra_layer(
+      *a, 1, False, interpret=interpret))
+  scan = loss(lambda *a: recurrence.zebra_layer(*a, 1, False))
+
+  def run():
+    got, want = kernel(*args), scan(*args)
+    return max(float(jnp.max(jnp.abs(x.astype(jnp.float32)
+                                     - y.astype(jnp.float32))))
+               for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+  return run
+
+
+SMOKE_ROWS = (("tiny_dot_float32", _tiny_dot, jnp.float32),
+              ("tiny_dot_bfloat16", _tiny_dot, jnp.bfloat16),
+              ("stripe_kernel_float32", _tiny_stripes, jnp.float32),
+              ("stripe_kernel_bfloat16", _tiny_stripes, jnp.bfloat16))
+
+
+def stage_smoke(results: Results, dry: bool) -> None:
+  """Tiny Pallas kernels compiled and run on this device before anything
+  else: a 16 x 16 dot in float32 and bfloat16, then the stripe kernel's
+  forward and backward against the scan. Each row records ok (with its
+  error against the reference and the precision of its lowered tt.dots)
+  or the first error line (Triton, ptxas, XLA), and the next row runs."""
+  del dry  # the same tiny shapes either way
+  interpret = jax.devices()[0].platform != "gpu"
+  results.update("smoke", {
+      "backend": "interpret" if interpret else "triton",
+      "triton_missing": pallas_recurrence.triton_missing() or None}, rows=0)
+  for name, make, dtype in SMOKE_ROWS:
+    start = time.perf_counter()
+    row = {"name": name}
+    try:
+      with triton_ir() as texts:
+        err = make(dtype, interpret)()
+      row.update(status="ok", max_abs_err=err, dot_precision=[
+          p for text in texts for p in dot_precisions(text)])
+    except Exception as e:  # pylint: disable=broad-except
+      row.update(status="error", error=first_error_line(e))
+    row["seconds"] = time.perf_counter() - start
+    results.append("smoke", "rows", [row])
 
 
 def _shape(dry: bool) -> dict:
@@ -142,27 +264,58 @@ def pallas_rows(shape, stripes: int, rounds: int) -> list[dict]:
                       else f"scan_fallback_core_S{stripes}")}
   labels = {"scan": "lax.scan",
             "pallas": "fused" if block else f"scan (kernel did not fit: {why})"}
-  fns = {kernel: core_runner(shape, stripes, kernel=kernel)
-         for kernel in names}
+  fns = {"scan": core_runner(shape, stripes)}
+  error = None
+  try:  # compiled and run once here: a Triton or ptxas error is a row
+    fns["pallas"] = core_runner(shape, stripes, kernel="pallas")
+    fns["pallas"]()
+  except Exception as e:  # pylint: disable=broad-except
+    fns.pop("pallas", None)
+    error = first_error_line(e)
   tokens = shape["batch"] * shape["seq_len"]
   sec = time_interleaved(fns, rounds)
   flops = step_flops(shape, stripes, input_grad=False)
-  return [{"name": names[k], "stripes": stripes, "width": g,
+  rows = [{"name": names[k], "stripes": stripes, "width": g,
            "dtype": shape["dtype"], "tokens_per_s": tokens / sec[k],
            "ms_per_step": 1e3 * sec[k], "vs_scan": sec["scan"] / sec[k],
            "model_tflops": flops * tokens / sec[k] / 1e12,
            "kernel": labels[k],
            "batch_block": block if k == "pallas" else None}
-          for k in names]
+          for k in fns]
+  if error:
+    rows.append(pallas_error_row(names["pallas"], shape, stripes, error))
+  return rows
+
+
+def pallas_error_row(name, shape, stripes, error) -> dict:
+  """A pallas row that raised: its name, shape and first error line."""
+  return {"name": name, "stripes": stripes,
+          "width": shape["hidden"] // stripes, "dtype": shape["dtype"],
+          "kernel": "error", "error": error}
 
 
 def stage_bench(results: Results, dry: bool, bench_rows: bool = True) -> None:
-  """The speed table's groups (speed.py; the quick stage's rows left out
-  when it has them), then the pallas rows, then the memory rows: each
-  written as it lands. bench_rows=False: pallas and memory only (the speed
-  rows take minutes even at the quick shape; tests/tools/test_bench.py
-  covers them)."""
+  """The pallas rows, then the memory rows, then the speed table's groups
+  (speed.py; the quick stage's rows left out when it has them), each
+  written as it lands: a stage stopped at its budget loses speed rows
+  first. A pallas row that raises becomes an error row and the stage goes
+  on. bench_rows=False: pallas and memory only (the speed rows take
+  minutes even at the quick shape; tests/tools/test_bench.py covers
+  them)."""
   shape, rounds = _shape(dry), _rounds(dry)
+  for dtype in (shape["dtype"],) if dry else ("bfloat16", "float32"):
+    for s in shape["stripes"]:
+      sized = {**shape, "dtype": dtype}
+      try:
+        rows = pallas_rows(sized, s, rounds)
+      except Exception as e:  # pylint: disable=broad-except
+        rows = [pallas_error_row(f"pallas_core_S{s}", sized, s,
+                                 first_error_line(e))]
+      results.append("bench", "pallas", rows)
+  if not dry:
+    memory, fit = memory_rows("gpu", fresh_processes=True)
+    results.update("bench", {"memory": memory, "max_window": fit},
+                   rows=len(memory))
   if bench_rows:
     peak = _peak(results, shape, dry)
     torch_fns, note = torch_runners(shape)
@@ -174,14 +327,6 @@ def stage_bench(results: Results, dry: bool, bench_rows: bool = True) -> None:
       specs = {n: spec for n, spec in specs.items() if n not in done}
       rows, _ = time_group(shape, group, specs, torch_fns, rounds, peak)
       results.append("bench", "rows", rows)
-  for dtype in (shape["dtype"],) if dry else ("bfloat16", "float32"):
-    for s in shape["stripes"]:
-      results.append("bench", "pallas",
-                     pallas_rows({**shape, "dtype": dtype}, s, rounds))
-  if not dry:
-    memory, fit = memory_rows("gpu", fresh_processes=True)
-    results.update("bench", {"memory": memory, "max_window": fit},
-                   rows=len(memory))
 
 
 def _wt103_config(dry: bool):
@@ -276,7 +421,12 @@ def stage_wt103(results: Results, dry: bool, seconds: float) -> None:
         "kernel": f"scan (kernel did not fit: {why})"}})
     return
   cfg.model.recurrence = "pallas"
-  p_sec, p_steps, p_loss, _, _ = _wt103_step(cfg, dry, seconds)
+  try:
+    p_sec, p_steps, p_loss, _, _ = _wt103_step(cfg, dry, seconds)
+  except Exception as e:  # pylint: disable=broad-except
+    results.update("wt103", {"pallas": {"kernel": "error",
+                                        "error": first_error_line(e)}})
+    return
   results.update("wt103", {"pallas": {
       "kernel": "fused", "steps_timed": p_steps, "ms_per_step": 1e3 * p_sec,
       "tokens_per_s": tokens / p_sec, "vs_scan": sec / p_sec,
@@ -411,14 +561,23 @@ def stage_scaling(results: Results, dry: bool) -> None:
         "ms_per_step": 1e3 * sec, "efficiency": tok_s / (n * base)}])
 
 
-def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 120.0,
-              precision_steps: int = 300, bench_rows: bool = True) -> None:
-  """One stage in this process (what a stage's child process runs)."""
+def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 30.0,
+              precision_steps: int = 300, bench_rows: bool = True,
+              work: str | None = None) -> None:
+  """One stage in this process (what a stage's child process runs). work:
+  the folder of the precision stage's runs, which infer reads (None: a new
+  temporary folder); never under out, whose files a node sends back."""
   results = Results(out)
   results.data["machine"] = machine()
+  gpus = results.data["machine"]["gpus"]
+  results.data.setdefault("stages", {}).setdefault(stage, {})["device"] = (
+      ", ".join(g["name"] for g in gpus) if gpus
+      else results.data["machine"]["devices"][0])
   results.save()
-  work = os.path.join(out, "gpu-report-work")
-  if stage == "quick":
+  work = work or tempfile.mkdtemp(prefix="zebra_gpu_report_work_")
+  if stage == "smoke":
+    stage_smoke(results, dry)
+  elif stage == "quick":
     stage_quick(results, dry)
   elif stage == "bench":
     stage_bench(results, dry, bench_rows)
