@@ -11,7 +11,9 @@ and carry any pytree (the LSTM (h, c) per layer, in zebra_jax).
 
 Sampling options (temperature, top_k, top_p, repetition_penalty) are Python
 values, static under jit: each combination compiles once, and unused filters
-cost nothing.
+cost nothing. This is the model-level loop (the generation benchmark times
+it); requests go through the serving engine (zebra_jax.inference.engine),
+where the same options are per-row data.
 
 Long or streamed generations run in chunks (`generate_chunk`): a `DecodeState`
 (carry, next logits, seen tokens) passes from one jitted chunk to the next, and
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax.errors import UserError
+from zebra_jax.inference import engine
 from zebra_jax.model import metrics
 
 
@@ -109,42 +112,10 @@ def filter_logits(logits, *, temperature, top_k, top_p):
 
 
 def _nucleus(logits, top_p):
-  """Keeps the most likely tokens until their probability reaches top_p.
-
-  The cut is the smallest logit value v whose strictly larger logits hold
-  less than top_p of the probability; every logit >= v stays (ties with the
-  last kept token too). v is found by bisection on the float's bits: 32
-  passes over the vocabulary, each a masked sum, instead of sorting it. On a
-  CPU, XLA's sort of a [32, 8,192] batch took 47 ms a token, several times
-  the LM step it follows; the bisection takes 2.1 ms.
-  """
-  probs = jax.nn.softmax(logits, axis=-1)
-  # float32 -> uint32 in the same order (negative floats reversed), so that
-  # every float between two candidates is a whole number between their keys.
-  bits = jax.lax.bitcast_convert_type(logits, jnp.uint32)
-  keys = jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
-  to_float = lambda k: jax.lax.bitcast_convert_type(
-      jnp.where(k >> 31 == 1, k & jnp.uint32(0x7FFFFFFF), ~k), jnp.float32)
-
-  def above(key):  # mass of the logits strictly above the float of key
-    return jnp.sum(jnp.where(keys > key, probs, 0.0), -1, keepdims=True)
-
-  # Invariant: mass above lo >= top_p > mass above hi. Below the lowest
-  # logit's key lies all the mass (keys of finite and infinite logits are
-  # never 0); above the highest, none.
-  lo = jnp.min(keys, -1, keepdims=True) - 1
-  hi = jnp.max(keys, -1, keepdims=True)
-
-  def halve(_, bounds):
-    lo, hi = bounds
-    mid = lo + (hi - lo) // 2
-    small = above(mid) < top_p
-    return jnp.where(small, lo, mid), jnp.where(small, mid, hi)
-
-  _, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
-  # hi: the smallest key with less than top_p above it, which is a logit's.
-  threshold = to_float(hi)
-  return jnp.where(logits < threshold, -jnp.inf, logits)
+  """Keeps the most likely tokens until their probability reaches top_p
+  (ties with the last kept one too): the serving engine's bisection on the
+  float's bits, no sort (engine.nucleus)."""
+  return engine.nucleus(logits, top_p)
 
 
 def penalize_repeats(logits, seen, penalty):
