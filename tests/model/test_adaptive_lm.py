@@ -231,3 +231,25 @@ def test_export_of_the_adaptive_head_matches_apply(trained):
   out, _ = step.call(flat, carry1, tokens[:, -1])
   want, _ = lm.apply(loaded.graphdef, loaded.params, tokens[:, -1:], carry2)
   np.testing.assert_allclose(out, want[:, 0], atol=1e-5)
+
+
+def test_eval_without_accuracy_and_with_a_token_limit(trained):
+  """eval.accuracy=false: the same loss, no acc anywhere; eval.max_tokens:
+  the first tokens of every row, named in the report and the record."""
+  cfg, workdir, _ = trained
+  on = evaluate.run(cfg, workdir, ("valid",))["valid"]
+  off_cfg = cfg.copy_and_resolve_references()
+  off_cfg.eval.accuracy = False
+  off = evaluate.run(off_cfg, workdir, ("valid",))["valid"]
+  assert 0.0 < on["acc"] <= 1.0 and off["acc"] is None
+  assert off["loss"] == pytest.approx(on["loss"], rel=1e-6)
+  assert off["tokens"] == on["tokens"] == on["split_tokens"]
+  assert "acc" not in evaluate.summary_block("valid", 40, off, False)
+  off_cfg.eval.max_tokens = 8 * 5  # eval.batch_size 8: 5 tokens a row
+  cut = evaluate.run(off_cfg, workdir, ("valid",))["valid"]
+  assert cut["tokens"] == 40 and cut["split_tokens"] == on["tokens"]
+  records = [json.loads(l) for l in open(f"{workdir}/metrics.jsonl")]
+  final = [r for r in records if r["kind"] == "final_valid"]
+  assert "acc" in final[-3] and "acc" not in final[-1]
+  assert final[-1]["tokens"] == 40
+  assert final[-1]["split_tokens"] == on["tokens"]

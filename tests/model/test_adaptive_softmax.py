@@ -155,3 +155,109 @@ def test_tiny_model_loss_falls():
     losses.append(float(loss))
   assert np.isfinite(losses).all()
   assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+# --------------------------- the exact loss against a float64 NumPy reference
+
+
+def numpy_log_probs(head, h):
+  """Every word's log-probability in float64 NumPy, from the head's
+  parameters: head softmax over [shortlist | clusters], tails inside."""
+  f64 = lambda a: np.asarray(a, np.float64)
+  h = f64(h)
+  w = head.weights
+
+  def project(i):
+    p = w.proj(i)
+    return h if p is None else h @ f64(p)
+
+  def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+  z = project(0)
+  logits = z @ f64(w.tables[0][...]).T + f64(head.biases[0][...])
+  if len(head.bounds) > 1:
+    clusters = z @ f64(head.cluster_w[...]).T + f64(head.cluster_b[...])
+    logits = np.concatenate([logits, clusters], -1)
+  top = log_softmax(logits)
+  parts = [top[:, :head.shortlist]]
+  for i in range(1, len(head.bounds)):
+    tail = project(i) @ f64(w.tables[i][...]).T + f64(head.biases[i][...])
+    parts.append(top[:, head.shortlist + i - 1, None] + log_softmax(tail))
+  return np.concatenate(parts, -1)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 16, 64])
+def test_nll_and_predict_match_a_float64_reference(chunk_rows):
+  """Targets in every cluster, a chunk size that divides nothing, one
+  bigger than the rows: the loss is each row's exact -log p."""
+  head = randomize(make(chunk_rows=chunk_rows), seed=3)
+  h = hidden(n=41, seed=4)
+  want = numpy_log_probs(head, h)
+  targets = np.asarray([0, 9, 10, 19, 20, 34, 35, 49] * 5 + [12])
+  nll = jax.jit(head.nll)(h, jnp.asarray(targets))
+  np.testing.assert_allclose(
+      nll, -want[np.arange(41), targets], rtol=2e-6, atol=2e-6)
+  np.testing.assert_array_equal(jax.jit(head.predict)(h), want.argmax(-1))
+
+
+def _dims(jaxpr):
+  """Every dimension of every value a jaxpr (and its sub-jaxprs) builds."""
+  out = set()
+  for eqn in jaxpr.eqns:
+    for v in eqn.outvars:
+      out.update(getattr(v.aval, "shape", ()))
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          out |= _dims(inner)
+  return out
+
+
+def test_loss_and_accuracy_never_build_the_whole_vocabulary():
+  """nll reads the head and one cluster per row; predict goes cluster by
+  cluster: neither holds a [rows, V] array (log_probs does, and the check
+  sees it there)."""
+  head = randomize(make(chunk_rows=8))
+  h, targets = hidden(), jnp.arange(37) * 7 % V
+  assert V in _dims(jax.make_jaxpr(head.log_probs)(h).jaxpr)
+  assert V not in _dims(jax.make_jaxpr(head.nll)(h, targets).jaxpr)
+  assert V not in _dims(jax.make_jaxpr(
+      jax.grad(lambda h: head.nll(h, targets).sum()))(h).jaxpr)
+  assert V not in _dims(jax.make_jaxpr(head.predict)(h).jaxpr)
+
+
+def test_predict_breaks_ties_and_nans_as_one_argmax_over_the_vocabulary():
+  from zebra_jax.model import metrics
+  head = randomize(make(chunk_rows=4))
+  h = hidden(n=6).at[2].set(jnp.nan)  # a NaN row: every log-prob NaN
+  # A zero shortlist: its words tie with each other, and a tail word can
+  # only win by beating them all.
+  tied = randomize(make(chunk_rows=4))
+  tied.weights.tables[0][...] = jnp.zeros_like(tied.weights.tables[0][...])
+  tied.biases[0][...] = jnp.zeros_like(tied.biases[0][...])
+  for m in (head, tied):
+    want = metrics.argmax(m.log_probs(h))
+    assert m.predict(h).tolist() == want.tolist()
+  assert head.predict(h)[2] == 0
+
+
+def test_auto_chunk_rows_fit_the_platform_budget():
+  """chunk_rows=0: the largest power of two whose [rows, widest cluster]
+  float32 block fits the platform's budget, within [16, 1024]."""
+  for platform in ("cpu", "gpu"):
+    budget = asm.CHUNK_BUDGET_BYTES.get(platform,
+                                        asm.ACCELERATOR_CHUNK_BUDGET_BYTES)
+    for widest in (1_000, 20_003, 160_000, 10_000_000):
+      rows = asm.auto_chunk_rows(widest, platform)
+      assert rows & (rows - 1) == 0 and 16 <= rows <= 1024
+      assert rows * widest * 4 <= budget or rows == 16
+      assert rows * 2 * widest * 4 > budget or rows == 1024
+  # WikiText-103's clusters (the 160k-word one is the widest)
+  assert asm.auto_chunk_rows(160_000, "cpu") == 64
+  assert asm.auto_chunk_rows(160_000, "gpu") == 1024
+  head = make(chunk_rows=0)  # this test's backend, this vocabulary
+  assert head.chunk_rows == asm.auto_chunk_rows(13)  # head: 10 + 3 clusters
+  assert make(chunk_rows=7).chunk_rows == 7

@@ -86,3 +86,49 @@ def test_cli_eval_one_split_prints_the_summary_block(char_run):
                 "tok/s"):
     assert field in out.stdout
   assert out.stdout.count("=" * 89) == 2
+
+
+def test_max_tokens_scores_every_row_up_to_a_column(char_run):
+  """eval.max_tokens=85 over 8 rows: the first 10 targets of every row
+  (windows of 7 and 3), by hand as above; the report names the limit."""
+  cfg, workdir = char_run
+  loaded = loading.load_for_inference(cfg, workdir)
+  ids = np.asarray(loaded.splits["valid"][:8 * 21 + 3])
+  evaluator = evaluate.Evaluator(loaded.graphdef, one_device_mesh(),
+                                 loaded.cfg.model, batch_size=8, seq_len=7)
+  res = evaluator.run(loaded.params, ids, max_tokens=85)
+  rows = ids[:8 * 21].reshape(8, 21)
+  logits, _ = lm.apply(loaded.graphdef, loaded.params, rows[:, :10],
+                       lm.init_carry(loaded.cfg.model, 8))
+  logits = np.asarray(logits, np.float64)
+  logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + \
+      logits.max(-1)
+  nll = logz - np.take_along_axis(logits, rows[:, 1:11, None], -1)[..., 0]
+  assert res["tokens"] == 80 and res["split_tokens"] == 8 * 20
+  assert res["loss"] == pytest.approx(nll.mean(), rel=1e-5)
+  block = evaluate.summary_block("valid", 20, res, char_level=True)
+  assert "| 80 of 160 tokens (eval.max_tokens) |" in block
+  whole = evaluator.run(loaded.params, ids)
+  assert whole["tokens"] == whole["split_tokens"] == 160
+  assert "| 160 tokens |" in evaluate.summary_block("valid", 20, whole, True)
+  # A limit beyond the split, and one under a token a row: still valid.
+  assert evaluator.run(loaded.params, ids, max_tokens=10**9)["tokens"] == 160
+  assert evaluator.run(loaded.params, ids, max_tokens=3)["tokens"] == 8
+
+
+def test_long_evaluations_print_progress_lines(char_run, capsys, monkeypatch):
+  """Off a terminal (a batch job's log) a pass prints its rate and ETA."""
+  cfg, workdir = char_run
+  monkeypatch.setattr(evaluate, "_LINE_EVERY_S", 0.0)  # a line per update
+  monkeypatch.setattr(evaluate, "_WINDOWS_IN_FLIGHT", 1)
+  loaded = loading.load_for_inference(cfg, workdir)
+  evaluator = evaluate.Evaluator(loaded.graphdef, one_device_mesh(),
+                                 loaded.cfg.model, batch_size=8, seq_len=7)
+  capsys.readouterr()
+  evaluator.run(loaded.params, loaded.splits["valid"][:8 * 21 + 3],
+                label="valid")
+  lines = [l for l in capsys.readouterr().out.splitlines()
+           if l.startswith("valid: ")]
+  assert len(lines) == 4, lines  # 3 windows, then the closing line
+  assert "/160 tok" in lines[0] and "ETA" in lines[0]
+  assert lines[-1].startswith("valid: 160 tok in ")

@@ -73,9 +73,10 @@ FIELDS = dict(
         adaptive_tie=F(True, BOOL, "head=adaptive: the input is an "
                        "AdaptiveInput sharing the head's tables (needs "
                        "embed_size == hidden_size)"),
-        adaptive_chunk_rows=F(1024, POSITIVE_INT, "head=adaptive: loss rows "
-                              "per tail-cluster chunk (memory: chunk x "
-                              "cluster size)"),
+        adaptive_chunk_rows=F(0, NON_NEGATIVE_INT, "head=adaptive: rows per "
+                              "loss/accuracy chunk (memory: rows x cluster "
+                              "size); 0 = sized to the device (a 267k "
+                              "vocabulary: 64 on a CPU, 1024 on a GPU)"),
         dtype=F("float32", one_of(model_config.DTYPES), "compute dtype; "
                 "parameters stay float32"),
         unroll=F(1, POSITIVE_INT, "lax.scan unroll factor"),
@@ -131,6 +132,12 @@ FIELDS = dict(
     eval=dict(  # --mode=eval and the end-of-train report
         batch_size=F(16, POSITIVE_INT, "rows per evaluation batch"),
         seq_len=F(128, POSITIVE_INT, "tokens per evaluation window"),
+        max_tokens=F(0, NON_NEGATIVE_INT, "tokens scored per split (the "
+                     "first max_tokens / batch_size of every row), named "
+                     "in the report; 0 = the whole split"),
+        accuracy=F(True, BOOL, "count correct predictions; with "
+                   "head=adaptive that is a full-vocabulary pass per token "
+                   "(false: the exact loss alone, head + own cluster)"),
     ),
     parallel=dict(
         stripe_devices=F(1, POSITIVE_INT, "devices that share one model, each "

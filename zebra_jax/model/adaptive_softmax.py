@@ -21,6 +21,12 @@ Transformer-XL's tie_weight + tie_projs do.
 Parameters are float32; matmuls run in `dtype` with float32 accumulation and
 logits, log-softmax and losses are float32. With no cutoffs the head is the
 whole vocabulary: exactly a full softmax.
+
+The loss (`nll`) is exact and reads, for each row, the head and its target's
+own cluster: no full-vocabulary pass. Only accuracy (`predict`) and sampling
+(`log_probs`) read every cluster. Both the loss and `predict` run in chunks
+of `chunk_rows` rows, so memory holds one [chunk_rows, cluster size] block
+at a time; `chunk_rows=0` sizes them to the machine (`auto_chunk_rows`).
 """
 
 from typing import Sequence
@@ -49,6 +55,31 @@ def cluster_widths(d_model: int, num_clusters: int, div_val: int) -> tuple:
   """d_model // div_val**i per cluster, at least 1."""
   return tuple(max(1, d_model // int(div_val) ** i)
                for i in range(num_clusters))
+
+
+# Bytes of one [chunk_rows, widest cluster] float32 block that chunk_rows=0
+# aims at. A CPU's caches and its host memory (shared with everything else)
+# favour small blocks: at 1024 rows a 267k vocabulary's eval blocks are 1 GB
+# and peak memory doubled; accelerators want rows to fill their matmul
+# units.
+CHUNK_BUDGET_BYTES = {"cpu": 64 << 20}
+ACCELERATOR_CHUNK_BUDGET_BYTES = 2 << 30
+MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 1024
+
+
+def auto_chunk_rows(widest: int, platform: str | None = None) -> int:
+  """The power of two of rows whose [rows, widest] float32 block fits the
+  platform's budget (`CHUNK_BUDGET_BYTES`), within [16, 1024].
+
+  widest: the largest cluster (the shortlist with its cluster logits, or a
+  tail). WikiText-103's 160k-word cluster gets 64 rows on a CPU, 1024 on a
+  GPU; a 10k vocabulary gets 1024 on both.
+  """
+  platform = platform or jax.default_backend()
+  budget = CHUNK_BUDGET_BYTES.get(platform, ACCELERATOR_CHUNK_BUDGET_BYTES)
+  rows = max(1, budget // (4 * max(1, widest)))
+  rows = 1 << (rows.bit_length() - 1)  # the power of two at or below
+  return int(min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, rows)))
 
 
 def _matmul(x, w, dtype, spec):
@@ -102,7 +133,7 @@ class AdaptiveSoftmax(nnx.Module):
   def __init__(self, vocab_size: int, d_model: int, cutoffs=(), div_val=1, *,
                rngs: nnx.Rngs, dtype=jnp.float32,
                tied_input: AdaptiveInput | None = None,
-               chunk_rows: int = 1024):
+               chunk_rows: int = 0):
     if tied_input is None:
       tied_input = AdaptiveInput(vocab_size, d_model, cutoffs, div_val,
                                  rngs=rngs, dtype=dtype)
@@ -111,7 +142,11 @@ class AdaptiveSoftmax(nnx.Module):
                       "cutoffs as the adaptive softmax")
     self.weights = tied_input  # shared with the model's input when tied
     self.bounds, self.widths = tied_input.bounds, tied_input.widths
-    self.dtype, self.chunk_rows = dtype, int(chunk_rows)
+    widest = max([self.bounds[0][1] + len(self.bounds) - 1]
+                 + [stop - start for start, stop in self.bounds[1:]])
+    # 0: sized to this process's backend when the model is built
+    self.dtype = dtype
+    self.chunk_rows = int(chunk_rows) or auto_chunk_rows(widest)
     num_tails = len(self.bounds) - 1
     self.biases = nnx.List([nnx.Param(jnp.zeros((stop - start,), jnp.float32))
                             for start, stop in self.bounds])
@@ -201,13 +236,32 @@ class AdaptiveSoftmax(nnx.Module):
     return jnp.where(inside, scores, 0.0)
 
   def predict(self, hidden: jax.Array) -> jax.Array:
-    """argmax word per row, [N, d] -> [N] int32, `chunk_rows` rows at a
-    time so only [chunk_rows, V] log-probabilities exist at once."""
+    """argmax word per row, [N, d] -> [N] int32: the first largest
+    log-probability's id, as `metrics.argmax(log_probs)` gives it.
+
+    `chunk_rows` rows at a time, one cluster at a time: only a
+    [chunk_rows, cluster size] block exists at once, never [chunk_rows, V].
+    """
     n = hidden.shape[0]
     c = max(1, min(self.chunk_rows, n))
     num_chunks = -(-n // c)
     rows = jnp.pad(hidden, ((0, num_chunks * c - n), (0, 0)))
-    best = jax.lax.map(
-        lambda h: metrics.argmax(self.log_probs(h)),
-        rows.reshape(num_chunks, c, -1))
+    best = jax.lax.map(self._predict_chunk, rows.reshape(num_chunks, c, -1))
     return best.reshape(-1)[:n]
+
+  def _predict_chunk(self, h):
+    head = self.head_log_probs(h)
+    words = head[:, :self.shortlist]
+    best_id = metrics.argmax(words)
+    best = jnp.take_along_axis(words, best_id[:, None], -1)[:, 0]
+    for i in range(1, len(self.bounds)):
+      start = self.bounds[i][0]
+      tail = (head[:, self.shortlist + i - 1, None]
+              + jax.nn.log_softmax(self._logits(self._project(h, i), i), -1))
+      tail_id = metrics.argmax(tail)
+      value = jnp.take_along_axis(tail, tail_id[:, None], -1)[:, 0]
+      # Earlier ids win ties; the first NaN wins, as in one argmax over V.
+      better = (value > best) | (jnp.isnan(value) & ~jnp.isnan(best))
+      best = jnp.where(better, value, best)
+      best_id = jnp.where(better, start + tail_id, best_id)
+    return best_id

@@ -150,9 +150,12 @@ class MetricWriter:
   def eval_line(self, index: int, step: int, split: str, res: dict,
                 train_s: float | None = None) -> None:
     """train_s: seconds of training so far, evaluations and saves excluded."""
+    acc = res.get("acc")  # None: not counted (eval.accuracy=false)
+    shown = f" | {split} acc {acc:.3f}" if acc is not None else ""
     self.info(f"| eval {index} at step {step} | {split} loss {res['loss']:.2f} "
-              f"| {split} ppl {res['ppl']:.2f} | {split} acc {res['acc']:.3f}")
-    values = {k: res[k] for k in ("loss", "ppl", "acc")}
+              f"| {split} ppl {res['ppl']:.2f}{shown}")
+    values = {k: res[k] for k in ("loss", "ppl", "acc")
+              if res.get(k) is not None}
     if train_s is not None:
       values["train_s"] = train_s
     self.record(split, step, values)

@@ -9,6 +9,12 @@ values; char-level runs also report bits per character (loss / ln 2).
 
 Windows are summed on the devices and added up once on the host in float64,
 so the numbers do not depend on how many devices share the batch.
+
+eval.max_tokens bounds a pass: every row is scored up to column
+max_tokens / batch_size, so the subset still spans the whole split; the
+report says so. eval.accuracy=false leaves the correct-prediction count out,
+which for the adaptive head spares a full-vocabulary pass per token (its
+loss reads the head and the target's own cluster only).
 """
 
 import functools
@@ -21,22 +27,26 @@ import numpy as np
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading
 from zebra_jax.model import lm, metrics
-from zebra_jax.runtime import parallel, writer
+from zebra_jax.runtime import parallel, progress, writer
 
 
 _WINDOWS_IN_FLIGHT = 8  # enough to hide dispatch, few enough to never stall
+_LINE_EVERY_S = 10.0  # progress lines off a terminal (long CPU evaluations)
 
 
-def eval_step(params, carry, inputs, targets, *, graphdef):
+def eval_step(params, carry, inputs, targets, *, graphdef,
+              accuracy: bool = True):
   """One window without dropout: (new carry, metric sums)."""
-  sums, carry = lm.token_sums(graphdef, params, inputs, targets, carry)
+  sums, carry = lm.token_sums(graphdef, params, inputs, targets, carry,
+                              with_accuracy=accuracy)
   return carry, sums
 
 
 class Evaluator:
   """Scores token-id splits with a fixed batch and window on the mesh."""
 
-  def __init__(self, graphdef, mesh, model_cfg, batch_size: int, seq_len: int):
+  def __init__(self, graphdef, mesh, model_cfg, batch_size: int, seq_len: int,
+               accuracy: bool = True):
     rows = mesh.shape[parallel.DATA_AXIS]  # devices that split the batch
     if batch_size <= 0 or batch_size % rows:
       raise UserError(
@@ -50,7 +60,8 @@ class Evaluator:
     self.graphdef = graphdef
     rep, bat = parallel.replicated(mesh), parallel.batch_sharded(mesh)
     carry = parallel.carry_sharded(mesh)
-    step = functools.partial(eval_step, graphdef=graphdef)
+    step = functools.partial(eval_step, graphdef=graphdef,
+                             accuracy=accuracy)
     step = lm.with_stripe_parallel(step, mesh)
     # Params come replicated, or split over "stripe" as in training.
     params_in = rep if parallel.stripe_devices(mesh) == 1 else None
@@ -69,42 +80,63 @@ class Evaluator:
     local = self.batch_size // jax.process_count()
     return rows[jax.process_index() * local:(jax.process_index() + 1) * local]
 
-  def run(self, params, ids: np.ndarray, max_batches: int = 0) -> dict:
-    """Sums over the split (or its first max_batches windows) -> summary."""
+  def run(self, params, ids: np.ndarray, max_batches: int = 0,
+          max_tokens: int = 0, label: str = "eval") -> dict:
+    """Sums over the split -> summary.
+
+    max_batches: only the first windows (in-loop evaluation); max_tokens:
+    every row up to column max_tokens / batch_size (at least one token a
+    row); 0 = no limit. The summary's "split_tokens" is what the whole
+    split would have scored. Off a terminal a long pass prints a progress
+    line every 10 s, named `label`.
+    """
     rows = self.rows(ids)
     # A no-op when params already live on this mesh (tests use a smaller one).
     params = jax.device_put(params, parallel.param_shardings(self.mesh, params))
     carry = jax.device_put(lm.init_carry(self.model_cfg, self.batch_size),
                            parallel.carry_sharded(self.mesh))
-    starts = list(range(0, rows.shape[1] - 1, self.seq_len))
+    split_cols = rows.shape[1] - 1
+    cols = split_cols
+    if max_tokens:
+      cols = min(cols, max(1, max_tokens // self.batch_size))
+    starts = list(range(0, cols, self.seq_len))
     if max_batches:
       starts = starts[:max_batches]
-    keys = ("loss_sum", "correct", "count")
-    total = dict.fromkeys(keys, 0.0)
+      cols = min(cols, starts[-1] + self.seq_len)
+    total = {"loss_sum": 0.0, "count": 0.0}
     pending, start_time = [], time.perf_counter()
 
     def collect():  # adds the pending windows' sums on the host, in float64
       host = jax.device_get(pending)
-      for k in keys:
-        total[k] += float(np.sum([h[k] for h in host], dtype=np.float64))
+      for k in host[0] if host else ():
+        total[k] = total.get(k, 0.0) + float(
+            np.sum([h[k] for h in host], dtype=np.float64))
       pending.clear()
 
-    for start in starts:
-      end = min(start + self.seq_len, rows.shape[1] - 1)
-      inputs = parallel.global_batch(self.mesh, rows[:, start:end])
-      targets = parallel.global_batch(self.mesh, rows[:, start + 1:end + 1])
-      carry, s = self._step(params, carry, inputs, targets)
-      pending.append(s)  # stays on device: no host sync per window
-      # A bounded number of windows in flight: queueing a whole split's
-      # collectives at once can outrun XLA's all-reduce rendezvous timeout
-      # on several devices per process.
-      if len(pending) == _WINDOWS_IN_FLIGHT:
-        collect()
-    collect()
-    out = metrics.summarize(total["loss_sum"], total["correct"], total["count"])
+    bar = progress.Progress(
+        self.batch_size * cols, desc=label, unit="tok",
+        enabled=None if jax.process_index() == 0 else False,
+        lines_every_s=_LINE_EVERY_S)
+    with bar:
+      for start in starts:
+        end = min(start + self.seq_len, cols)
+        inputs = parallel.global_batch(self.mesh, rows[:, start:end])
+        targets = parallel.global_batch(self.mesh, rows[:, start + 1:end + 1])
+        carry, s = self._step(params, carry, inputs, targets)
+        pending.append(s)  # stays on device: no host sync per window
+        # A bounded number of windows in flight: queueing a whole split's
+        # collectives at once can outrun XLA's all-reduce rendezvous timeout
+        # on several devices per process.
+        if len(pending) == _WINDOWS_IN_FLIGHT:
+          collect()
+          bar.update(self.batch_size * end)
+      collect()
+    out = metrics.summarize(total["loss_sum"], total.get("correct"),
+                            total["count"])
     out["bpc"] = out["loss"] / math.log(2)  # bits per token; per char if char
     out["seconds"] = time.perf_counter() - start_time
     out["tok_per_s"] = out["tokens"] / max(out["seconds"], 1e-9)
+    out["split_tokens"] = float(self.batch_size * split_cols)
     return out
 
 
@@ -115,10 +147,15 @@ SPLIT_CHOICES = {"valid": ("valid",), "test": ("test",),
 def summary_block(split: str, step: int, res: dict, char_level: bool) -> str:
   """The Transformer-XL end-of-run block, e.g. `| test loss 3.15 | ...`."""
   rule = "=" * 89
-  line = (f"| {split} at step {step} | {res['tokens']:.0f} tokens "
+  tokens = f"{res['tokens']:.0f} tokens"
+  if res.get("split_tokens", res["tokens"]) > res["tokens"]:
+    tokens = (f"{res['tokens']:.0f} of {res['split_tokens']:.0f} tokens "
+              f"(eval.max_tokens)")
+  line = (f"| {split} at step {step} | {tokens} "
           f"| time {res['seconds']:.1f}s | {res['tok_per_s']:.0f} tok/s "
-          f"| {split} loss {res['loss']:.2f} | {split} ppl {res['ppl']:.2f} "
-          f"| {split} acc {res['acc']:.3f}")
+          f"| {split} loss {res['loss']:.2f} | {split} ppl {res['ppl']:.2f}")
+  if res.get("acc") is not None:  # None: eval.accuracy=false
+    line += f" | {split} acc {res['acc']:.3f}"
   if char_level:
     line += f" | {split} bpc {res['bpc']:.3f}"
   return f"{rule}\n{line}\n{rule}"
@@ -141,18 +178,21 @@ def run(cfg, workdir: str, splits_to_eval=("valid", "test"),
   mesh = mesh or parallel.make_mesh(
       stripe_devices=loaded.cfg.parallel.stripe_devices)
   evaluator = Evaluator(loaded.graphdef, mesh, loaded.cfg.model,
-                        cfg.eval.batch_size, cfg.eval.seq_len)
+                        cfg.eval.batch_size, cfg.eval.seq_len,
+                        accuracy=cfg.eval.accuracy)
   char_level = loaded.tokenizer.char_level
   log = writer.MetricWriter(workdir, tensorboard=False)
   results = {}
   for split in splits_to_eval:
-    res = evaluator.run(loaded.params, loaded.splits[split])
+    res = evaluator.run(loaded.params, loaded.splits[split],
+                        max_tokens=cfg.eval.max_tokens, label=split)
     if not char_level:
       del res["bpc"]  # bits per word-token is not a number anyone compares
     results[split] = res
     log.info(summary_block(split, loaded.step, res, char_level))
     log.record(f"final_{split}", loaded.step,
                 {k: res[k] for k in ("loss", "ppl", "acc", "bpc", "tokens",
-                                     "seconds") if k in res})
+                                     "split_tokens", "seconds")
+                 if res.get(k) is not None})
   log.close()
   return results

@@ -170,7 +170,7 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
   step_fn = compile_train_step(graphdef, tx, mesh, state,
                                cfg.train.grad_accum_steps)
   evaluator = evaluate.Evaluator(graphdef, mesh, model, cfg.eval.batch_size,
-                                 cfg.eval.seq_len)
+                                 cfg.eval.seq_len, accuracy=cfg.eval.accuracy)
   float(run.lr_at(0))  # compiles the lookup now, not inside the first timed window
   n_params = lm.num_params(run.state.params)
   log.info(f"model: {n_params:,} parameters | {model.num_layers} layers x "
