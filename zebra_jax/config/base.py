@@ -172,8 +172,8 @@ FIELDS = dict(
         stop=F("", TEXT, "end each text before this string ('' = off); in a "
                "--config.sample.* override, \\n and \\t mean newline and tab"),
         stream=F(False, BOOL, "print tokens as they are generated"),
-        chunk=F(32, POSITIVE_INT, "tokens per jitted call: stream and stop "
-                "granularity"),
+        chunk=F(32, POSITIVE_INT, "tokens per decode call of the engine "
+                "in --mode=sample (serve: serve.decode_block)"),
     ),
     serve=dict(  # --mode=serve: what one request may ask for (else HTTP 400)
         max_body_bytes=F(1 << 20, POSITIVE_INT, "request body size"),
