@@ -31,6 +31,7 @@ def server(char_run):
   httpd.shutdown()
   httpd.server_close()
   thread.join(timeout=10)
+  service.close()  # the engine's thread
 
 
 def sample_mode(cfg, workdir, prompts, max_new_tokens, seed=0):

@@ -22,6 +22,7 @@ def server(char_run):
   httpd.shutdown()
   httpd.server_close()
   thread.join(timeout=10)
+  service.close()  # the engine's thread
 
 
 def call(port, method, path, body=None, raw=None, headers=None):

@@ -53,6 +53,7 @@ from aiohttp import web
 from zebra_jax.errors import UserError
 from zebra_jax.inference import engine as engines
 from zebra_jax.inference import loading, openai_api, sample, score
+from zebra_jax.runtime import strict_json
 
 API_KEY_ENV = "ZEBRA_JAX_API_KEY"
 
@@ -299,14 +300,18 @@ class Rows:
   """A request's rows in the engine: submitted together, cancelled
   together, their text gathered on the event loop."""
 
-  def __init__(self, service: Service, loop, rows, stops=()):
+  def __init__(self, service: Service, loop, rows, stops=(),
+               stream: bool = False):
     self.rows = [Row(prompt) for prompt, _, _ in rows]
     self._inbox, self._open = _Inbox(loop), len(rows)
     try:
       for i, (prompt, options, j) in enumerate(rows):
+        # Without a listener the engine looks at a row's text only at its
+        # end (or for its stop strings).
+        on_text = ((lambda delta, i=i: self._inbox.put((i, delta, None)))
+                   if stream else None)
         self.rows[i].completion = service.submit(
-            prompt, options, stops, sample_index=j,
-            on_text=lambda delta, i=i: self._inbox.put((i, delta, None)),
+            prompt, options, stops, sample_index=j, on_text=on_text,
             on_done=lambda reason, i=i: self._inbox.put((i, "", reason)))
     except BaseException:
       self.cancel()  # the rows already admitted leave with the request
@@ -328,9 +333,10 @@ class Rows:
     while self._open:
       items = await self._inbox.take()
       for i, delta, reason in items:
-        self.rows[i].text += delta
+        row = self.rows[i]
+        row.text += delta
         if reason is not None:
-          self.rows[i].reason = reason
+          row.text, row.reason = row.completion.text, reason  # all of it
           self._open -= 1
       if items:
         yield items
@@ -356,7 +362,7 @@ def _overloaded(e: "engines.QueueFull", openai: bool) -> web.Response:
 
 
 def _json(status: int, payload: dict, headers=None) -> web.Response:
-  return web.Response(status=status, body=json.dumps(payload).encode("utf-8"),
+  return web.Response(status=status, body=strict_json.dumps(payload).encode("utf-8"),
                       content_type="application/json", headers=headers)
 
 
@@ -498,7 +504,8 @@ class App:
   async def _completions(self, request, body):
     req = self.api.check(body)
     rows = Rows(self.service, asyncio.get_running_loop(),
-                [(p, req.options, 0) for p in req.prompts], req.stops)
+                [(p, req.options, 0) for p in req.prompts], req.stops,
+                stream=req.stream)
     if req.stream:
       return await self._stream(request, req, rows)
     done = await self._finish(rows)
@@ -510,7 +517,7 @@ class App:
 
   async def _stream(self, request, req, rows: Rows) -> web.StreamResponse:
     """Server-sent events as text comes, then `data: [DONE]`."""
-    response = web.StreamResponse(headers={
+    response = _EventStream(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     events = self.api.events(req)
     try:
@@ -519,13 +526,19 @@ class App:
         await response.write(events.echo())
       async for updates in rows.updates():
         await response.write(events.chunk(updates))
-      await response.write(events.done())
-      await response.write_eof()
+      await response.write_eof(events.done())  # one write with the end
     except (asyncio.CancelledError, ConnectionError):
       rows.cancel()
       raise HangUp(f"the client hung up mid-stream; {len(rows.rows)} row(s) "
                    f"cancelled after {rows.tokens} tokens") from None
     return response
+
+
+class _EventStream(web.StreamResponse):
+  """A chunked stream whose headers leave with its first event: one write
+  (one loopback wake-up) fewer per stream. Response, aiohttp's non-streamed
+  reply, holds its headers the same way."""
+  _send_headers_immediately = False
 
 
 def _peer(request) -> str:
@@ -612,9 +625,9 @@ def run(cfg, workdir: str, host: str = "127.0.0.1", port: int = 8000) -> None:
     print(f"| warning: serving on {host} without an API key: anyone who can "
           f"reach it can use it; set {API_KEY_ENV} or "
           "--config.serve.api_key", flush=True)
-  stats = service.stats()
+  engine = service.engine
   print(f"| serving step {loaded.step} on http://{host}:{server.server_port} "
-        f"| {stats.get('slots')} slots, queue {stats.get('queue')} "
+        f"| {engine.slots} slots, queue {engine.queue_limit} "
         f"| API key {'required' if key else 'off'} "
         "| POST /generate, POST /score, GET /health, POST /v1/completions, "
         "GET /v1/models", flush=True)
