@@ -4,15 +4,19 @@
 gradient of `recurrence.zebra_layer` (the scan with its hand-written backward
 pass, itself tested against autodiff and NumPy), for dense and grouped
 stripes, with and without remat, at widths and batches that are and are not
-multiples of the kernel's vector (16 floats) and row block (4 rows), and for
-any split of the work over threads. Where it cannot run, the layer runs the
-scan and says why once.
+multiples of the kernel's vector (16 floats) and row block (4 rows), for any
+split of the work over threads, for one step (sampling), forward only, an
+empty batch, and NaN or infinities anywhere: the same non-finite values in
+the same places. Every comparison runs for this CPU's build and, on x86-64,
+for an AVX2 (x86-64-v3) and a baseline (x86-64) build, so a machine with
+AVX-512 also tests the code every other CPU runs. Where there is a compiler
+a failed build fails these tests; without one they skip, and
+test_native_build.py covers that machine.
 """
 
 import logging
 import os
-import subprocess
-import sys
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +27,37 @@ from zebra_jax.model import lm, native_recurrence, recurrence
 
 IN = 8  # the layer's input width (grouped: IN / S per stripe)
 
-pytestmark = pytest.mark.skipif(
-    bool(native_recurrence.unavailable(jnp.float32)),
-    reason=f"native kernels: {native_recurrence.unavailable(jnp.float32)}")
+# The -march builds each comparison runs with ("native": this CPU's), and
+# the vector instructions each must have been compiled for.
+MARCHES = {
+    "x86_64": {"native": None, "x86-64-v3": "avx2", "x86-64": "sse2"},
+    "aarch64": {"native": "neon", "armv8-a": "neon"},
+}.get(platform.machine(), {"native": None})
+
+
+def _require_library():
+  """Skips only where no library can exist (no compiler, none given); a
+  build that fails beside a compiler fails the test."""
+  if (native_recurrence.compiler() is None
+      and not os.environ.get(native_recurrence.LIB_ENV)):
+    pytest.skip("no C++ compiler (test_native_build.py covers this machine)")
+  why = native_recurrence.unavailable(jnp.float32)
+  assert not why, why
+
+
+@pytest.fixture(params=list(MARCHES))
+def march(request, monkeypatch):
+  """Each comparison once per build target."""
+  monkeypatch.setenv(native_recurrence.MARCH_ENV, request.param)
+  monkeypatch.delenv(native_recurrence.LIB_ENV, raising=False)
+  _require_library()
+  return request.param
+
+
+@pytest.fixture
+def native():
+  """This CPU's build (or $ZEBRA_JAX_NATIVE_LIB's library)."""
+  _require_library()
 
 
 def _normal(rng, shape, scale=1.0):
@@ -79,12 +111,19 @@ def _scan(remat=False):
       lambda *x: recurrence.zebra_layer(*x, 1, remat), a))
 
 
-def _assert_close(got, want):
-  for name, g, w in zip(NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):
+def _assert_close(got, want, names=NAMES):
+  """Equal shapes and dtypes; NaN, +inf and -inf in the same places; the
+  finite values within SCALED_ATOL of the largest finite one."""
+  for name, g, w in zip(names, jax.tree.leaves(got), jax.tree.leaves(want)):
     assert g.shape == w.shape and g.dtype == w.dtype, name
-    g, w = np.asarray(g), np.asarray(w)
-    atol = SCALED_ATOL * max(1.0, float(np.abs(w).max()))
-    np.testing.assert_allclose(g, w, rtol=0, atol=atol, err_msg=name)
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    for kind in (np.isnan, np.isposinf, np.isneginf):
+      np.testing.assert_array_equal(kind(g), kind(w),
+                                    err_msg=f"{name}: {kind.__name__}")
+    finite = np.isfinite(w)
+    scale = max(1.0, float(np.abs(w[finite]).max(initial=0.0)))
+    np.testing.assert_allclose(g[finite], w[finite], rtol=0,
+                               atol=SCALED_ATOL * scale, err_msg=name)
 
 
 CASES = [  # stripes, kind, steps, batch, width
@@ -93,35 +132,133 @@ CASES = [  # stripes, kind, steps, batch, width
     (1, "dense", 4, 9, 20),      # one stripe: its rows split over threads
     (2, "grouped", 3, 6, 32),    # whole vectors, 4-column-vector blocks
     (2, "dense", 2, 5, 80),      # a 64-column block, a vector and a tail
+    (1, "dense", 1, 1, 32),      # one step of one row: sampling, dense
+    (4, "grouped", 1, 1, 16),    # ... and grouped
+    (1, "grouped", 2, 3, 16),    # one stripe, grouped
 ]
 
 
 @pytest.mark.parametrize("stripes,kind,steps,batch,width", CASES)
-def test_matches_scan(stripes, kind, steps, batch, width):
+def test_matches_scan(march, stripes, kind, steps, batch, width):
   args = _args(stripes, kind, steps=steps, batch=batch, width=width,
                seed=width)
   _assert_close(_native()(*args), _scan()(*args))
 
 
-def test_remat_matches_scan():
+def test_vector_instructions_are_the_targets(march):
+  """A build for a target without AVX-512 used none (its code, not this
+  CPU's, is what the comparisons above ran)."""
+  want = MARCHES[march]
+  if want is None:  # native: what this CPU has
+    flags = native_recurrence._cpu_features().split()
+    want = next((isa for isa in ("avx512f", "avx2", "sse2") if isa in flags),
+                native_recurrence.vector_isa())
+  assert native_recurrence.vector_isa() == want
+
+
+def test_remat_matches_scan(native):
   """remat: the backward pass recomputes the gates from (c_t, outputs)."""
   args = _args(2, "grouped", steps=4, batch=5, width=24, seed=3)
   _assert_close(_native(remat=True)(*args), _scan(remat=True)(*args))
 
 
+@pytest.mark.parametrize("stripes,kind,steps,batch", [
+    (1, "dense", 1, 1), (4, "grouped", 1, 1), (2, "dense", 5, 3),
+    (3, "grouped", 4, 2)])
+def test_forward_only_matches_scan(march, stripes, kind, steps, batch):
+  """Evaluation and sampling: no gradient, so nothing kept for one."""
+  args = _args(stripes, kind, steps=steps, batch=batch, width=24, seed=11)
+  layer = lambda f: jax.jit(lambda *a: f(*a, 1, False))
+  _assert_close(layer(native_recurrence.zebra_layer)(*args),
+                layer(recurrence.zebra_layer)(*args), NAMES[:3])
+
+
+@pytest.mark.parametrize("kind", ["dense", "grouped"])
+def test_empty_batch(native, kind):
+  """B = 0 (an empty shard): the scan's empty outputs; zero gradients for
+  the weights, nothing to read for an input (the scan's backward pass
+  cannot take an empty batch, so zeros are the reference)."""
+  args = _args(2, kind, steps=3, batch=0, width=16)
+  layer = lambda f: jax.jit(lambda *a: f(*a, 1, False))
+  _assert_close(layer(native_recurrence.zebra_layer)(*args),
+                layer(recurrence.zebra_layer)(*args), NAMES[:3])
+  outs, grads = _native()(*args)
+  for name, g, a in zip(NAMES[3:], grads, args):
+    assert g.shape == a.shape, name
+    np.testing.assert_array_equal(np.asarray(g), 0.0, err_msg=name)
+
+
 @pytest.mark.parametrize("threads", [2, 3, 7])
-def test_any_thread_split_gives_the_same_bits(monkeypatch, threads):
+def test_any_thread_split_gives_the_same_bits(native, monkeypatch, threads):
   """Threads take whole stripes, or a stripe's rows in parts; each row's
   arithmetic is the same whichever thread runs it."""
   args = _args(2, "dense", steps=3, batch=5, width=20, seed=5)
+  monkeypatch.setattr(native_recurrence, "threads", lambda flops: 1)
   one = _native()(*args)
-  monkeypatch.setattr(native_recurrence, "threads", lambda: threads)
+  monkeypatch.setattr(native_recurrence, "threads", lambda flops: threads)
   many = _native()(*args)
   for name, a, b in zip(NAMES, jax.tree.leaves(one), jax.tree.leaves(many)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-def test_the_comparison_is_not_vacuous():
+def test_threads_are_sized_to_the_work(monkeypatch):
+  """A sampling step runs on the calling thread; a training window on every
+  core the process has, shared among its devices; between, a thread per
+  MIN_FLOPS_PER_THREAD."""
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+  monkeypatch.setattr(jax, "local_device_count", lambda: 1)
+  threads, least = native_recurrence.threads, (
+      native_recurrence.MIN_FLOPS_PER_THREAD)
+  assert threads(2 * 4 * 1 * 1 * 128 * 512) == 1  # S=4, T=B=1, G=128
+  assert threads(2 * 64 * 32 * 512 * 2048) == 4   # S=1, T=64, B=32, G=512
+  assert threads(3 * least) == 3
+  assert threads(0) == 1
+  monkeypatch.setattr(jax, "local_device_count", lambda: 8)
+  assert threads(2 * 64 * 32 * 512 * 2048) == 1
+
+
+NAN, INF = float("nan"), float("inf")
+# (argument, index, value): a non-finite value put into one element.
+POISONS = {
+    "nan_input": ("inputs", (1, 2, 3), NAN),
+    "inf_input": ("inputs", (2, 0, 5), INF),
+    "-inf_input": ("inputs", (0, 3, 1), -INF),
+    "nan_w_h": ("w_h", (1, 3, 20), NAN),
+    "-inf_w_h": ("w_h", (0, 5, 40), -INF),
+    "nan_h0": ("h0", (0, 1, 2), NAN),
+    "inf_c0": ("c0", (1, 2, 7), INF),     # a cell that is already infinite
+    "nan_bias": ("bias", (0, 17), NAN),
+}
+_ARGS = ["inputs", "w_x", "bias", "h0", "c0", "w_h"]
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
+def test_non_finite_values_propagate_as_in_the_scan(march, poison):
+  """One NaN or infinity (S=2, T=6, B=4, G=16): the same NaN and inf in the
+  outputs, the carry and every gradient as the scan's (a clamp that turned
+  NaN into +-1 hid it from the loss and the trainer's non-finite guard)."""
+  name, index, value = POISONS[poison]
+  args = list(_args(2, "dense", steps=6, batch=4, width=16, seed=1))
+  i = _ARGS.index(name)
+  args[i] = args[i].at[index].set(value)
+  got, want = _native()(*args), _scan()(*args)
+  _assert_close(got, want)
+  # It did reach the results (an inf may saturate gates, a NaN spreads).
+  assert not all(np.isfinite(a).all() for a in jax.tree.leaves(want))
+
+
+def test_overflowing_pre_activation_is_the_scans(march):
+  """Weights so large that h W overflows to +inf for one gate column: the
+  gates saturate as the scan's do (one step, positive h: every summation
+  order overflows)."""
+  args = list(_args(2, "dense", steps=1, batch=3, width=16, seed=2))
+  args[3] = jnp.abs(args[3])
+  args[5] = args[5].at[1, :, 37].set(3e38)
+  got, want = _native()(*args), _scan()(*args)
+  _assert_close(got, want)
+
+
+def test_the_comparison_is_not_vacuous(native):
   """A wrong gate shows: the kernel with the forget and input gates' order
   swapped in its weights is far from the scan."""
   args = list(_args(2, "dense", steps=3, batch=4, width=16, seed=9))
@@ -132,7 +269,17 @@ def test_the_comparison_is_not_vacuous():
     _assert_close(got, _scan()(*args))
 
 
-def test_lm_matches_scan():
+def test_a_hidden_nan_fails_the_comparison(native):
+  """The NaN check itself: a NaN replaced by a finite value shows."""
+  args = list(_args(2, "dense", steps=3, batch=4, width=16, seed=9))
+  args[0] = args[0].at[1, 1, 1].set(NAN)
+  want = _scan()(*args)
+  hidden = jax.tree.map(lambda a: jnp.nan_to_num(a, nan=1.0), want)
+  with pytest.raises(AssertionError, match="isnan"):
+    _assert_close(hidden, want)
+
+
+def test_lm_matches_scan(native):
   """A whole ZebraLM (grouped stripes, two layers) with
   model.recurrence=native: the loss and its gradients equal the scan's."""
   from zebra_jax.configs import base  # pylint: disable=g-import-not-at-top
@@ -159,6 +306,32 @@ def test_lm_matches_scan():
   for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
     np.testing.assert_allclose(g, w, rtol=0,
                                atol=SCALED_ATOL * max(1.0, np.abs(w).max()))
+
+
+def test_a_nan_in_the_recurrence_makes_the_trainer_skip_the_step(native):
+  """A NaN in a gate's bias, on the native path: the gradients are not
+  finite, so the train step leaves the parameters as they were. (A tanh
+  that clamped NaN to +-1 gave finite outputs and gradients: no gradient
+  multiplies the bias, so the step went ahead with the NaN in it.)"""
+  # pylint: disable=g-import-not-at-top
+  from tests.helpers import random_batches, run_train_steps, tiny_sgd_config
+  from zebra_jax.runtime import parallel
+  from zebra_jax.training import train_state
+  cfg = tiny_sgd_config(recurrence="native")
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  _, _, state = train_state.init_state(cfg, mesh)
+  bias = state.params["layers"][0]["b"]
+  bias[...] = bias[...].at[0, 0].set(jnp.nan)
+  before = jax.device_get(state)
+  after, metrics = run_train_steps(cfg, 1, random_batches(cfg, 1),
+                                   state=state)
+  assert metrics[0]["skipped"] == 1.0
+  for x, y in zip(jax.tree.leaves(before.params),
+                  jax.tree.leaves(after.params)):
+    np.testing.assert_array_equal(x, y)
+  # ... and a clean step on the same path goes ahead.
+  _, metrics = run_train_steps(cfg, 1, random_batches(cfg, 1))
+  assert metrics[0]["skipped"] == 0.0
 
 
 def test_bfloat16_runs_the_scan_and_says_why_once(caplog, monkeypatch):
@@ -193,24 +366,3 @@ def test_symbolic_shapes_run_the_scan():
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6,
                                atol=1e-6)
-
-
-def test_no_compiler_runs_the_scan_and_says_why(tmp_path):
-  """A machine without a C++ compiler (and nothing cached): one warning
-  line, and the scan's results."""
-  code = (
-      "import logging, jax.numpy as jnp, numpy as np\n"
-      "from zebra_jax.model import native_recurrence as n, recurrence\n"
-      "args = [jnp.ones(s, jnp.float32) * 0.1 for s in "
-      "((2, 3, 8), (8, 1, 16), (1, 16), (1, 3, 4), (1, 3, 4), (1, 4, 16))]\n"
-      "got = n.zebra_layer(*args, 1, False)\n"
-      "want = recurrence.zebra_layer(*args, 1, False)\n"
-      "assert all(np.array_equal(g, w) for g, w in zip(got, want))\n")
-  env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
-         "XDG_CACHE_HOME": str(tmp_path)}
-  result = subprocess.run([sys.executable, "-c", code], env=env,
-                          capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr
-  lines = [l for l in result.stderr.splitlines() if "running the scan" in l]
-  assert len(lines) == 1, result.stderr
-  assert "no-such-compiler" in lines[0] or "building" in lines[0], lines

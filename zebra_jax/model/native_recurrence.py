@@ -17,35 +17,65 @@ remat and the window gradients are `recurrence.py`'s large matmuls; only the
 two time loops are C++.
 
 Building: the source is compiled on first use with the machine's C++
-compiler ($CXX, else c++ or g++), against the XLA FFI headers that jaxlib
-ships, for this CPU (-march=native), and the library is cached under
-$XDG_CACHE_HOME/zebra_jax/kernels (default under ~/.cache), keyed by the
-source, the compiler, jax's version and the CPU's features. Where it cannot
-run (not a CPU, a compute dtype other than float32, no compiler), the layer
-runs the scan instead, with one warning line saying why.
+compiler ($CXX, else c++ or g++) against the XLA FFI headers that jaxlib
+ships, for this CPU (-march=native; $ZEBRA_JAX_NATIVE_MARCH names another
+target, e.g. x86-64-v3 for any AVX2 machine), and the library is cached
+under $XDG_CACHE_HOME/zebra_jax/kernels (default ~/.cache; a private
+temporary folder where that cannot be written), keyed by the source, the
+compiler, jax's version, the flags and, for -march=native, the CPU's
+features. A failed build is remembered there under the same key, so other
+processes do not retry it. Ahead of time, on a machine with a compiler:
+
+  python3 -m zebra_jax.model.native_recurrence --build [--march=M] [--out=F]
+
+and ZEBRA_JAX_NATIVE_LIB=F on a node without one loads that library. Where
+the kernels cannot run (not a CPU, a compute dtype other than float32, no
+compiler, a failed build), the layer runs the scan instead, with one
+warning line saying why (a failed build: the compiler's first error line).
 """
 
+import argparse
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import pathlib
 import platform
+import re
 import shlex
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zebra_jax.errors import UserError
 from zebra_jax.model import recurrence
 
 SOURCE = pathlib.Path(__file__).with_name("native") / "recurrence.cc"
+MARCH_ENV, LIB_ENV = "ZEBRA_JAX_NATIVE_MARCH", "ZEBRA_JAX_NATIVE_LIB"
 _FORWARD, _BACKWARD = "zebra_native_forward", "zebra_native_backward"
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17",
+_COMPILE_TIMEOUT_S = 600
+
+
+def march() -> str:
+  """The -march the library is built for: $ZEBRA_JAX_NATIVE_MARCH, else
+  this CPU's (native)."""
+  return os.environ.get(MARCH_ENV) or "native"
+
+
+def flags(target: str) -> tuple[str, ...]:
+  if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", target):
+    raise UserError(f"{MARCH_ENV}={target!r} is not a -march value: use e.g. "
+                    "native, x86-64-v3, x86-64 or armv8-a")
+  return ("-O3", f"-march={target}", "-ffp-contract=fast", "-std=c++17",
           "-shared", "-fPIC", "-pthread", "-w")
+
 
 def compiler() -> str | None:
   """The C++ compiler to build with: $CXX, else c++ or g++ on the PATH."""
@@ -53,9 +83,50 @@ def compiler() -> str | None:
           or None)
 
 
+def _user_cache() -> pathlib.Path | None:
+  """$XDG_CACHE_HOME, else ~/.cache; None without a home (HOME unset and a
+  uid with no passwd entry, where Path.home() raises)."""
+  if root := os.environ.get("XDG_CACHE_HOME"):
+    return pathlib.Path(root)
+  home = os.environ.get("HOME")
+  if not home:
+    try:
+      home = str(pathlib.Path.home())
+    except (RuntimeError, KeyError, OSError):
+      return None
+  return pathlib.Path(home) / ".cache"
+
+
+def _writable(folder: pathlib.Path, private=False) -> bool:
+  """Creates folder if needed; whether this process can write into it (and,
+  when private, whether only this uid can: a shared temporary folder must
+  not hand us another user's library)."""
+  try:
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if private:
+      info = folder.stat()
+      if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP |
+                                                       stat.S_IWOTH):
+        return False
+    with tempfile.TemporaryFile(dir=folder):
+      pass
+    return True
+  except OSError:
+    return False
+
+
 def cache_dir() -> pathlib.Path:
-  root = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-  return pathlib.Path(root) / "zebra_jax" / "kernels"
+  """Where libraries are cached: the user's cache, else (no home, or not
+  writable) a private folder under the temporary directory."""
+  user = _user_cache()
+  if user is not None and _writable(user / "zebra_jax" / "kernels"):
+    return user / "zebra_jax" / "kernels"
+  uid = os.getuid() if hasattr(os, "getuid") else 0
+  fallback = pathlib.Path(tempfile.gettempdir()) / f"zebra_jax-{uid}"
+  if not _writable(fallback, private=True):
+    raise OSError(f"no writable cache: {user or '(no home)'} nor {fallback}")
+  (fallback / "kernels").mkdir(exist_ok=True)
+  return fallback / "kernels"
 
 
 def _cpu_features() -> str:
@@ -70,51 +141,125 @@ def _cpu_features() -> str:
   return platform.processor()
 
 
-def _build(cxx: str) -> pathlib.Path:
-  """Compiles SOURCE unless a library for this source, compiler, jax and
-  CPU is cached; returns its path. Raises OSError or CalledProcessError.
-  cxx may hold words ("ccache g++"), as $CXX often does."""
+def first_error(output: str) -> str:
+  """The compiler's first `error:` line (the cause; later lines are its
+  consequences and source excerpts), else its last non-empty line."""
+  lines = [l.strip() for l in output.splitlines() if l.strip()]
+  errors = [l for l in lines if "error:" in l]
+  return (errors or lines[-1:] or ["no output"])[0]
+
+
+class BuildError(Exception):
+  """The library could not be built: the message is one line."""
+
+
+def build(cxx: str, target: str, out: pathlib.Path | None = None
+          ) -> pathlib.Path:
+  """Compiles SOURCE for -march=target unless a library for this source,
+  compiler, jax, flags (and, for native, CPU) is cached, or a build of it
+  failed before; returns its path (out: build there, no cache). cxx may hold
+  words ("ccache g++"), as $CXX often does. Raises BuildError."""
   command = shlex.split(cxx)
-  version = subprocess.run([*command, "--version"], capture_output=True,
-                           text=True, check=True).stdout
+  try:
+    version = subprocess.run([*command, "--version"], capture_output=True,
+                             text=True, check=True, timeout=60).stdout
+  except (OSError, subprocess.SubprocessError) as e:
+    raise BuildError(f"no usable C++ compiler ({cxx}: "
+                     f"{getattr(e, 'strerror', None) or e})") from e
+  build_flags = flags(target)
   key = hashlib.sha256("\n".join(
-      [SOURCE.read_text(), cxx, version, jax.__version__, " ".join(_FLAGS),
-       _cpu_features()]).encode()).hexdigest()[:20]
-  path = cache_dir() / f"native_recurrence_{key}.so"
-  if path.exists():
+      [SOURCE.read_text(), cxx, version, jax.__version__, " ".join(build_flags),
+       _cpu_features() if target == "native" else ""]).encode()
+                       ).hexdigest()[:20]
+  folder = cache_dir() if out is None else out.parent
+  path = out or folder / f"native_recurrence_{key}.so"
+  failed = folder / f"native_recurrence_{key}.failed"
+  if out is None and path.exists():
     return path
-  path.parent.mkdir(parents=True, exist_ok=True)
+  if out is None and failed.exists():
+    raise BuildError(f"{failed.read_text().strip()} (an earlier build; "
+                     f"delete {failed} to retry)")
+  folder.mkdir(parents=True, exist_ok=True)
+  logging.info("compiling %s for -march=%s (once)", SOURCE.name, target)
   # Built beside its final name and renamed: processes that build at the
   # same time each rename a complete library.
-  with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+  with tempfile.TemporaryDirectory(dir=folder) as tmp:
     built = pathlib.Path(tmp) / path.name
-    subprocess.run([*command, *_FLAGS, f"-I{jax.ffi.include_dir()}",
-                    str(SOURCE), "-o", str(built)], capture_output=True,
-                   text=True, check=True)
+    try:
+      subprocess.run([*command, *build_flags, f"-I{jax.ffi.include_dir()}",
+                      str(SOURCE), "-o", str(built)], capture_output=True,
+                     text=True, check=True, timeout=_COMPILE_TIMEOUT_S)
+    except subprocess.CalledProcessError as e:
+      why = (f"compiling {SOURCE.name} for -march={target} failed: "
+             f"{first_error(e.stderr + e.stdout)}")
+      if out is None:  # remembered, atomically as the library is
+        note = pathlib.Path(tmp) / failed.name
+        note.write_text(why + "\n")
+        os.replace(note, failed)
+      raise BuildError(why) from e
+    except (OSError, subprocess.SubprocessError) as e:
+      raise BuildError(f"running {cxx} failed: {e}") from e
     os.replace(built, path)
   return path
 
 
-@functools.cache
-def _load() -> str:
-  """Builds, loads and registers the kernels once per process: "" when they
-  are ready, else why not."""
+def library_path() -> pathlib.Path:
+  """The library this process loads: $ZEBRA_JAX_NATIVE_LIB, else one built
+  (or cached) for march(). Raises BuildError."""
+  if prebuilt := os.environ.get(LIB_ENV):
+    return pathlib.Path(prebuilt)
   cxx = compiler()
   if cxx is None:
-    return "no C++ compiler found (install g++, or set CXX)"
+    raise BuildError("no C++ compiler found (install g++, set CXX, or point "
+                     f"{LIB_ENV} at a library built with `python3 -m "
+                     "zebra_jax.model.native_recurrence --build`)")
+  return build(cxx, march())
+
+
+@functools.cache
+def _load(target: str, prebuilt: str | None, cxx: str | None
+          ) -> tuple[str, str]:
+  """Builds (or finds), loads and registers one library once per process:
+  ("", its FFI target suffix) when ready, else (why not, "")."""
+  del target, prebuilt, cxx  # the cache key: library_path() reads them
   try:
-    library = ctypes.cdll.LoadLibrary(str(_build(cxx)))
-  except subprocess.CalledProcessError as e:
-    last = (e.stderr or e.stdout or "").strip().splitlines()[-1:] or ["?"]
-    return f"compiling {SOURCE.name} failed: {last[0]}"
+    path = library_path()
+  except (BuildError, OSError, UserError) as e:
+    return str(e), ""
+  try:
+    library = ctypes.cdll.LoadLibrary(str(path))
   except OSError as e:
-    return f"building {SOURCE.name} failed: {e}"
-  jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(library.ZebraForward),
+    return f"loading {path} failed: {e}", ""
+  # One pair of FFI targets per library: tests load several (-march) side
+  # by side in one process.
+  suffix = "_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+  jax.ffi.register_ffi_target(_FORWARD + suffix,
+                              jax.ffi.pycapsule(library.ZebraForward),
                               platform="cpu")
-  jax.ffi.register_ffi_target(_BACKWARD,
+  jax.ffi.register_ffi_target(_BACKWARD + suffix,
                               jax.ffi.pycapsule(library.ZebraBackward),
                               platform="cpu")
-  return ""
+  try:
+    isa = library.ZebraNativeTarget
+    isa.restype = ctypes.c_char_p
+    _TARGETS[suffix] = isa().decode()
+  except AttributeError:  # a library built from an older source
+    _TARGETS[suffix] = "unknown"
+  return "", suffix
+
+
+_TARGETS = {}  # FFI target suffix -> the vector ISA its library was built for
+
+
+def _loaded() -> tuple[str, str]:
+  return _load(march(), os.environ.get(LIB_ENV), compiler())
+
+
+def vector_isa() -> str:
+  """The vector instructions the library in use was compiled for (avx512f,
+  avx2, sse2, neon or generic); "" when none is loaded."""
+  why, suffix = _loaded()
+  return "" if why else _TARGETS[suffix]
 
 
 def unavailable(dtype, shape=()) -> str:
@@ -126,17 +271,25 @@ def unavailable(dtype, shape=()) -> str:
     return f"it computes in float32, not {jnp.dtype(dtype).name}"
   if not all(isinstance(d, int) for d in shape):
     return "the window's shape is symbolic (jax.export)"
-  return _load()
+  return _loaded()[0]
 
 
-def threads() -> int:
-  """Threads per call: the cores this process may run on, shared among its
-  CPU devices (each device runs its own calls at the same time)."""
+# Multiply-adds of a loop's matmuls per thread, at least: about 50 us of
+# one core's work, where waking one of XLA's pool threads costs 10-20 us.
+MIN_FLOPS_PER_THREAD = 1 << 20
+
+
+def threads(flops: int) -> int:
+  """Threads for a call of this many matmul FLOPs: the cores this process
+  may run on, shared among its CPU devices (each device runs its own calls
+  at the same time), but no more than the work is worth: a sampling step
+  runs on the calling thread alone."""
   try:
     cores = len(os.sched_getaffinity(0))
   except AttributeError:
     cores = os.cpu_count() or 1
-  return max(1, cores // jax.local_device_count())
+  return max(1, min(cores // jax.local_device_count(),
+                    flops // MIN_FLOPS_PER_THREAD))
 
 
 def _forward(x_proj, h0, c0, w_h, keep):
@@ -149,11 +302,11 @@ def _forward(x_proj, h0, c0, w_h, keep):
   window = jax.ShapeDtypeStruct((s, t, b, g4 // 4), f32)
   cs = window if keep else jax.ShapeDtypeStruct((0,), f32)
   ys, h, c, cs, gates = jax.ffi.ffi_call(
-      _FORWARD, (window, state, state, cs, jax.ShapeDtypeStruct(
+      _FORWARD + _loaded()[1], (window, state, state, cs, jax.ShapeDtypeStruct(
           x_proj.shape, f32)), input_output_aliases={0: 4},
       vmap_method="sequential")(
           x_proj, h0.astype(f32), c0.astype(f32), w_h,
-          threads=np.int64(threads()))
+          threads=np.int64(threads(2 * s * t * b * g4 * (g4 // 4))))
   saved = {None: (), "states": (cs,), "gates": (cs, gates)}[keep]
   return ys, h, c, saved
 
@@ -165,11 +318,11 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
   return jax.ffi.ffi_call(
-      _BACKWARD, (jax.ShapeDtypeStruct(gates.shape, f32), state, state),
+      _BACKWARD + _loaded()[1], (jax.ShapeDtypeStruct(gates.shape, f32), state, state),
       input_output_aliases={1: 0}, vmap_method="sequential")(
           d_ys.astype(f32), gates, cs, c0.astype(f32),
           jnp.swapaxes(w_h, 1, 2), d_h, d_c,
-          threads=np.int64(threads()))
+          threads=np.int64(threads(2 * s * t * b * g4 * (g4 // 4))))
 
 
 _native_layer = recurrence.kernel_layer(_forward, _backward)
@@ -185,3 +338,40 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):
     return recurrence.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
                                   remat)
   return _native_layer(inputs, w_x, bias, h0, c0, w_h, remat)
+
+
+def main(argv=None) -> int:
+  """`--build`: compiles the library ahead of time (for a node without a
+  compiler: copy it there and set ZEBRA_JAX_NATIVE_LIB)."""
+  parser = argparse.ArgumentParser(
+      prog="python3 -m zebra_jax.model.native_recurrence",
+      description="Build the native CPU time loops ahead of time.")
+  parser.add_argument("--build", action="store_true", required=True,
+                      help="compile the library (or find it in the cache)")
+  parser.add_argument("--march", default=None,
+                      help=f"-march target (default ${MARCH_ENV} or native; "
+                      "x86-64-v3 runs on any AVX2 x86-64)")
+  parser.add_argument("--out", default=None,
+                      help="write the library here instead of the cache")
+  args = parser.parse_args(argv)
+  target = args.march or march()
+  try:
+    cxx = compiler()
+    if cxx is None:
+      raise UserError("no C++ compiler found: install g++ or set CXX")
+    path = build(cxx, target,
+                 pathlib.Path(args.out).resolve() if args.out else None)
+  except (BuildError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(path)
+  print(f"use it where there is no compiler: {LIB_ENV}={path}",
+        file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

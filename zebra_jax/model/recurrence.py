@@ -112,7 +112,7 @@ def project_inputs(inputs, w_x, bias):
   else:
     s, t, b, i = inputs.shape
     x_proj = _matmul(inputs.reshape(s, t * b, i), w_x, ((2,), (1,)),
-                     ((0,), (0,))).reshape(s, t, b, -1)
+                     ((0,), (0,))).reshape(s, t, b, w_x.shape[-1])
   return x_proj + bias[:, None, None, :]
 
 
@@ -257,7 +257,7 @@ def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0):
   # axis, and no operand is copied into another order first (which a
   # contraction over two axes made XLA do: 1.04-1.06x on a layer's pass).
   dz_dt = dz.astype(dt).reshape(s, t * b, k)
-  d_w_h = _matmul(h_prev.astype(dt).reshape(s, t * b, -1), dz_dt,
+  d_w_h = _matmul(h_prev.astype(dt).reshape(s, t * b, w_h.shape[1]), dz_dt,
                   ((1,), (1,)), ((0,), (0,)))
   if inputs.ndim == 3:  # dense [T, B, I], w_x [I, S, 4G]
     i = inputs.shape[-1]
@@ -267,8 +267,8 @@ def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0):
     d_inputs = _matmul(dz_rows, w_x.reshape(i, s * k),
                        ((1,), (1,))).reshape(t, b, i)
   else:  # grouped [S, T, B, I/S], w_x [S, I/S, 4G]: batched over stripes
-    d_w_x = _matmul(inputs.reshape(s, t * b, -1), dz_dt, ((1,), (1,)),
-                    ((0,), (0,)))
+    d_w_x = _matmul(inputs.reshape(s, t * b, w_x.shape[1]), dz_dt,
+                    ((1,), (1,)), ((0,), (0,)))
     d_inputs = _matmul(dz_dt, w_x, ((2,), (2,)),
                        ((0,), (0,))).reshape(inputs.shape)
   d_bias = dz.sum(axis=(1, 2))

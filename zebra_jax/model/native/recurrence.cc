@@ -20,12 +20,28 @@
 //                                  forward reads W_h)
 // The matmuls and the cell are exact float32 arithmetic but for tanh, a
 // rational approximation (the one XLA's CPU backend uses; largest error
-// against float64 about 3.5e-7).
+// against float64 about 3.5e-7). NaN and infinities go through every step as
+// they do through the scan's: tanh keeps a NaN (only finite values are
+// clamped), and the backward pass multiplies the same factors.
+//
+// Portable C++ with GCC/Clang vector extensions: a 16-float vector is one
+// AVX-512 register, two AVX2 ones, four SSE or NEON ones; the compiler
+// targets whatever -march says. Threads: the calling one and XLA's own pool
+// (the one that runs its CPU ops), no more than the caller's `threads`,
+// which native_recurrence.py sizes to the work: a sampling step (T = 1,
+// B = 1) runs on the calling thread alone.
 
 #include <algorithm>
+#include <atomic>
+#include <climits>
+#include <condition_variable>
 #include <cstdint>
-#include <cstring>
-#include <thread>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -55,10 +71,21 @@ inline Vec Select(M m, Vec a, Vec b) { return m ? a : b; }
 inline float Abs(float a) { return a < 0 ? -a : a; }
 inline Vec Abs(Vec a) { return a < 0 ? -a : a; }
 
-// tanh as a 13/6 rational function on [-7.905, 7.905], x itself near 0.
+// a in [-bound, bound], NaN kept: both comparisons are false for NaN (a
+// min/max would pick the bound, turning a NaN into +-1 after tanh).
+template <typename T>
+inline T Clamp(T a, float bound) {
+  const T x = Select(a > bound, T{} + bound, a);
+  return Select(x < -bound, T{} - bound, x);
+}
+
+// tanh as a 13/6 rational function on [-7.9988, 7.9988], x itself near 0,
+// exactly +-1 beyond (where XLA's is too: a saturated gate's derivative is
+// then exactly 0, as the scan's, and an infinite input times it NaN).
 template <typename T>
 inline T Tanh(T a) {
-  const T x = Max(Min(a, T{} + 7.90531110763549805f), T{} - 7.90531110763549805f);
+  constexpr float kSaturated = 7.99881172180175781f;
+  const T x = Clamp(a, kSaturated);
   const T x2 = x * x;
   T p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
   p = x2 * p + -8.60467152213735e-11f;
@@ -69,7 +96,9 @@ inline T Tanh(T a) {
   T q = x2 * 1.19825839466702e-06f + 1.18534705686654e-04f;
   q = x2 * q + 2.26843463243900e-03f;
   q = x2 * q + 4.89352518554385e-03f;
-  return Select(Abs(a) < 0.0004f, a, x * p / q);
+  const T one = Select(a < 0, T{} - 1.0f, T{} + 1.0f);
+  const T abs = Abs(a);  // NaN: every comparison false, x * p / q is NaN
+  return Select(abs < 0.0004f, a, Select(abs >= kSaturated, one, x * p / q));
 }
 
 // C[R, V*16] = X + A[R, K] W[K, V*16] (X null: 0), in registers.
@@ -86,9 +115,13 @@ inline void Block(int k_size, const float* a, int lda, const float* w, int ldw,
     for (int r = 0; r < R; ++r) ak[r] = Splat(a[r * lda + k]);
     for (int v = 0; v < V; ++v) {
       Vec wk = Load(w + k * ldw + v * kLanes);
+#if defined(__AVX512F__)
       // Kept in a register: each W vector is read once for all R rows
-      // (folded into every FMA instead, the loads bound the loop).
+      // (folded into every FMA instead, the loads bound the loop). The
+      // constraint needs one register that holds the whole vector: only
+      // AVX-512 has one; elsewhere the compiler's choice is kept.
       asm("" : "+v"(wk));
+#endif
       for (int r = 0; r < R; ++r) acc[r][v] += ak[r] * wk;
     }
   }
@@ -147,50 +180,102 @@ inline void Put(float* p, Vec v) { Store(p, v); }
 struct Task { int stripe, row0, rows; };
 
 // Splits S stripes x B rows over at most `threads` threads: whole stripes
-// when there are enough, else each stripe's rows in equal parts.
+// when there are enough, else each stripe's rows in equal parts. Empty when
+// there is no work (S = 0 or B = 0).
 std::vector<std::vector<Task>> Plan(int s, int b, int threads) {
+  if (s <= 0 || b <= 0) return {};
   threads = std::max(1, threads);
   const int parts = std::min(b, std::max(1, (threads + s - 1) / s));
   std::vector<Task> tasks;
   for (int i = 0; i < s; ++i)
     for (int p = 0; p < parts; ++p) {
-      const int r0 = b * p / parts, r1 = b * (p + 1) / parts;
+      const int r0 = int(int64_t(b) * p / parts);
+      const int r1 = int(int64_t(b) * (p + 1) / parts);
       tasks.push_back({i, r0, r1 - r0});
     }
-  const int used = std::min<int>(threads, tasks.size());
+  const size_t used = std::min<size_t>(threads, tasks.size());
   std::vector<std::vector<Task>> plan(used);
   for (size_t t = 0; t < tasks.size(); ++t)
     plan[t * used / tasks.size()].push_back(tasks[t]);
   return plan;
 }
 
+// What the calling thread and the pool's share: parts are claimed one at a
+// time, so a pool thread that starts late (busy with other XLA work) takes
+// fewer or none, and the caller never waits for work nobody has started.
+// Held by shared_ptr: a pool thread may start after the call has returned,
+// find nothing to claim and leave without touching `work`.
+struct Shared {
+  const std::function<void(size_t)>* work;
+  size_t parts;
+  std::atomic<size_t> next{0};
+  size_t done = 0;  // under mu
+  std::exception_ptr error;  // under mu: the first part's exception
+  std::mutex mu;
+  std::condition_variable finished;
+
+  // Runs parts until none is left unclaimed.
+  void Drain() {
+    for (size_t i; (i = next.fetch_add(1)) < parts;) {
+      std::exception_ptr failed;
+      try {
+        (*work)(i);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      if (failed && !error) error = failed;
+      if (++done == parts) finished.notify_all();
+    }
+  }
+};
+
+// Runs work(plan[i]) for every i: on the calling thread and up to
+// plan.size() - 1 of XLA's pool threads. Rethrows a part's exception once
+// every part has finished.
 template <typename F>
-void Run(const std::vector<std::vector<Task>>& plan, F&& work) {
-  std::vector<std::thread> pool;
-  for (size_t i = 1; i < plan.size(); ++i)
-    pool.emplace_back([&, i] { for (const Task& t : plan[i]) work(t); });
-  for (const Task& t : plan[0]) work(t);
-  for (auto& th : pool) th.join();
+void Run(const std::vector<std::vector<Task>>& plan, ffi::ThreadPool* pool,
+         F&& run_task) {
+  if (plan.empty()) return;
+  const std::function<void(size_t)> work = [&](size_t i) {
+    for (const Task& t : plan[i]) run_task(t);
+  };
+  if (plan.size() == 1 || pool == nullptr) {
+    for (size_t i = 0; i < plan.size(); ++i) work(i);
+    return;
+  }
+  auto shared = std::make_shared<Shared>();
+  shared->work = &work;
+  shared->parts = plan.size();
+  try {
+    for (size_t i = 1; i < plan.size(); ++i)
+      pool->Schedule([shared] { shared->Drain(); });
+  } catch (...) {  // could not hand out more: this thread runs the rest
+  }
+  shared->Drain();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->finished.wait(lock, [&] { return shared->done == shared->parts; });
+  if (shared->error) std::rethrow_exception(shared->error);
 }
 
 struct Shape {
-  int s, t, b, g;
-  int64_t Window(int width) const { return int64_t(t) * b * width; }
+  int64_t s, t, b, g;
 };
 
 // Forward: gates (which may be x_proj's buffer) = act(x_proj + h W), then
 // c, h; writes ys, the final (h, c) and, when keep, every c_t.
-void Forward(const Shape& d, int threads, bool keep, const float* x_proj,
-             const float* h0, const float* c0, const float* w_h, float* ys,
-             float* h_out, float* c_out, float* cs, float* gates) {
-  const int g = d.g, k4 = 4 * g;
-  Run(Plan(d.s, d.b, threads), [&](const Task& task) {
+void Forward(const Shape& d, int threads, ffi::ThreadPool* pool, bool keep,
+             const float* x_proj, const float* h0, const float* c0,
+             const float* w_h, float* ys, float* h_out, float* c_out,
+             float* cs, float* gates) {
+  const int g = int(d.g), k4 = 4 * g;
+  Run(Plan(int(d.s), int(d.b), threads), pool, [&](const Task& task) {
     const int s = task.stripe, n = task.rows;
     const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
     std::vector<float> h(h0 + state0, h0 + state0 + int64_t(n) * g);
     std::vector<float> c(c0 + state0, c0 + state0 + int64_t(n) * g);
     const float* w = w_h + int64_t(s) * g * k4;
-    for (int t = 0; t < d.t; ++t) {
+    for (int64_t t = 0; t < d.t; ++t) {
       const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
       float* z = gates + row * k4;
       Matmul(n, k4, g, h.data(), g, w, x_proj + row * k4, k4, z, k4);
@@ -229,25 +314,28 @@ void Forward(const Shape& d, int threads, bool keep, const float* x_proj,
 // dh_{t-1} = dz_t W^T. W^T comes transposed by the caller, one copy that
 // every thread reads: a copy per thread cost about 5 ms a call at dense
 // S=1 (what made the reverse loop slower than the forward one) and doubled
-// what the threads read from the shared cache each step.
-void Backward(const Shape& d, int threads, const float* d_ys, const float* gates,
-              const float* cs, const float* c0, const float* w_t,
-              const float* dh_last, const float* dc_last, float* dz,
-              float* dh0, float* dc0) {
-  const int g = d.g, k4 = 4 * g;
-  Run(Plan(d.s, d.b, threads), [&](const Task& task) {
+// what the threads read from the shared cache each step. Each gradient is
+// (carried gradient) x (the scan's factor, multiplied in the scan's order):
+// an overflow or an inf x 0 gives the scan's inf or NaN.
+void Backward(const Shape& d, int threads, ffi::ThreadPool* pool,
+              const float* d_ys, const float* gates, const float* cs,
+              const float* c0, const float* w_t, const float* dh_last,
+              const float* dc_last, float* dz, float* dh0, float* dc0) {
+  const int g = int(d.g), k4 = 4 * g;
+  Run(Plan(int(d.s), int(d.b), threads), pool, [&](const Task& task) {
     const int s = task.stripe, n = task.rows;
     const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
     std::vector<float> dh(dh_last + state0, dh_last + state0 + int64_t(n) * g);
     std::vector<float> dc(dc_last + state0, dc_last + state0 + int64_t(n) * g);
     const float* wt = w_t + int64_t(s) * k4 * g;
-    for (int t = d.t - 1; t >= 0; --t) {
+    for (int64_t t = d.t - 1; t >= 0; --t) {
       const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
       for (int r = 0; r < n; ++r) {
         const float* gr = gates + (row + r) * k4;
         float* zr = dz + (row + r) * k4;
         const float* cr = cs + (row + r) * g;
-        const float* cp = t ? cs + (row - d.b + r) * g : c0 + state0 + int64_t(r) * g;
+        const float* cp =
+            t ? cs + (row - d.b + r) * g : c0 + state0 + int64_t(r) * g;
         const float* dyr = d_ys + (row + r) * g;
         float* dhr = dh.data() + int64_t(r) * g;
         float* dcr = dc.data() + int64_t(r) * g;
@@ -257,11 +345,11 @@ void Backward(const Shape& d, int threads, const float* d_ys, const float* gates
           const T gg = Get(gr + 2 * g + j, u), o = Get(gr + 3 * g + j, u);
           const T tc = Tanh(Get(cr + j, u));
           const T dhj = Get(dhr + j, u) + Get(dyr + j, u);
-          const T dcj = Get(dcr + j, u) + dhj * o * (1.0f - tc * tc);
-          Put(zr + j, dcj * gg * i * (1.0f - i));
-          Put(zr + g + j, dcj * Get(cp + j, u) * f * (1.0f - f));
-          Put(zr + 2 * g + j, dcj * i * (1.0f - gg * gg));
-          Put(zr + 3 * g + j, dhj * tc * o * (1.0f - o));
+          const T dcj = Get(dcr + j, u) + dhj * (o * (1.0f - tc * tc));
+          Put(zr + j, dcj * (gg * i * (1.0f - i)));
+          Put(zr + g + j, dcj * (Get(cp + j, u) * f * (1.0f - f)));
+          Put(zr + 2 * g + j, dcj * (i * (1.0f - gg * gg)));
+          Put(zr + 3 * g + j, dhj * (tc * o * (1.0f - o)));
           Put(dcr + j, dcj * f);
         });
       }
@@ -272,51 +360,147 @@ void Backward(const Shape& d, int threads, const float* d_ys, const float* gates
   });
 }
 
-Shape WindowShape(const ffi::AnyBuffer::Dimensions& window, int width) {
-  return {int(window[0]), int(window[1]), int(window[2]), width};
+// "name is [a, b, c], expected [x, y, z]" unless `buffer`'s shape is `want`.
+template <typename B>
+std::string Mismatch(const char* name, const B& buffer,
+                     std::initializer_list<int64_t> want) {
+  const auto dims = buffer.dimensions();
+  if (dims.size() == want.size() &&
+      std::equal(want.begin(), want.end(), dims.begin()))
+    return "";
+  auto list = [](auto begin, auto end) {
+    std::string s = "[";
+    for (auto it = begin; it != end; ++it)
+      s += (it == begin ? "" : ", ") + std::to_string(*it);
+    return s + "]";
+  };
+  return std::string(name) + " is " + list(dims.begin(), dims.end()) +
+         ", expected " + list(want.begin(), want.end());
 }
 
-ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> x_proj, ffi::Buffer<ffi::F32> h0,
-                       ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w_h,
+// The window's shape from a [S, T, B, 4G] buffer, or why it is not one.
+std::string WindowShape(const char* name, const ffi::AnyBuffer::Dimensions& dims,
+                        Shape* d) {
+  if (dims.size() != 4 || dims[3] % 4)
+    return std::string(name) + " must be [S, T, B, 4G]";
+  for (int64_t n : dims)
+    if (n < 0 || n > INT_MAX) return std::string(name) + ": a dimension out of range";
+  *d = {dims[0], dims[1], dims[2], dims[3] / 4};
+  // Row offsets within a stripe's weights are int: G x 4G must fit.
+  if (d->g * 4 * d->g > INT_MAX)
+    return std::string(name) + ": stripe width " + std::to_string(d->g) +
+           " too large";
+  return "";
+}
+
+ffi::Error Failed(const std::string& why) {
+  return ffi::Error::InvalidArgument(why);
+}
+
+// A C++ exception (a failed allocation, a thread that cannot start) as an
+// XLA error, never an abort.
+template <typename F>
+ffi::Error Guarded(const char* what, F&& body) {
+  try {
+    body();
+    return ffi::Error::Success();
+  } catch (const std::bad_alloc&) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(what) + ": out of memory");
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string(what) + ": " + e.what());
+  } catch (...) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string(what) + ": unknown C++ exception");
+  }
+}
+
+ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
+                       ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> c0,
+                       ffi::Buffer<ffi::F32> w_h,
                        ffi::ResultBuffer<ffi::F32> ys,
                        ffi::ResultBuffer<ffi::F32> h,
                        ffi::ResultBuffer<ffi::F32> c,
                        ffi::ResultBuffer<ffi::F32> cs,
                        ffi::ResultBuffer<ffi::F32> gates, int64_t threads) {
-  const auto dims = x_proj.dimensions();
-  if (dims.size() != 4 || dims[3] % 4)
-    return ffi::Error::InvalidArgument("x_proj must be [S, T, B, 4G]");
-  const Shape d = WindowShape(dims, int(dims[3] / 4));
+  Shape d;
+  std::string why = WindowShape("x_proj", x_proj.dimensions(), &d);
   const bool keep = cs->element_count() > 0;
-  Forward(d, int(threads), keep, x_proj.typed_data(), h0.typed_data(),
-          c0.typed_data(), w_h.typed_data(), ys->typed_data(), h->typed_data(),
-          c->typed_data(), keep ? cs->typed_data() : nullptr,
-          gates->typed_data());
-  return ffi::Error::Success();
+  for (const std::string& m :
+       {why, Mismatch("h0", h0, {d.s, d.b, d.g}),
+        Mismatch("c0", c0, {d.s, d.b, d.g}),
+        Mismatch("w_h", w_h, {d.s, d.g, 4 * d.g}),
+        Mismatch("ys", *ys, {d.s, d.t, d.b, d.g}),
+        Mismatch("h", *h, {d.s, d.b, d.g}), Mismatch("c", *c, {d.s, d.b, d.g}),
+        keep ? Mismatch("cs", *cs, {d.s, d.t, d.b, d.g}) : std::string(),
+        Mismatch("gates", *gates, {d.s, d.t, d.b, 4 * d.g})}) {
+    if (!m.empty()) return Failed("zebra_native_forward: " + m);
+    if (!why.empty()) break;  // no shape to check the others against
+  }
+  return Guarded("zebra_native_forward", [&] {
+    Forward(d, int(std::min<int64_t>(threads, 1 << 16)), &pool, keep,
+            x_proj.typed_data(), h0.typed_data(), c0.typed_data(),
+            w_h.typed_data(), ys->typed_data(), h->typed_data(),
+            c->typed_data(), keep ? cs->typed_data() : nullptr,
+            gates->typed_data());
+  });
 }
 
-ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> d_ys, ffi::Buffer<ffi::F32> gates,
-                        ffi::Buffer<ffi::F32> cs, ffi::Buffer<ffi::F32> c0,
-                        ffi::Buffer<ffi::F32> w_t, ffi::Buffer<ffi::F32> dh_last,
+ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> d_ys,
+                        ffi::Buffer<ffi::F32> gates, ffi::Buffer<ffi::F32> cs,
+                        ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w_t,
+                        ffi::Buffer<ffi::F32> dh_last,
                         ffi::Buffer<ffi::F32> dc_last,
                         ffi::ResultBuffer<ffi::F32> dz,
                         ffi::ResultBuffer<ffi::F32> dh0,
                         ffi::ResultBuffer<ffi::F32> dc0, int64_t threads) {
-  const auto dims = gates.dimensions();
-  if (dims.size() != 4 || dims[3] % 4)
-    return ffi::Error::InvalidArgument("gates must be [S, T, B, 4G]");
-  const Shape d = WindowShape(dims, int(dims[3] / 4));
-  Backward(d, int(threads), d_ys.typed_data(), gates.typed_data(),
-           cs.typed_data(), c0.typed_data(), w_t.typed_data(),
-           dh_last.typed_data(), dc_last.typed_data(), dz->typed_data(),
-           dh0->typed_data(), dc0->typed_data());
-  return ffi::Error::Success();
+  Shape d;
+  std::string why = WindowShape("gates", gates.dimensions(), &d);
+  for (const std::string& m :
+       {why, Mismatch("d_ys", d_ys, {d.s, d.t, d.b, d.g}),
+        Mismatch("cs", cs, {d.s, d.t, d.b, d.g}),
+        Mismatch("c0", c0, {d.s, d.b, d.g}),
+        Mismatch("w_h^T", w_t, {d.s, 4 * d.g, d.g}),
+        Mismatch("dh", dh_last, {d.s, d.b, d.g}),
+        Mismatch("dc", dc_last, {d.s, d.b, d.g}),
+        Mismatch("dz", *dz, {d.s, d.t, d.b, 4 * d.g}),
+        Mismatch("dh0", *dh0, {d.s, d.b, d.g}),
+        Mismatch("dc0", *dc0, {d.s, d.b, d.g})}) {
+    if (!m.empty()) return Failed("zebra_native_backward: " + m);
+    if (!why.empty()) break;
+  }
+  return Guarded("zebra_native_backward", [&] {
+    Backward(d, int(std::min<int64_t>(threads, 1 << 16)), &pool,
+             d_ys.typed_data(), gates.typed_data(), cs.typed_data(),
+             c0.typed_data(), w_t.typed_data(), dh_last.typed_data(),
+             dc_last.typed_data(), dz->typed_data(), dh0->typed_data(),
+             dc0->typed_data());
+  });
 }
 
 }  // namespace
 
+// The vector instructions this library was compiled for: what
+// native_recurrence.py reports and its tests check (an x86-64-v3 build must
+// not have used AVX-512).
+extern "C" const char* ZebraNativeTarget() {
+#if defined(__AVX512F__)
+  return "avx512f";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__SSE2__)
+  return "sse2";
+#elif defined(__ARM_NEON)
+  return "neon";
+#else
+  return "generic";
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraForward, ForwardImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x_proj
                                   .Arg<ffi::Buffer<ffi::F32>>()  // h0
                                   .Arg<ffi::Buffer<ffi::F32>>()  // c0
@@ -330,6 +514,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraForward, ForwardImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackward, BackwardImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // d_ys
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gates
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cs
