@@ -20,7 +20,7 @@ import pytest
 
 from zebra_jax.configs import demo
 from zebra_jax.runtime import checkpoint, parallel
-from zebra_jax.training import train_state
+from zebra_jax.training import preemption, train_state
 from tests.helpers import (REPO, flip_a_bit_orbax_reads, sampled_text,
                            score_numbers)
 
@@ -81,8 +81,9 @@ def _output(p) -> tuple[str, str]:
   return tuple(open(log.name).read() for log in p.logs)
 
 
-def _finish(procs, timeout=TIMEOUT):
-  """(stdout, stderr) of each process; kills them all if any hangs."""
+def _finish(procs, timeout=TIMEOUT, status=0):
+  """(stdout, stderr) of each process, each of which must exit with
+  `status`; kills them all if any hangs."""
   deadline = time.time() + timeout
   try:
     for p in procs:
@@ -101,7 +102,7 @@ def _finish(procs, timeout=TIMEOUT):
         log.close()
   outs = [_output(p) for p in procs]
   for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
+    assert p.returncode == status, err[-3000:]
   return outs
 
 
@@ -199,7 +200,7 @@ def test_signal_to_one_process_stops_all_at_one_saved_step(
   # the first step is compiling, before the training loop has run at all.
   _wait_for(procs, "| epoch " if when == "training" else "model: ")
   procs[1].send_signal(sig)  # not the one that logs
-  (out, _) = _finish(procs)[0]
+  (out, _) = _finish(procs, status=preemption.EXIT_STOPPED_EARLY)[0]
   assert f"received {sig.name} (process 1)" in out
   [saved] = _steps(workdir)
   assert saved % 2 == 0 and _saved_by_all(workdir, saved, processes)

@@ -68,7 +68,7 @@ def test_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
   assert meta_a["position"] == meta_b["position"]
 
 
-def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
+def test_sigterm_saves_and_exits_stopped_early_then_resumes(tmp_path):
   data = write_wikitext(tmp_path / "wt")
   workdir = str(tmp_path / "run")
   args = [sys.executable, "-m", "zebra_jax.main", "--config=wt103:tiny",
@@ -87,7 +87,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
     time.sleep(0.1)  # wait for a logged training step
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
-  assert proc.returncode == 0, err
+  assert proc.returncode == preemption.EXIT_STOPPED_EARLY, err
   assert "received SIGTERM" in out
   saved = checkpoint.Checkpointer(workdir).all_steps()
   assert len(saved) == 1 and saved[0] >= 2

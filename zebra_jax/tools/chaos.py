@@ -26,6 +26,7 @@ from ml_collections import config_flags
 
 from zebra_jax.cli import entry
 from zebra_jax.errors import UserError
+from zebra_jax.training import preemption
 
 
 def _write_corpus(path: str) -> None:
@@ -127,10 +128,11 @@ def main(argv: list[str]) -> int:
       return 1
     cmd = _command(config, chaos, corpus, steps)
 
-    # 1. SIGTERM mid-run: a checkpoint at the current step, exit 0.
+    # 1. SIGTERM mid-run: a checkpoint at the current step, exit 75.
     code, out, err = _partial_run(cmd, chaos, until_step=7)
     saved = max(_steps(chaos), default=0)
-    rows.append(("SIGTERM mid-run", code == 0 and "received SIGTERM" in out,
+    rows.append(("SIGTERM mid-run", code == preemption.EXIT_STOPPED_EARLY
+                 and "received SIGTERM" in out,
                  _last_logged_step(chaos) - saved, out + err))
 
     # 2. SIGKILL while an async save is being written; the next run resumes
