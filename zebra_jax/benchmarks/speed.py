@@ -44,7 +44,6 @@ it would mean the peak is wrong, and the output says so.
 """
 
 import functools
-import json
 import os
 
 import jax
@@ -59,7 +58,7 @@ from zebra_jax.benchmarks.timing import datasheet, matmul_peak, time_interleaved
 from zebra_jax.benchmarks.torch_reference import torch_runners
 from zebra_jax.benchmarks import traces
 from zebra_jax.benchmarks.traces import trace_rows
-from zebra_jax.runtime import profiling
+from zebra_jax.runtime import profiling, strict_json
 
 def row_specs(shape) -> dict:
   """{group: {row: (build, tokens per call, FLOPs per token)}}: build()
@@ -253,5 +252,5 @@ def run(quick: bool = False, shape_name: str = "A", json_path=None,
   print_table(result, trace_dir)
   if json_path:
     with open(json_path, "w") as f:
-      json.dump(result, f, indent=1)
+      strict_json.dump(result, f, indent=1)
   return result

@@ -49,6 +49,7 @@ import ml_collections
 
 from zebra_jax.benchmarks import stripes_report
 from zebra_jax.errors import UserError
+from zebra_jax.runtime import strict_json
 
 # The calibration run: windows of steps after the first (which compiles), and
 # the median window's rate is the estimate (robust to one noisy window).
@@ -300,7 +301,7 @@ def train_and_score(run_cfg, setting: Setting, workdir: str) -> dict | None:
       "curve": curve,
   }
   with open(os.path.join(workdir, "run.json"), "w") as f:
-    json.dump(record, f, indent=2)
+    strict_json.dump(record, f, indent=2)
   return record
 
 
@@ -325,7 +326,7 @@ def _plan(cfg, out, scratch, request) -> dict:
                    request["equal_time"], request["classic"])
   plan["request"] = request
   with open(path, "w") as f:
-    json.dump(plan, f, indent=2)
+    strict_json.dump(plan, f, indent=2)
   return plan
 
 

@@ -10,12 +10,13 @@ evaluation before it. A claim is written only where the seeds' ranges
 (min to max) of the two settings do not overlap.
 """
 
-import json
 import math
 import os
 import platform
 import statistics
 from typing import Sequence
+
+from zebra_jax.runtime import strict_json
 
 
 def machine() -> str:
@@ -331,5 +332,5 @@ def write(out: str, records: Sequence[dict], meta: dict) -> dict:
              "runs": list(records), "markdown": text,
              "png": os.path.basename(png)}
   with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump(results, f, indent=2)
+    strict_json.dump(results, f, indent=2)
   return results

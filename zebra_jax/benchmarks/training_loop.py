@@ -55,6 +55,7 @@ import numpy as np
 from zebra_jax.benchmarks.table import print_rows, speed_columns
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
+from zebra_jax.runtime import strict_json
 
 SHAPES = {
     "A": dict(tokenizer="char", hidden=512, layers=2, batch=32, seq_len=64,
@@ -338,7 +339,7 @@ def run(base: ml_collections.ConfigDict, shape_name: str = "A",
   print_table(result)
   if json_path:
     with open(json_path, "w") as f:
-      json.dump(result, f, indent=1)
+      strict_json.dump(result, f, indent=1)
   return result
 
 

@@ -21,6 +21,7 @@ from absl import logging
 import numpy as np
 
 from zebra_jax.data.splits import SPLITS
+from zebra_jax.runtime import strict_json
 
 _MANIFEST_VERSION = 1
 _LINE_EVERY_S = 10.0  # plain progress lines when stderr is not a terminal
@@ -85,7 +86,7 @@ class IdCache:
                 "vocab_size": tokenizer.vocab_size, "num_tokens": counts}
     tmp = f"{self._manifest}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(manifest, f, indent=2)
+      strict_json.dump(manifest, f, indent=2)
     os.replace(tmp, self._manifest)
 
   def _path(self, split: str) -> str:

@@ -12,7 +12,6 @@ request, in milliseconds. The first request of every batch size compiles and
 is not timed. Results go to stdout and to a JSON file.
 """
 
-import json
 import os
 import time
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference import sampling
+from zebra_jax.runtime import strict_json
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -119,6 +119,6 @@ def run(cfg, workdir: str, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *,
             "results": results}
   json_path = json_path or os.path.join(workdir, "infer_bench.json")
   with open(json_path, "w") as f:
-    json.dump(report, f, indent=2)
+    strict_json.dump(report, f, indent=2)
   print(f"| wrote {json_path}", flush=True)
   return report

@@ -39,7 +39,7 @@ from zebra_jax.errors import UserError
 from zebra_jax.inference import engine as engines
 from zebra_jax.inference import loading, sample
 from zebra_jax.model import lm
-from zebra_jax.runtime import distributed
+from zebra_jax.runtime import distributed, strict_json
 
 _TRITON_TEMPLATES = os.path.join(os.path.dirname(__file__), "triton")
 MODEL_NAME = "zebra_lstm"
@@ -93,7 +93,7 @@ def write_artifact(loaded: loading.Loaded, folder: str,
   loaded.tokenizer.save(folder)
   check_servable(loaded.tokenizer, folder)
   with open(os.path.join(folder, "config.json"), "w") as f:
-    json.dump(loaded.cfg.to_dict(), f, indent=2, sort_keys=True)
+    strict_json.dump(loaded.cfg.to_dict(), f, indent=2, sort_keys=True)
   m = loaded.cfg.model
   manifest = {
       "format": 1, "step": int(loaded.step), "jax_version": jax.__version__,
@@ -114,7 +114,7 @@ def write_artifact(loaded: loading.Loaded, folder: str,
       "carry": "one (h, c) pair per layer, each float32 [b, hidden_size]",
   }
   with open(os.path.join(folder, "manifest.json"), "w") as f:
-    json.dump(manifest, f, indent=2)
+    strict_json.dump(manifest, f, indent=2)
   return manifest
 
 

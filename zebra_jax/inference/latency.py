@@ -21,6 +21,8 @@ import urllib.parse
 
 import numpy as np
 
+from zebra_jax.runtime import strict_json
+
 
 def _post(url, path, body):
   parts = urllib.parse.urlsplit(url)
@@ -119,7 +121,7 @@ def main(argv=None) -> None:
                       help="--concurrent: rounds sent before timing")
   parser.add_argument("--max_new_tokens", type=int, default=32)
   parser.add_argument("--prompt", default="line 7: the quick")
-  print(json.dumps(measure(parser.parse_args(argv))), flush=True)
+  print(strict_json.dumps(measure(parser.parse_args(argv))), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import uuid
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference import sample
+from zebra_jax.runtime import strict_json
 
 MODEL_ID = "zebra_lstm"
 MAX_STOPS = 4
@@ -212,7 +213,7 @@ class Events:
              "created": self.created, "model": self.req.model,
              "choices": [{"text": text, "index": index, "logprobs": None,
                           "finish_reason": reason}]}
-    return f"data: {json.dumps(chunk)}\n\n".encode("utf-8")
+    return f"data: {strict_json.dumps(chunk)}\n\n".encode("utf-8")
 
   def echo(self) -> bytes:
     return b"".join(self._event(i, p) for i, p in enumerate(self.req.prompts))

@@ -362,7 +362,8 @@ def _overloaded(e: "engines.QueueFull", openai: bool) -> web.Response:
 
 
 def _json(status: int, payload: dict, headers=None) -> web.Response:
-  return web.Response(status=status, body=strict_json.dumps(payload).encode("utf-8"),
+  return web.Response(status=status,
+                      body=strict_json.dumps(payload).encode("utf-8"),
                       content_type="application/json", headers=headers)
 
 

@@ -6,7 +6,6 @@ architecture coming from the workdir and the settings a user may change at
 inference time from the caller's config.
 """
 
-import json
 import os
 
 import jax
@@ -15,7 +14,7 @@ import ml_collections
 from zebra_jax.config import files
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
-from zebra_jax.runtime import config_checks, distributed
+from zebra_jax.runtime import config_checks, distributed, strict_json
 
 # Fields that change the parameters' shapes or meaning: a workdir is tied to them.
 _ARCHITECTURE = ("embed_size", "hidden_size", "num_layers", "num_stripes",
@@ -81,7 +80,7 @@ def _write_atomically(path: str, record: dict) -> None:
   """
   tmp = f"{path}.tmp{os.getpid()}"
   with open(tmp, "w") as f:
-    json.dump(record, f, indent=2, sort_keys=True)
+    strict_json.dump(record, f, indent=2, sort_keys=True)
   os.replace(tmp, path)
 
 

@@ -9,7 +9,6 @@ Runs on N emulated CPU devices (8 unless XLA_FLAGS already sets a count);
 compiles, never times: what is read is zebra_jax/benchmarks/stripe_layout.py.
 """
 
-import json
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
@@ -21,6 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from absl import flags  # noqa: E402  (jax must see XLA_FLAGS first)
 
 from zebra_jax.cli import arguments, entry  # noqa: E402
+from zebra_jax.runtime import strict_json
 
 
 def main(argv) -> None:
@@ -39,7 +39,7 @@ def main(argv) -> None:
   print(stripe_layout.markdown(cfg, rows))
   if f.json:
     with open(f.json, "w") as out:
-      json.dump(rows, out, indent=1)
+      strict_json.dump(rows, out, indent=1)
 
 
 def _flags() -> None:
