@@ -54,7 +54,11 @@ _NOUNS = dict(
 
 
 def main(argv):
-  """argv[1:]: the --config.x=y overrides, as (field, text) pairs."""
+  """argv[1:]: the --config.x=y overrides, as (field, text) pairs.
+
+  Returns the exit status: 0, or 75 when a signal stopped training before
+  train.num_steps after saving a checkpoint (docs/reliability.md).
+  """
   mode, nouns = _MODE.value, {k: f.value for k, f in _NOUNS.items()}
   try:  # read once, before JAX starts
     cfg, workdir = arguments.load(mode, _CONFIG.value, _WORKDIR.value, argv[1:],
@@ -71,7 +75,7 @@ def main(argv):
   if mode not in CONFIGLESS:
     compile_cache.enable(workdir)  # before the first compile
   try:
-    MODES[mode](cfg, workdir, config=_CONFIG.value, **nouns)
+    return MODES[mode](cfg, workdir, config=_CONFIG.value, **nouns)
   except UserError as e:
     _fail(writer, str(e))
   except OSError as e:
