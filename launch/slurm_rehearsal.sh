@@ -12,7 +12,7 @@
 #    Its files live in $REHEARSAL_DIR/slurm.
 # 2. Submits the repository's launch/slurm.sbatch as the docs say, for a CPU
 #    cluster: sbatch --nodes=2 --cpus-per-task=2 launch/slurm.sbatch
-#    configs/demo.py:tiny WORKDIR ..., two emulated CPU devices per task
+#    demo:tiny WORKDIR ..., two emulated CPU devices per task
 #    (XLA_FLAGS), the python named by ZEBRA_JAX_PYTHON (default: python3 on
 #    PATH) with this checkout first on PYTHONPATH. One workdir, one planned
 #    end ($REHEARSAL_STEPS steps), four interruptions of the same run:
@@ -241,7 +241,7 @@ export JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2
 # The submission the docs give for CPU nodes, plus a time limit that keeps
 # the time-limit requeue out of these checks.
 command=(--nodes=2 --cpus-per-task=2 --time=30 "$repo/launch/slurm.sbatch"
-         configs/demo.py:tiny "$workdir" --config.train.num_steps="$steps"
+         demo:tiny "$workdir" --config.train.num_steps="$steps"
          --config.train.log_every=25 --config.train.eval_every=$((steps / 2))
          --config.checkpoint.every_steps=$((steps / 2)))
 gap=$((steps / 6))  # steps trained between interruptions
