@@ -318,7 +318,8 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
   return jax.ffi.ffi_call(
-      _BACKWARD + _loaded()[1], (jax.ShapeDtypeStruct(gates.shape, f32), state, state),
+      _BACKWARD + _loaded()[1],
+      (jax.ShapeDtypeStruct(gates.shape, f32), state, state),
       input_output_aliases={1: 0}, vmap_method="sequential")(
           d_ys.astype(f32), gates, cs, c0.astype(f32),
           jnp.swapaxes(w_h, 1, 2), d_h, d_c,

@@ -379,12 +379,13 @@ std::string Mismatch(const char* name, const B& buffer,
 }
 
 // The window's shape from a [S, T, B, 4G] buffer, or why it is not one.
-std::string WindowShape(const char* name, const ffi::AnyBuffer::Dimensions& dims,
-                        Shape* d) {
+std::string WindowShape(const char* name,
+                        const ffi::AnyBuffer::Dimensions& dims, Shape* d) {
   if (dims.size() != 4 || dims[3] % 4)
     return std::string(name) + " must be [S, T, B, 4G]";
   for (int64_t n : dims)
-    if (n < 0 || n > INT_MAX) return std::string(name) + ": a dimension out of range";
+    if (n < 0 || n > INT_MAX)
+      return std::string(name) + ": a dimension out of range";
   *d = {dims[0], dims[1], dims[2], dims[3] / 4};
   // Row offsets within a stripe's weights are int: G x 4G must fit.
   if (d->g * 4 * d->g > INT_MAX)

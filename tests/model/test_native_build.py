@@ -1,0 +1,388 @@
+"""Building and loading the native time loops, and what happens when it
+cannot be done: no compiler, a failed build, no home directory, a cache
+that cannot be written, a library built elsewhere; the kernels' own checks
+of the buffers XLA hands them.
+
+These run on every machine: the no-compiler tests simulate a machine
+without one (CXX pointing nowhere, or a PATH without c++ and g++), and the
+build tests skip only where there is no compiler at all.
+"""
+
+import logging
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zebra_jax.model import native_recurrence, recurrence
+
+# Layer arguments (inputs, w_x, bias, h0, c0, w_h): S=1, T=2, B=3, G=4.
+SHAPES = ((2, 3, 8), (8, 1, 16), (1, 16), (1, 3, 4), (1, 3, 4), (1, 4, 16))
+
+
+def _layer_args():
+  rng = np.random.default_rng(0)
+  return [jnp.asarray(0.3 * rng.standard_normal(s), jnp.float32)
+          for s in SHAPES]
+
+
+needs_compiler = pytest.mark.skipif(
+    native_recurrence.compiler() is None
+    or shutil.which(native_recurrence.compiler().split()[0]) is None,
+    reason="no C++ compiler on this machine")
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+  """A private cache, this CPU's target, no prebuilt library, nothing
+  loaded or warned about yet in this process."""
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  monkeypatch.delenv(native_recurrence.MARCH_ENV, raising=False)
+  monkeypatch.delenv(native_recurrence.LIB_ENV, raising=False)
+  monkeypatch.setattr(recurrence, "_warned", set())
+  return tmp_path
+
+
+def _fallback_lines(caplog):
+  return [r.getMessage() for r in caplog.records
+          if "running the scan instead" in r.getMessage()]
+
+
+def _runs_the_scan(caplog):
+  """Calls the native layer twice: the scan's results, and the one warning
+  line it logged."""
+  args = _layer_args()
+  with caplog.at_level(logging.WARNING):
+    for _ in range(2):
+      got = native_recurrence.zebra_layer(*args, 1, False)
+  want = recurrence.zebra_layer(*args, 1, False)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  lines = _fallback_lines(caplog)
+  assert len(lines) == 1, lines
+  return lines[0]
+
+
+def test_no_compiler_runs_the_scan_and_says_why(tmp_path):
+  """A machine whose $CXX does not exist (and nothing cached): in a fresh
+  process, one warning line on stderr, and the scan's results."""
+  code = (
+      "import jax.numpy as jnp, numpy as np\n"
+      "from zebra_jax.model import native_recurrence as n, recurrence\n"
+      f"args = [jnp.ones(s, jnp.float32) * 0.1 for s in {SHAPES}]\n"
+      "got = n.zebra_layer(*args, 1, False)\n"
+      "want = recurrence.zebra_layer(*args, 1, False)\n"
+      "assert all(np.array_equal(g, w) for g, w in zip(got, want))\n")
+  env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
+         "XDG_CACHE_HOME": str(tmp_path)}
+  env.pop(native_recurrence.LIB_ENV, None)
+  result = subprocess.run([sys.executable, "-c", code], env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  lines = [l for l in result.stderr.splitlines() if "running the scan" in l]
+  assert len(lines) == 1, result.stderr
+  assert "no usable C++ compiler" in lines[0], lines
+  assert "no-such-compiler" in lines[0], lines
+
+
+def test_no_compiler_on_the_path_says_how_to_get_one(clean_env, monkeypatch,
+                                                     caplog):
+  monkeypatch.delenv("CXX", raising=False)
+  monkeypatch.setenv("PATH", str(clean_env))  # no c++, no g++
+  line = _runs_the_scan(caplog)
+  assert "no C++ compiler found" in line
+  assert native_recurrence.LIB_ENV in line  # ... or a prebuilt library
+
+
+def _logging_compiler(folder: pathlib.Path) -> tuple[str, pathlib.Path]:
+  """$CXX for a compiler that records each command, then runs the real
+  one."""
+  log, script = folder / "commands.log", folder / "cxx.sh"
+  real = shutil.which(native_recurrence.compiler().split()[0])
+  script.write_text(f'#!/bin/sh\necho "$@" >> "{log}"\nexec "{real}" "$@"\n')
+  script.chmod(0o755)
+  return str(script), log
+
+
+def _compiles(log: pathlib.Path) -> int:
+  lines = log.read_text().splitlines() if log.exists() else []
+  return sum("--version" not in l for l in lines)
+
+
+@needs_compiler
+def test_failed_build_shows_the_first_error_and_is_remembered(
+    clean_env, monkeypatch, caplog):
+  """A target the compiler rejects: the warning shows the compiler's first
+  `error:` line (not the source excerpt after it), the scan runs, and the
+  next build of the same source, compiler and flags (another process)
+  fails at once instead of compiling again."""
+  cxx, log = _logging_compiler(clean_env)
+  monkeypatch.setenv("CXX", cxx)
+  monkeypatch.setenv(native_recurrence.MARCH_ENV, "no-such-cpu")
+  line = _runs_the_scan(caplog)
+  assert "compiling recurrence.cc for -march=no-such-cpu failed:" in line
+  assert "error:" in line and "no-such-cpu" in line.split("failed:")[1]
+  assert _compiles(log) == 1
+  with pytest.raises(native_recurrence.BuildError, match="an earlier build"):
+    native_recurrence.build(cxx, "no-such-cpu")
+  assert _compiles(log) == 1
+  # Another target is another build.
+  with pytest.raises(native_recurrence.BuildError, match="error:"):
+    native_recurrence.build(cxx, "no-such-cpu-either")
+  assert _compiles(log) == 2
+
+
+def test_first_error_line():
+  output = ("recurrence.cc: In function 'void f()':\n"
+            "recurrence.cc:90:7: error: impossible constraint in 'asm'\n"
+            "   90 |       asm(\"\" : \"+v\"(wk));\n"
+            "      |       ^~~\n"
+            "recurrence.cc:99:1: error: a later error\n")
+  assert native_recurrence.first_error(output) == (
+      "recurrence.cc:90:7: error: impossible constraint in 'asm'")
+  assert native_recurrence.first_error("ld: cannot find -lx\n\n") == (
+      "ld: cannot find -lx")
+
+
+def test_no_home_directory_caches_in_a_private_temporary_folder(
+    monkeypatch, tmp_path):
+  """HOME unset and a uid without a passwd entry, where Path.home()
+  raises: the cache is a folder of the temporary directory that only this
+  user can write."""
+  monkeypatch.delenv("HOME", raising=False)
+  monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+  def no_home():
+    raise RuntimeError("Could not determine home directory.")
+  monkeypatch.setattr(pathlib.Path, "home", staticmethod(no_home))
+  monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+  folder = native_recurrence.cache_dir()
+  assert folder == tmp_path / f"zebra_jax-{os.getuid()}" / "kernels"
+  assert folder.is_dir()
+  assert (folder.parent.stat().st_mode & 0o077) == 0
+
+
+def test_unwritable_cache_falls_back_to_a_temporary_folder(monkeypatch,
+                                                           tmp_path):
+  blocker = tmp_path / "a-file"  # no folder can be made below a file
+  blocker.write_text("")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
+  monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  folder = native_recurrence.cache_dir()
+  assert folder == tmp_path / "tmp" / f"zebra_jax-{os.getuid()}" / "kernels"
+
+
+def test_a_shared_temporary_folder_is_not_trusted(monkeypatch, tmp_path):
+  """The fallback folder exists but others may write it (created by
+  someone else): no cache rather than another user's library."""
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file" / "x"))
+  (tmp_path / "a-file").write_text("")
+  monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+  shared = tmp_path / f"zebra_jax-{os.getuid()}"
+  shared.mkdir()
+  shared.chmod(0o777)
+  with pytest.raises(OSError, match="no writable cache"):
+    native_recurrence.cache_dir()
+
+
+@needs_compiler
+def test_build_without_a_home_then_load(clean_env, monkeypatch):
+  """The whole build with no home: compiled into the temporary folder."""
+  monkeypatch.delenv("HOME", raising=False)
+  monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+  monkeypatch.setattr(pathlib.Path, "home", staticmethod(
+      lambda: (_ for _ in ()).throw(RuntimeError("no home"))))
+  monkeypatch.setattr("tempfile.tempdir", str(clean_env))
+  path = native_recurrence.build(native_recurrence.compiler(), "x86-64-v3"
+                                 if _x86() else "native")
+  assert path.parent == clean_env / f"zebra_jax-{os.getuid()}" / "kernels"
+  assert path.stat().st_size > 0
+
+
+def _x86() -> bool:
+  return os.uname().machine in ("x86_64", "AMD64")
+
+
+@needs_compiler
+def test_prebuilt_library_on_a_node_without_a_compiler(clean_env, monkeypatch,
+                                                       capsys, caplog):
+  """Built ahead of time with the command (for an AVX2 target on x86-64),
+  then loaded through ZEBRA_JAX_NATIVE_LIB where $CXX does not exist: the
+  native results, no warning."""
+  out = clean_env / "lib" / "zebra_native.so"
+  target = "x86-64-v3" if _x86() else "native"
+  assert native_recurrence.main(
+      ["--build", f"--march={target}", f"--out={out}"]) == 0
+  printed = capsys.readouterr()
+  assert printed.out.strip() == str(out)
+  assert f"{native_recurrence.LIB_ENV}={out}" in printed.err
+  monkeypatch.setenv("CXX", str(clean_env / "no-such-compiler"))
+  monkeypatch.setenv(native_recurrence.LIB_ENV, str(out))
+  assert native_recurrence.unavailable(jnp.float32) == ""
+  if _x86():
+    assert native_recurrence.vector_isa() == "avx2"
+  args = _layer_args()
+  with caplog.at_level(logging.WARNING):
+    got = jax.jit(lambda *a: native_recurrence.zebra_layer(*a, 1, False))(
+        *args)
+  assert not _fallback_lines(caplog)
+  want = recurrence.zebra_layer(*args, 1, False)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0,
+                               atol=1e-6)
+
+
+def test_a_missing_prebuilt_library_runs_the_scan(clean_env, monkeypatch,
+                                                  caplog):
+  monkeypatch.setenv(native_recurrence.LIB_ENV, str(clean_env / "none.so"))
+  line = _runs_the_scan(caplog)
+  assert f"loading {clean_env / 'none.so'} failed" in line
+
+
+@pytest.mark.parametrize("march,message", [
+    ("x86 64; rm", "is not a -march value"),
+    ("no-such-cpu", "failed: .*error:"),
+])
+def test_build_command_errors_are_one_line(clean_env, capsys, march,
+                                           message):
+  if native_recurrence.compiler() is None and march == "no-such-cpu":
+    pytest.skip("no C++ compiler on this machine")
+  assert native_recurrence.main(["--build", f"--march={march}"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("error: "), err
+  assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("compiler,march", [
+    ("aarch64-linux-gnu-g++", "armv8-a"),
+])
+def test_compiles_for_other_cpus(tmp_path, compiler, march):
+  """The source compiles for a CPU this machine is not: aarch64 (NEON
+  only) with a cross compiler where one is installed (Debian:
+  g++-aarch64-linux-gnu). x86-64 targets are built and run by
+  test_native.py."""
+  if shutil.which(compiler) is None:
+    pytest.skip(f"{compiler} not installed")
+  out = tmp_path / "lib.so"
+  result = subprocess.run(
+      [compiler, *native_recurrence.flags(march),
+       f"-I{jax.ffi.include_dir()}", str(native_recurrence.SOURCE), "-o",
+       str(out)], capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, native_recurrence.first_error(
+      result.stderr)
+  assert out.stat().st_size > 0
+
+
+# Direct calls into the kernels with buffers of the wrong size: an error
+# from XLA, never a read past a buffer or an abort.
+G = 8
+F32 = jnp.float32
+
+
+def _forward_shapes(s=2, t=3, b=4):
+  """({argument: shape}, [result shapes]) of a forward call."""
+  state, window = (s, b, G), (s, t, b, G)
+  return ({"x_proj": (s, t, b, 4 * G), "h0": state, "c0": state,
+           "w_h": (s, G, 4 * G)},
+          [window, state, state, window, (s, t, b, 4 * G)])
+
+
+def _backward_shapes(s=2, t=3, b=4):
+  state = (s, b, G)
+  return ({"d_ys": (s, t, b, G), "gates": (s, t, b, 4 * G),
+           "cs": (s, t, b, G), "c0": state, "w_h^T": (s, 4 * G, G),
+           "dh": state, "dc": state}, [(s, t, b, 4 * G), state, state])
+
+
+def _call(name, args, results, fill=0.0):
+  """The kernel `name` on arrays of these shapes filled with `fill`."""
+  _, suffix = native_recurrence._loaded()  # pylint: disable=protected-access
+  call = jax.ffi.ffi_call(name + suffix,
+                          [jax.ShapeDtypeStruct(r, F32) for r in results])
+  return jax.block_until_ready(call(
+      *[jnp.full(a, fill, F32) for a in args], threads=np.int64(2)))
+
+
+FORWARD = native_recurrence._FORWARD  # pylint: disable=protected-access
+BACKWARD = native_recurrence._BACKWARD  # pylint: disable=protected-access
+
+
+def _needs_library():
+  if native_recurrence.unavailable(F32):
+    if native_recurrence.compiler() is None:
+      pytest.skip("no C++ compiler on this machine")
+    pytest.fail(native_recurrence.unavailable(F32))
+
+
+def _shrunk(shape):
+  return (*shape[:-1], shape[-1] - 1)
+
+
+@pytest.mark.parametrize("name", ["h0", "c0", "w_h"])
+def test_forward_rejects_a_wrong_argument_size(name):
+  _needs_library()
+  args, results = _forward_shapes()
+  args[name] = _shrunk(args[name])
+  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
+    _call(FORWARD, args.values(), results)
+
+
+@pytest.mark.parametrize("index,name", [(0, "ys"), (1, "h"), (2, "c"),
+                                        (3, "cs"), (4, "gates")])
+def test_forward_rejects_a_wrong_result_size(index, name):
+  _needs_library()
+  args, results = _forward_shapes()
+  results[index] = _shrunk(results[index])
+  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
+    _call(FORWARD, args.values(), results)
+
+
+@pytest.mark.parametrize("name", ["d_ys", "cs", "c0", "w_h^T", "dh", "dc"])
+def test_backward_rejects_a_wrong_argument_size(name):
+  _needs_library()
+  args, results = _backward_shapes()
+  args[name] = _shrunk(args[name])
+  with pytest.raises(Exception, match=rf"{name.replace('^', '.')} is "
+                     r"\[.*\], expected"):
+    _call(BACKWARD, args.values(), results)
+
+
+@pytest.mark.parametrize("index,name", [(0, "dz"), (1, "dh0"), (2, "dc0")])
+def test_backward_rejects_a_wrong_result_size(index, name):
+  _needs_library()
+  args, results = _backward_shapes()
+  results[index] = _shrunk(results[index])
+  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
+    _call(BACKWARD, args.values(), results)
+
+
+def test_a_window_that_is_not_4g_wide_is_an_error():
+  _needs_library()
+  args, results = _forward_shapes()
+  args["x_proj"] = (2, 3, 4, 4 * G + 1)
+  with pytest.raises(Exception, match=r"must be \[S, T, B, 4G\]"):
+    _call(FORWARD, args.values(), results)
+
+
+@pytest.mark.parametrize("s,t,b", [(0, 3, 4), (2, 3, 0), (2, 0, 4)])
+def test_empty_windows_are_safe(s, t, b):
+  """S = 0, B = 0 or T = 0: nothing to run; the carry passes through."""
+  _needs_library()
+  args, results = _forward_shapes(s, t, b)
+  ys, h, c, _, _ = _call(FORWARD, args.values(), results, fill=0.5)
+  assert ys.shape == (s, t, b, G)
+  np.testing.assert_array_equal(h, np.full((s, b, G), 0.5))
+  np.testing.assert_array_equal(c, np.full((s, b, G), 0.5))
+  args, results = _backward_shapes(s, t, b)
+  dz, dh, dc = _call(BACKWARD, args.values(), results, fill=0.25)
+  assert dz.shape == (s, t, b, 4 * G)
+  np.testing.assert_array_equal(dh, np.full((s, b, G), 0.25))
+  np.testing.assert_array_equal(dc, np.full((s, b, G), 0.25))
