@@ -8,10 +8,10 @@
 # 1. a Python 3.12 venv under ${REHEARSAL_DIR:-/tmp/zebra-gpu-rehearsal} with
 #    the node's package set, pinned (NODE_PINS below): jax and jaxlib 0.11.2,
 #    numpy 2.5.2 and torch 2.11.0 as the node has them; flax, optax,
-#    orbax-checkpoint, absl-py, tqdm, matplotlib and tensorboard at the
-#    versions the node's jax 0.11.2 resolves to (the report's versions
-#    section records the node's own: update the pins from it); neither
-#    ml-collections nor tensorboardX. The node's jax-cuda13-plugin cannot run
+#    orbax-checkpoint, absl-py, tqdm, matplotlib, tensorboard, flatbuffers
+#    and aiohttp at the versions the node's jax 0.11.2 resolves to (the
+#    report's versions section records the node's own: update the pins from
+#    it); neither ml-collections nor tensorboardX. The node's jax-cuda13-plugin cannot run
 #    without a GPU, so the venv has the CPU jaxlib==0.11.2 in its place.
 #    PyPI's torch for Linux is the CUDA build (over 500 MB plus CUDA
 #    libraries): left out unless REHEARSAL_TORCH=1, and the torch rows are
@@ -51,7 +51,8 @@ done
 JAX_VERSION=0.11.2
 NODE_PINS=("jax==${JAX_VERSION}" "jaxlib==${JAX_VERSION}" numpy==2.5.2
            flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8
-           absl-py==2.5.1 tqdm==4.70.1 matplotlib==3.11.2 tensorboard==2.21.0)
+           absl-py==2.5.1 tqdm==4.70.1 matplotlib==3.11.2 tensorboard==2.21.0
+           flatbuffers==25.12.19 aiohttp==3.14.5)
 [[ "${REHEARSAL_TORCH:-0}" == 1 ]] && NODE_PINS+=(torch==2.11.0)
 
 venv_ok() {
@@ -83,9 +84,12 @@ else
   if venv_ok; then
     echo "== venv ${venv}: reused"
   else
-    echo "== venv ${venv}: building (Python 3.12, the node's pinned packages)"
-    rm -rf "$venv"
-    PYENV_VERSION=${PYENV_VERSION:-3.12.1} python3.12 -m venv "$venv"
+    echo "== venv ${venv}: installing the node's pinned packages (Python 3.12)"
+    if ! "$venv/bin/python" -c "import sys; assert sys.version_info[:2] == (3, 12)" \
+        2>/dev/null; then
+      rm -rf "$venv"
+      PYENV_VERSION=${PYENV_VERSION:-3.12.1} python3.12 -m venv "$venv"
+    fi
     "$venv/bin/python" -m pip install -q "${NODE_PINS[@]}"
     venv_ok || { echo "error: the venv lacks a pinned package" >&2; exit 1; }
   fi
@@ -156,7 +160,7 @@ for i in "${!calls[@]}"; do
   echo "== call $((i + 1)): exit ${rc}, ${took} s of ${budget} s"
   # What the node returns, copied back into the tree for the next call.
   for f in gpu-results.json gpu-results.md; do
-    [[ -f "$out/$f" ]] && cp "$out/$f" "$tree/docs/$f"
+    if [[ -f "$out/$f" ]]; then cp "$out/$f" "$tree/docs/$f"; fi
   done
   rm -rf "$out"
 done

@@ -313,9 +313,12 @@ def stage_bench(results: Results, dry: bool, bench_rows: bool = True) -> None:
                                  first_error_line(e))]
       results.append("bench", "pallas", rows)
   if not dry:
-    memory, fit = memory_rows("gpu", fresh_processes=True)
-    results.update("bench", {"memory": memory, "max_window": fit},
-                   rows=len(memory))
+    try:
+      memory, fit = memory_rows("gpu", fresh_processes=True)
+      results.update("bench", {"memory": memory, "max_window": fit},
+                     rows=len(memory))
+    except Exception as e:  # pylint: disable=broad-except
+      results.update("bench", {"memory_error": first_error_line(e)}, rows=0)
   if bench_rows:
     peak = _peak(results, shape, dry)
     torch_fns, note = torch_runners(shape)
