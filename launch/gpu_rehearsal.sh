@@ -33,6 +33,7 @@
 # --calls "smoke quick bench;wt103 ..." rehearses other calls (';' between
 # calls); REHEARSAL_CALL_BUDGET=seconds overrides the call budget.
 set -euo pipefail
+{  # parsed whole before it runs: editing the file mid-run changes nothing
 repo=$(cd "$(dirname "$0")/.." && pwd)
 dir=${REHEARSAL_DIR:-/tmp/zebra-gpu-rehearsal}
 here=0
@@ -185,3 +186,5 @@ print(f"== rehearsal passed: {', '.join(wanted)} in one file over "
       f"{report['machine']['python']}); versions outside pyproject.toml: "
       f"{'; '.join(report['versions']['outside']) or 'none'}")
 EOF
+exit
+}
