@@ -204,9 +204,9 @@ def test_full_queue_answers_503_with_retry_after_and_keeps_serving(loaded):
         # Long enough that no request ends before the last one arrives.
         results[i] = (post(port, "/v1/completions", {
             "model": openai_api.MODEL_ID, "prompt": "line 5: the",
-            "max_tokens": 4000, "temperature": 0}) if i % 2 else
+            "max_tokens": 6000, "temperature": 0}) if i % 2 else
                       post(port, "/generate", {
-                          "prompt": "line 5: the", "max_new_tokens": 4000,
+                          "prompt": "line 5: the", "max_new_tokens": 6000,
                           "temperature": 0}))
 
       threads = [threading.Thread(target=worker, args=(i,))

@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import random
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -219,6 +220,7 @@ def phase(url, key, text, clients, seconds, max_tokens, procs,
           pid=None) -> dict:
   """`clients` concurrent clients for `seconds`: the phase's figures."""
   cpu = cpu_seconds(pid)
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
   procs = max(1, min(procs, clients))
   start_at = time.time() + 2.0  # every process ready before the first call
   shares = [list(range(p, clients, procs)) for p in range(procs)]
@@ -230,6 +232,9 @@ def phase(url, key, text, clients, seconds, max_tokens, procs,
     records = [r for part in parts for r in part]
   if cpu is not None:
     cpu = cpu_seconds(pid) - cpu
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the pool has ended
+  clients_cpu = (after.ru_utime + after.ru_stime
+                 - children.ru_utime - children.ru_stime)
   ok = [r for r in records if r["error"] is None]
   wall = (max(r["end"] for r in records) - min(r["start"] for r in records)
           if records else 0.0)
@@ -246,7 +251,9 @@ def phase(url, key, text, clients, seconds, max_tokens, procs,
           "first_text_p50_ms": _round(_percentile(first, 50)),
           # of one core, over the phase and its 2 s start (None: --url)
           "server_cpu_pct": (round(100 * cpu / (wall + 2.0))
-                             if cpu is not None and wall else None)}
+                             if cpu is not None and wall else None),
+          "clients_cpu_pct": round(100 * clients_cpu / (wall + 2.0))
+                             if wall else None}
 
 
 def _round(x):
@@ -278,15 +285,15 @@ def novelty(url, key, text, max_tokens, count=8) -> dict:
 
 def table(phases: list[dict]) -> str:
   head = ("| clients | requests | errors | tokens/s | vs 1 client | p50 ms "
-          "| p99 ms | first text p50 ms | server CPU |")
-  rows = [head, "|" + "---|" * 9]
+          "| p99 ms | first text p50 ms | server CPU | clients CPU |")
+  rows = [head, "|" + "---|" * 10]
   base = phases[0]["tokens_per_s"] if phases else 0
   for p in phases:
     rows.append(f"| {p['clients']} | {p['requests']} | {p['errors']} | "
                 f"{p['tokens_per_s']:,.0f} | "
                 f"{p['tokens_per_s'] / base if base else 0:.1f}x | "
                 f"{p['p50_ms']} | {p['p99_ms']} | {p['first_text_p50_ms']} | "
-                f"{p['server_cpu_pct']}% |")
+                f"{p['server_cpu_pct']}% | {p['clients_cpu_pct']}% |")
   return "\n".join(rows)
 
 
@@ -339,7 +346,7 @@ def main(argv) -> None:
                     f.client_procs, pid) for c in clients]
     load.append(os.getloadavg())
     rss_warm = _get(url, "/health", key)["rss_bytes"]
-    soaked = (soak(url, key, text, max(clients), f.soak_seconds,
+    soaked = (soak(url, key, text, f.soak_clients, f.soak_seconds,
                    f.max_tokens, f.client_procs, pid)
               if f.soak_seconds > 0 else None)
     health = _get(url, "/health", key)
@@ -393,8 +400,10 @@ def _flags() -> None:
   flags.DEFINE_integer("max_tokens", 32, "Tokens generated per request.")
   flags.DEFINE_integer("client_procs", 4, "Processes the clients are spread "
                        "over (each runs its share as threads).")
-  flags.DEFINE_float("soak_seconds", 0.0, "Then this long at the largest "
-                     "client count, the server's RSS sampled every 30 s.")
+  flags.DEFINE_float("soak_seconds", 0.0, "Then this long of varied traffic "
+                     "from --soak_clients, the server's RSS sampled every "
+                     "30 s.")
+  flags.DEFINE_integer("soak_clients", 16, "Concurrent clients of the soak.")
   flags.DEFINE_string("seed_prompt", None, "Text the model continues to make "
                       "the prompts (default: from the workdir's tokenizer).")
   flags.DEFINE_string("json", None, "JSON output (default "
