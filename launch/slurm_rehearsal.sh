@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rehearses the cluster path on this machine under a real SLURM:
 #
-#   sudo bash launch/slurm_rehearsal.sh      # about 5 min on 2 CPU cores
+#   sudo bash launch/slurm_rehearsal.sh      # about 7 min on 2 loaded CPU cores
 #
 # 1. SLURM: reuses one that answers `sinfo` (SLURM_CONF as set), else, as
 #    root, installs Debian's slurm-wlm and munge if missing and starts a
