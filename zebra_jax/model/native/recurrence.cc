@@ -24,9 +24,8 @@
 // they do through the scan's: tanh keeps a NaN (only finite values are
 // clamped), and the backward pass multiplies the same factors.
 //
-// Portable C++ with GCC/Clang vector extensions: a 16-float vector is one
-// AVX-512 register, two AVX2 ones, four SSE or NEON ones; the compiler
-// targets whatever -march says. Threads: the calling one and XLA's own pool
+// Portable C++ with GCC/Clang vector extensions, one vector a register of
+// whatever -march targets (AVX-512, AVX2, SSE2, NEON). Threads: the calling one and XLA's own pool
 // (the one that runs its CPU ops), no more than the caller's `threads`,
 // which native_recurrence.py sizes to the work: a sampling step (T = 1,
 // B = 1) runs on the calling thread alone.
@@ -42,6 +41,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -50,16 +50,45 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;  // one AVX-512 register; two AVX2 ones
+// One vector register of floats (kLanes), and the register block of the
+// recurrent matmul: kRows rows x kVectors vectors of accumulators, plus
+// kVectors of W and one broadcast, within the register file (AVX-512 and
+// NEON 32 registers, AVX2 and SSE 16). A vector wider than a register
+// would make AVX2 spill its accumulators: that build ran 7.9x slower.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kRows = 4, kVectors = 4;  // 16 + 4 + 1 of 32 zmm
+#elif defined(__AVX__)
+constexpr int kLanes = 8, kRows = 6, kVectors = 2;   // 12 + 2 + 1 of 16 ymm
+#elif defined(__aarch64__)
+constexpr int kLanes = 4, kRows = 4, kVectors = 4;   // 16 + 4 + 1 of 32 q
+#else
+constexpr int kLanes = 4, kRows = 4, kVectors = 2;   // SSE2, no FMA: 8 + 2
+#endif                                               // + 2 of 16 xmm
 // aligned(4): loads and stores at any float address.
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)),
                                  aligned(4)));
 
 inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
-inline Vec Splat(float x) {  // one vbroadcastss (Vec{} + x adds a zero first)
-  return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+template <size_t... I>
+inline Vec Splat(float x, std::index_sequence<I...>) {
+  return Vec{((void)I, x)...};
 }
+// One broadcast (Vec{} + x would add a zero first).
+inline Vec Splat(float x) { return Splat(x, std::make_index_sequence<kLanes>()); }
+
+// Keeps a loaded W vector in a register, read once for all kRows rows
+// (folded into every FMA instead, the loads bound the loop). The
+// constraint names the target's vector registers.
+#if defined(__AVX512F__)
+#define ZEBRA_IN_REGISTER(v) asm("" : "+v"(v))
+#elif defined(__SSE2__)
+#define ZEBRA_IN_REGISTER(v) asm("" : "+x"(v))
+#elif defined(__aarch64__)
+#define ZEBRA_IN_REGISTER(v) asm("" : "+w"(v))
+#else
+#define ZEBRA_IN_REGISTER(v) (void)(v)
+#endif
 
 inline float Min(float a, float b) { return a < b ? a : b; }
 inline float Max(float a, float b) { return a > b ? a : b; }
@@ -101,7 +130,7 @@ inline T Tanh(T a) {
   return Select(abs < 0.0004f, a, Select(abs >= kSaturated, one, x * p / q));
 }
 
-// C[R, V*16] = X + A[R, K] W[K, V*16] (X null: 0), in registers.
+// C[R, V*kLanes] = X + A[R, K] W[K, V*kLanes] (X null: 0), in registers.
 // X may be C itself: a block is read whole before it is written.
 template <int R, int V>
 inline void Block(int k_size, const float* a, int lda, const float* w, int ldw,
@@ -111,44 +140,44 @@ inline void Block(int k_size, const float* a, int lda, const float* w, int ldw,
     for (int v = 0; v < V; ++v)
       acc[r][v] = x ? Load(x + r * ldx + v * kLanes) : Vec{};
   for (int k = 0; k < k_size; ++k) {
-    Vec ak[R];
-    for (int r = 0; r < R; ++r) ak[r] = Splat(a[r * lda + k]);
+    Vec wk[V];
     for (int v = 0; v < V; ++v) {
-      Vec wk = Load(w + k * ldw + v * kLanes);
-#if defined(__AVX512F__)
-      // Kept in a register: each W vector is read once for all R rows
-      // (folded into every FMA instead, the loads bound the loop). The
-      // constraint needs one register that holds the whole vector: only
-      // AVX-512 has one; elsewhere the compiler's choice is kept.
-      asm("" : "+v"(wk));
-#endif
-      for (int r = 0; r < R; ++r) acc[r][v] += ak[r] * wk;
+      wk[v] = Load(w + k * ldw + v * kLanes);
+      ZEBRA_IN_REGISTER(wk[v]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec ak = Splat(a[r * lda + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] += ak * wk[v];
     }
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) Store(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
-template <int V>
+// Rows [r, rows) of a column block: kRows at a time, then the remainder
+// as one smaller block.
+template <int V, int R = kRows>
 inline void Columns(int rows, int k_size, const float* a, int lda,
                     const float* w, int ldw, const float* x, int ldx, float* c,
                     int ldc) {
   int r = 0;
-  for (; r + 4 <= rows; r += 4)
-    Block<4, V>(k_size, a + r * lda, lda, w, ldw, x ? x + r * ldx : nullptr,
+  for (; r + R <= rows; r += R)
+    Block<R, V>(k_size, a + r * lda, lda, w, ldw, x ? x + r * ldx : nullptr,
                 ldx, c + r * ldc, ldc);
-  for (; r < rows; ++r)
-    Block<1, V>(k_size, a + r * lda, lda, w, ldw, x ? x + r * ldx : nullptr,
-                ldx, c + r * ldc, ldc);
+  if constexpr (R > 1) {
+    if (r < rows)
+      Columns<V, R - 1>(rows - r, k_size, a + r * lda, lda, w, ldw,
+                        x ? x + r * ldx : nullptr, ldx, c + r * ldc, ldc);
+  }
 }
 
 // C[rows, n] = X + A[rows, k] W[k, n]; W row-major with row stride n.
 void Matmul(int rows, int n, int k_size, const float* a, int lda,
             const float* w, const float* x, int ldx, float* c, int ldc) {
   int j = 0;
-  for (; j + 4 * kLanes <= n; j += 4 * kLanes)
-    Columns<4>(rows, k_size, a, lda, w + j, n, x ? x + j : nullptr, ldx, c + j,
-               ldc);
+  for (; j + kVectors * kLanes <= n; j += kVectors * kLanes)
+    Columns<kVectors>(rows, k_size, a, lda, w + j, n, x ? x + j : nullptr,
+                      ldx, c + j, ldc);
   for (; j + kLanes <= n; j += kLanes)
     Columns<1>(rows, k_size, a, lda, w + j, n, x ? x + j : nullptr, ldx, c + j,
                ldc);
@@ -160,7 +189,7 @@ void Matmul(int rows, int n, int k_size, const float* a, int lda,
     }
 }
 
-// f(j, Vec{}) for 16 elements from j at a time, then f(j, 0.0f) for the
+// f(j, Vec{}) for kLanes elements from j at a time, then f(j, 0.0f) for the
 // rest: the same code, vector and scalar.
 template <typename F>
 inline void Lanes(int n, F&& f) {
