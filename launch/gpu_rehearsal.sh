@@ -11,8 +11,9 @@
 #    orbax-checkpoint, absl-py, tqdm, matplotlib, tensorboard, flatbuffers
 #    and aiohttp at the versions the node's jax 0.11.2 resolves to (the
 #    report's versions section records the node's own: update the pins from
-#    it); neither ml-collections nor tensorboardX. The node's jax-cuda13-plugin cannot run
-#    without a GPU, so the venv has the CPU jaxlib==0.11.2 in its place.
+#    it); neither ml-collections nor tensorboardX. The node's
+#    jax-cuda13-plugin cannot run without a GPU, so the venv has the CPU
+#    jaxlib==0.11.2 in its place.
 #    PyPI's torch for Linux is the CUDA build (over 500 MB plus CUDA
 #    libraries): left out unless REHEARSAL_TORCH=1, and the torch rows are
 #    then skipped. The venv is reused while its versions are right.
@@ -43,7 +44,7 @@ while (($#)); do
     --here) here=1 ;;
     --calls) shift; calls_arg=${1:?--calls needs a value} ;;
     --calls=*) calls_arg=${1#--calls=} ;;
-    -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument $1 (see bash $0 --help)" >&2; exit 2 ;;
   esac
   shift
@@ -86,8 +87,8 @@ else
     echo "== venv ${venv}: reused"
   else
     echo "== venv ${venv}: installing the node's pinned packages (Python 3.12)"
-    if ! "$venv/bin/python" -c "import sys; assert sys.version_info[:2] == (3, 12)" \
-        2>/dev/null; then
+    if ! "$venv/bin/python" -c \
+        "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null; then
       rm -rf "$venv"
       PYENV_VERSION=${PYENV_VERSION:-3.12.1} python3.12 -m venv "$venv"
     fi

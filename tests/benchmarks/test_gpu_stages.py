@@ -85,7 +85,8 @@ def test_dry_run_writes_every_section(tmp_path):
   page = (tmp_path / "gpu-results.md").read_text()
   summary = page.split("## Summary")[1].split("\n## ")[0].strip()
   assert len(summary.splitlines()) <= 25
-  for heading in ("smoke: tiny Pallas kernels", "Best measured matmul", "Core train step against torch",
+  for heading in ("smoke: tiny Pallas kernels", "Best measured matmul",
+                  "Core train step against torch",
                   "pallas: the fused stripe kernel", "WikiText-103 recipe",
                   "infer_bench", "precision:", "weak scaling"):
     assert heading in page

@@ -47,7 +47,8 @@ def sequence_lines() -> list[str]:
                                      break_long_words=False)
   return lines + [
       "",
-      wrap(f"Each call's stages sum to at most {CALL_BUDGET_S - CALL_OVERHEAD_S} "
+      wrap("Each call's stages sum to at most "
+           f"{CALL_BUDGET_S - CALL_OVERHEAD_S} "
       f"s, leaving {CALL_OVERHEAD_S} s for the jax probe, the wheels and "
       f"the driver; run it with a {CALL_BUDGET_S} s timeout. Both calls, "
       f"each from a cold start ({START_UP_S} s), take at most {worst} s of "
