@@ -10,6 +10,8 @@ import json
 import logging
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -253,3 +255,27 @@ def test_api_key_401_without_or_with_a_wrong_key(service):
     assert complete(client, dict(good, stream=True))[1] == "length"
     assert [m.id for m in client.models.list().data] == [openai_api.MODEL_ID]
     assert health(port)["status"] == "ok"  # /health stays open
+
+
+@pytest.mark.slow
+def test_serve_bench_reports_every_phase(service, tmp_path):
+  """tools/serve_bench against a live server: every phase counted, no
+  errors, the engine's programs unchanged, its JSON complete."""
+  out = tmp_path / "bench.json"
+  with running(service) as port:
+    done = subprocess.run(
+        [sys.executable, "-m", "zebra_jax.tools.serve_bench",
+         f"--url=http://127.0.0.1:{port}", "--seed_prompt=line 1: the ",
+         "--clients=1,3", "--seconds=1", "--client_procs=2",
+         "--max_tokens=8", f"--json={out}"],
+        capture_output=True, text=True, timeout=240, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  report = json.loads(out.read_text())
+  assert [p["clients"] for p in report["phases"]] == [1, 3]
+  for p in report["phases"]:
+    assert p["requests"] > 0 and p["errors"] == 0 and p["tokens_per_s"] > 0
+  programs = report["compiled_programs"]
+  assert (programs["start"] == programs["end"]
+          == report["engine"]["startup_programs"])
+  assert report["novelty"]["requests"] == 8
+  assert "| 3 |" in done.stdout
