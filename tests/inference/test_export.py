@@ -97,19 +97,22 @@ def test_triton_model_execute_with_stand_in_requests(exported, monkeypatch):
   responses = triton_model.execute([greedy, bad, sampled, sampled])
   assert len(responses) == 4
   texts = texts_of(responses[0])
-  expected = sample.Generator(loaded).generate(
+  gen = sample.Generator(loaded)
+  expected = gen.generate(
       prompts, sample.Options(max_new_tokens=10, temperature=0.0))
   assert responses[0].error is None and texts == expected
   assert responses[1].error and "non-empty" in responses[1].error
   assert responses[1].output_tensors == []
   first, again = (texts_of(r)[0] for r in responses[2:])
   assert first == again and first.startswith("the ")  # seeded
-  sampled_here = sample.Generator(loaded).generate(prompts[:1], sample.Options(
+  sampled_here = gen.generate(prompts[:1], sample.Options(
       max_new_tokens=10, temperature=1.0, top_p=loaded.cfg.sample.top_p,
       top_k=loaded.cfg.sample.top_k, seed=3))  # the model's defaults
+  gen.close()
   assert [first] == sampled_here  # the same engine, the same random stream
   # Greedy and sampled rows ran in one batch: settings are per-row data.
-  assert [r.output_tensors[2].as_numpy()[0, 0] for r in responses[::2]] == [4, 4]
+  rows = [r.output_tensors[2].as_numpy()[0, 0] for r in responses[::2]]
+  assert rows == [4, 4]
   assert sorted(os.listdir(os.path.join(model_dir, "1"))) == [
       "artifact", "engine.py", "model.py", "requirements.txt"]
   triton_model.finalize()
