@@ -171,6 +171,39 @@ inline void Columns(int rows, int k_size, const float* a, int lda,
   }
 }
 
+// f(j, Vec{}) for kLanes elements from j at a time, then f(j, 0.0f) for the
+// rest: the same code, vector and scalar.
+template <typename F>
+inline void Lanes(int n, F&& f) {
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes) f(j, Vec{});
+  for (; j < n; ++j) f(j, 0.0f);
+}
+
+template <typename T>
+inline T Get(const float* p, T) {
+  if constexpr (sizeof(T) == sizeof(float)) return *p; else return Load(p);
+}
+inline void Put(float* p, float v) { *p = v; }
+inline void Put(float* p, Vec v) { Store(p, v); }
+
+// c[n] = x + a[k] W[k, n] for a batch of one row (sampling): W read row by
+// row, in the order it lies in memory, the sums kept in c (a row of 4G
+// floats stays in L1). A register block walks W's columns with the stride
+// of a whole row, which the prefetchers follow badly: a dense S=1 layer's
+// step at B = 1 took 1.2x the time.
+void RowTimesMatrix(int n, int k_size, const float* a, const float* w,
+                    const float* x, float* c) {
+  for (int j = 0; j < n; ++j) c[j] = x ? x[j] : 0.0f;
+  for (int k = 0; k < k_size; ++k) {
+    const float ak = a[k];
+    const float* wk = w + int64_t(k) * n;
+    Lanes(n, [&](int j, auto u) {
+      Put(c + j, Get(c + j, u) + ak * Get(wk + j, u));
+    });
+  }
+}
+
 // C[rows, n] = X + A[rows, k] W[k, n]; W row-major with row stride n.
 void Matmul(int rows, int n, int k_size, const float* a, int lda,
             const float* w, const float* x, int ldx, float* c, int ldc) {
@@ -188,22 +221,6 @@ void Matmul(int rows, int n, int k_size, const float* a, int lda,
       c[r * ldc + j] = sum;
     }
 }
-
-// f(j, Vec{}) for kLanes elements from j at a time, then f(j, 0.0f) for the
-// rest: the same code, vector and scalar.
-template <typename F>
-inline void Lanes(int n, F&& f) {
-  int j = 0;
-  for (; j + kLanes <= n; j += kLanes) f(j, Vec{});
-  for (; j < n; ++j) f(j, 0.0f);
-}
-
-template <typename T>
-inline T Get(const float* p, T) {
-  if constexpr (sizeof(T) == sizeof(float)) return *p; else return Load(p);
-}
-inline void Put(float* p, float v) { *p = v; }
-inline void Put(float* p, Vec v) { Store(p, v); }
 
 // One (stripe, batch rows) share of a window.
 struct Task { int stripe, row0, rows; };
@@ -301,13 +318,19 @@ void Forward(const Shape& d, int threads, ffi::ThreadPool* pool, bool keep,
   Run(Plan(int(d.s), int(d.b), threads), pool, [&](const Task& task) {
     const int s = task.stripe, n = task.rows;
     const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
-    std::vector<float> h(h0 + state0, h0 + state0 + int64_t(n) * g);
-    std::vector<float> c(c0 + state0, c0 + state0 + int64_t(n) * g);
+    // The carry lives in the results' rows (no allocation per call).
+    float* h = h_out + state0;
+    float* c = c_out + state0;
+    std::copy(h0 + state0, h0 + state0 + int64_t(n) * g, h);
+    std::copy(c0 + state0, c0 + state0 + int64_t(n) * g, c);
     const float* w = w_h + int64_t(s) * g * k4;
     for (int64_t t = 0; t < d.t; ++t) {
       const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
       float* z = gates + row * k4;
-      Matmul(n, k4, g, h.data(), g, w, x_proj + row * k4, k4, z, k4);
+      if (d.b == 1)  // whatever the threads: every row sums as the others
+        RowTimesMatrix(k4, g, h, w, x_proj + row * k4, z);
+      else
+        Matmul(n, k4, g, h, g, w, x_proj + row * k4, k4, z, k4);
       for (int r = 0; r < n; ++r) {
         float* zr = z + int64_t(r) * k4;
         for (int q = 0; q < 4; ++q) {  // sigmoid(x) = (1 + tanh(x / 2)) / 2
@@ -317,8 +340,8 @@ void Forward(const Shape& d, int threads, ffi::ThreadPool* pool, bool keep,
             Put(zq + j, Tanh(Get(zq + j, u) * half) * half + (1.0f - half));
           });
         }
-        float* hr = h.data() + int64_t(r) * g;
-        float* cr = c.data() + int64_t(r) * g;
+        float* hr = h + int64_t(r) * g;
+        float* cr = c + int64_t(r) * g;
         float* yr = ys + (row + r) * g;
         float* csr = keep ? cs + (row + r) * g : nullptr;
         Lanes(g, [&](int j, auto u) {
@@ -333,8 +356,6 @@ void Forward(const Shape& d, int threads, ffi::ThreadPool* pool, bool keep,
         });
       }
     }
-    std::copy(h.begin(), h.end(), h_out + state0);
-    std::copy(c.begin(), c.end(), c_out + state0);
   });
 }
 
@@ -354,8 +375,10 @@ void Backward(const Shape& d, int threads, ffi::ThreadPool* pool,
   Run(Plan(int(d.s), int(d.b), threads), pool, [&](const Task& task) {
     const int s = task.stripe, n = task.rows;
     const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
-    std::vector<float> dh(dh_last + state0, dh_last + state0 + int64_t(n) * g);
-    std::vector<float> dc(dc_last + state0, dc_last + state0 + int64_t(n) * g);
+    float* dh = dh0 + state0;
+    float* dc = dc0 + state0;
+    std::copy(dh_last + state0, dh_last + state0 + int64_t(n) * g, dh);
+    std::copy(dc_last + state0, dc_last + state0 + int64_t(n) * g, dc);
     const float* wt = w_t + int64_t(s) * k4 * g;
     for (int64_t t = d.t - 1; t >= 0; --t) {
       const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
@@ -366,8 +389,8 @@ void Backward(const Shape& d, int threads, ffi::ThreadPool* pool,
         const float* cp =
             t ? cs + (row - d.b + r) * g : c0 + state0 + int64_t(r) * g;
         const float* dyr = d_ys + (row + r) * g;
-        float* dhr = dh.data() + int64_t(r) * g;
-        float* dcr = dc.data() + int64_t(r) * g;
+        float* dhr = dh + int64_t(r) * g;
+        float* dcr = dc + int64_t(r) * g;
         Lanes(g, [&](int j, auto u) {
           using T = decltype(u);
           const T i = Get(gr + j, u), f = Get(gr + g + j, u);
@@ -382,10 +405,11 @@ void Backward(const Shape& d, int threads, ffi::ThreadPool* pool,
           Put(dcr + j, dcj * f);
         });
       }
-      Matmul(n, g, k4, dz + row * k4, k4, wt, nullptr, 0, dh.data(), g);
+      if (d.b == 1)
+        RowTimesMatrix(g, k4, dz + row * k4, wt, nullptr, dh);
+      else
+        Matmul(n, g, k4, dz + row * k4, k4, wt, nullptr, 0, dh, g);
     }
-    std::copy(dh.begin(), dh.end(), dh0 + state0);
-    std::copy(dc.begin(), dc.end(), dc0 + state0);
   });
 }
 
