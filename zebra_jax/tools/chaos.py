@@ -88,6 +88,10 @@ def _wait_for(predicate, timeout: float = 180.0) -> bool:
   return False
 
 
+# A partial run's exit status: stopped by its SIGTERM, or done before it.
+_STOPPED_OR_DONE = (preemption.EXIT_STOPPED_EARLY, 0)
+
+
 def _partial_run(cmd, workdir: str, until_step: int):
   """Starts a run, lets it log until_step, then SIGTERMs it: (code, out, err)."""
   since = _metrics_size(workdir)  # only this run's own progress counts
@@ -149,8 +153,9 @@ def main(argv: list[str]) -> int:
     lost = _last_logged_step(chaos) - complete
     code, out, err = _partial_run(cmd, chaos, until_step=complete + 3)
     rows.append(("SIGKILL mid-save" if in_save else "SIGKILL mid-run",
-                 code == 0 and f"resuming from checkpoint at step {complete}"
-                 in out, lost, out + err))
+                 code in _STOPPED_OR_DONE
+                 and f"resuming from checkpoint at step {complete}" in out,
+                 lost, out + err))
 
     # 3. Flip bytes throughout the newest checkpoint's array files; the next
     #    run reports it, moves it aside and resumes from the one before.
@@ -165,7 +170,7 @@ def main(argv: list[str]) -> int:
     older = max(s for s in _steps(chaos) if s < newest)
     code, out, err = _partial_run(cmd, chaos, until_step=newest + 1)
     rows.append(("corrupt newest checkpoint",
-                 code == 0 and "unusable" in out
+                 code in _STOPPED_OR_DONE and "unusable" in out
                  and f"resuming from checkpoint at step {older}" in out,
                  newest - older, out + err))
 
