@@ -132,3 +132,31 @@ def test_long_evaluations_print_progress_lines(char_run, capsys, monkeypatch):
   assert len(lines) == 4, lines  # 3 windows, then the closing line
   assert "/160 tok" in lines[0] and "ETA" in lines[0]
   assert lines[-1].startswith("valid: 160 tok in ")
+
+
+def test_head_scored_in_time_chunks_gives_the_same_sums(char_run,
+                                                        monkeypatch):
+  """A head wider than the platform's block budget scores each window a
+  few steps at a time: the same loss and accuracy, on one device and with
+  the stripes split over 2 devices (data 4 x stripe 2)."""
+  from zebra_jax.model import adaptive_softmax as asm
+  from zebra_jax.runtime import parallel
+  cfg, workdir = char_run
+  loaded = loading.load_for_inference(cfg, workdir)
+  ids = np.asarray(loaded.splits["valid"][:8 * 17])
+  width = evaluate.head_width(loaded.cfg.model)
+  assert width == loaded.cfg.model.vocab_size  # the full head: every word
+  meshes = (one_device_mesh(), parallel.make_mesh(stripe_devices=2))
+  whole = [evaluate.Evaluator(loaded.graphdef, mesh, loaded.cfg.model, 8, 8)
+           .run(loaded.params, ids) for mesh in meshes]
+  # A budget of 3 rows x 8 x width: windows of 8 steps scored 2 at a time.
+  monkeypatch.setattr(asm, "CHUNK_BUDGET_BYTES", {"cpu": 4 * width * 8 * 3})
+  assert evaluate.head_steps(8, 8, width) == 2
+  assert evaluate.head_steps(8, 7, width) == 1  # 7 is prime
+  assert evaluate.head_steps(8, 8, 0) == 8
+  for mesh, want in zip(meshes, whole):
+    got = evaluate.Evaluator(loaded.graphdef, mesh, loaded.cfg.model, 8,
+                             8).run(loaded.params, ids)
+    assert got["tokens"] == want["tokens"] == 8 * 16
+    assert got["acc"] == want["acc"]
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)

@@ -22,11 +22,14 @@ import math
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading
-from zebra_jax.model import lm, metrics
+from zebra_jax.model import adaptive_softmax as asm, lm, metrics
+from zebra_jax.model.config import ModelConfig
 from zebra_jax.runtime import parallel, progress, writer
 
 
@@ -35,11 +38,59 @@ _LINE_EVERY_S = 10.0  # progress lines off a terminal (long CPU evaluations)
 
 
 def eval_step(params, carry, inputs, targets, *, graphdef,
-              accuracy: bool = True):
-  """One window without dropout: (new carry, metric sums)."""
-  sums, carry = lm.token_sums(graphdef, params, inputs, targets, carry,
-                              with_accuracy=accuracy)
+              accuracy: bool = True, head_width: int = 0):
+  """One window without dropout: (new carry, metric sums).
+
+  head_width: the head's widest logits block (the vocabulary, or the
+  adaptive head's shortlist and clusters). The head then scores the window
+  a few time steps at a time (`head_steps`), so its temporaries stay within
+  the platform's budget whatever the window: a CPU scoring 16 x 256 tokens
+  of a 267k vocabulary held 0.9 GB of them at once, which the process's
+  heap kept as its high-water mark.
+  """
+  model = nnx.merge(graphdef, params)
+  rows = model.rows(inputs.shape[0])
+  hidden, carry = model.features(inputs, carry, rows=rows)
+  b, t = targets.shape
+  k = head_steps(b, t, head_width)
+  if k == t:
+    return carry, model.token_sums(hidden, targets, accuracy, rows)
+  split = lambda a: jnp.swapaxes(a.reshape(b, t // k, k, *a.shape[2:]), 0, 1)
+
+  def score(total, chunk):
+    sums = model.token_sums(*chunk, accuracy, rows)
+    return jax.tree.map(jnp.add, total, sums), None
+
+  zeros = jax.tree.map(
+      lambda a: jnp.zeros(a.shape, a.dtype),
+      jax.eval_shape(lambda: model.token_sums(hidden[:, :k], targets[:, :k],
+                                              accuracy, rows)))
+  sums, _ = jax.lax.scan(score, zeros, (split(hidden), split(targets)))
   return carry, sums
+
+
+def head_steps(batch: int, steps: int, head_width: int) -> int:
+  """Time steps the head scores at once: the largest divisor of `steps`
+  whose batch x steps rows of head_width float32 logits fit the
+  platform's block budget (adaptive_softmax.CHUNK_BUDGET_BYTES); all of
+  them when head_width is 0 or they fit."""
+  if not head_width:
+    return steps
+  budget = asm.CHUNK_BUDGET_BYTES.get(jax.default_backend(),
+                                      asm.ACCELERATOR_CHUNK_BUDGET_BYTES)
+  most = max(1, budget // (4 * head_width * batch))
+  return max(k for k in range(1, min(steps, most) + 1) if steps % k == 0)
+
+
+def head_width(model_cfg) -> int:
+  """The head's widest logits row: the vocabulary, or the adaptive head's
+  shortlist plus one logit per tail cluster (its tails run in chunks of
+  their own)."""
+  m = ModelConfig.of(model_cfg)
+  if m.head != "adaptive":
+    return m.vocab_size
+  bounds = asm.cluster_bounds(m.vocab_size, m.adaptive_cutoffs)
+  return bounds[0][1] + len(bounds) - 1
 
 
 class Evaluator:
@@ -61,7 +112,8 @@ class Evaluator:
     rep, bat = parallel.replicated(mesh), parallel.batch_sharded(mesh)
     carry = parallel.carry_sharded(mesh)
     step = functools.partial(eval_step, graphdef=graphdef,
-                             accuracy=accuracy)
+                             accuracy=accuracy,
+                             head_width=head_width(model_cfg))
     step = lm.with_stripe_parallel(step, mesh)
     # Params come replicated, or split over "stripe" as in training.
     params_in = rep if parallel.stripe_devices(mesh) == 1 else None
