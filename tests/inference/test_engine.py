@@ -188,3 +188,22 @@ def test_seed_keys_match_jax_for_32_bit_seeds():
                                   np.asarray(jax.random.PRNGKey(seed)))
   assert engine.seed_key(2**40)[0] == 256  # the high word is kept
   assert not np.array_equal(engine.seed_key(-1), engine.seed_key(2**32 - 1))
+
+
+def test_a_device_failure_fails_the_requests_and_closes_the_engine(gen):
+  broken = engine.Engine(gen.engine_model(), slots=2, queue=4,
+                         prefill_chunk=8, prefill_rows=2, decode_block=2)
+
+  def fail(*args):
+    raise RuntimeError("device lost")
+
+  broken._decode = fail  # the next decode call fails
+  reasons = []
+  request = broken.submit("the ", engine.Settings(max_new_tokens=5),
+                          on_done=reasons.append)
+  with pytest.raises(RuntimeError, match="device lost"):
+    request.result(timeout=300)
+  assert request.finish_reason == "error" and reasons == ["error"]
+  with pytest.raises(RuntimeError, match="closed"):
+    broken.submit("the ", engine.Settings())
+  broken.close()

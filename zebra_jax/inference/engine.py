@@ -37,6 +37,7 @@ model, which serves through it with the exported functions.
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any, Callable, NamedTuple
@@ -449,6 +450,7 @@ class Engine:
     self._cond = threading.Condition()
     self._closed = False
     self._steps = self._tokens = 0
+    self._finish_times: collections.deque = collections.deque(maxlen=64)
     self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
     self._thread.start()
 
@@ -544,11 +546,20 @@ class Engine:
         if not block:
           raise QueueFull(f"all {self.slots} slots are busy and "
                           f"{len(self._pending)} requests wait: retry later",
-                          retry_after=1.0)
+                          retry_after=self._retry_after())
         self._cond.wait()
       self._pending.append(comp)
       self._cond.notify_all()
     return comp
+
+  def _retry_after(self) -> float:
+    """Seconds until the queue has likely moved by one place: the queue's
+    length over the rate requests finished lately (1 s with no history)."""
+    done = self._finish_times
+    if len(done) < 2 or done[-1] <= done[0]:
+      return 1.0
+    rate = (len(done) - 1) / (done[-1] - done[0])
+    return float(min(60.0, max(0.05, (len(self._pending) + 1) / rate)))
 
   def stats(self) -> dict:
     with self._cond:
@@ -580,10 +591,12 @@ class Engine:
         self._pending.clear()
         self._closed = True
         self._cond.notify_all()
+      logging.getLogger(__name__).exception(
+          "the serving engine stopped: %d request(s) failed", len(failed))
       for comp in failed:
         comp.error = e
         self._safe(comp._finish, "error")
-      raise
+      return
     with self._cond:
       left = [r for r in self._rows if r is not None] + list(self._pending)
       self._rows = [None] * self.slots
@@ -646,9 +659,11 @@ class Engine:
         comp._cancelled = True
     finished = [r for r in decoding if r.finish_reason is not None]
     if finished:
+      now = time.monotonic()
       with self._cond:
         for comp in finished:
           self._rows[comp._slot] = None
+          self._finish_times.append(now)
         self._cond.notify_all()
     return True
 
