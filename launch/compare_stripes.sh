@@ -3,7 +3,7 @@
 #   launch/compare_stripes.sh char|word [OUT] [--config.k=v ...]
 # Settings: classic S=1, dense S=4,8 and grouped S=4,8,16 at hidden 256; grouped
 # S=4,8,16 widened to the classic step time; parameter-matched classic LSTMs.
-# 3.25 min per run on the embedded corpus (configs/demo.py); the word level
+# 3.25 min per run on the embedded corpus (the demo config); the word level
 # uses an adaptive head over 8,192 words, so that the recurrence is a real
 # share of the step. Writes OUT/results.{md,json}, OUT/plan.json and
 # OUT/valid_ppl_vs_time.png; rerun to resume (runs in results.json are kept).
@@ -20,4 +20,4 @@ esac
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 exec python3 -m zebra_jax.tools.experiments --out="$out" --budget_minutes=3.25 \
     --seeds=0,1,2 --stripes=1,4,8 --grouped=4,8,16 --equal_time=4,8,16 \
-    --config=configs/demo.py "${data[@]}" "$@"
+    --config=demo "${data[@]}" "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several JAX processes on this machine talking over 127.0.0.1: the multi-host
 # code path (jax.distributed, per-process data slices, one global mesh) on CPU.
-#   launch/local_multiprocess.sh 2 4 configs/demo.py:tiny /tmp/mp [--config.x=y ...]
+#   launch/local_multiprocess.sh 2 4 demo:tiny /tmp/mp [--config.x=y ...]
 # runs 2 processes with 4 emulated CPU devices each (8 devices in the mesh).
 set -euo pipefail
 nproc=${1:?usage: launch/local_multiprocess.sh NUM_PROCESSES DEVICES_PER_PROCESS CONFIG WORKDIR [flags...]}

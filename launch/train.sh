@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Single node, every local GPU: JAX sees all devices and the batch is split over them.
-#   launch/train.sh configs/wt103.py runs/wt103 --config.data.path=/data/wikitext-103
+#   launch/train.sh wt103 runs/wt103 --config.data.path=/data/wikitext-103
 set -euo pipefail
 config=${1:?usage: launch/train.sh CONFIG WORKDIR [--config.x=y ...]}
 workdir=${2:?usage: launch/train.sh CONFIG WORKDIR [--config.x=y ...]}

@@ -1,18 +1,23 @@
-"""The package's import graph: no cycles, and imports only run downward.
+"""The package's import graph: no cycles, and imports only run downward;
+and importing it changes nothing in the process but what a module declares.
 
 Floors, lowest first (as docs/architecture.md and the README draw them):
 errors; model and data (side by side, neither imports the other); config;
-runtime; inference; training; benchmarks (they time training and
-inference); cli (flag parsing and mode dispatch, shared by main and the
-tools); tools (scripts: nothing imports them); main. A module imports only
-from its own part and the floors below it: no two parts may import each
-other. Imports made inside functions count as much as those at the top of a
-module: a lazy import that dodges a cycle is still a cycle.
+configs (the shipped configs, data built on config/base.py); runtime;
+inference; training; benchmarks (they time training and inference); cli
+(flag parsing and mode dispatch, shared by main and the tools); tools
+(scripts: nothing imports them); main. A module imports only from its own
+part and the floors below it: no two parts may import each other. Imports
+made inside functions count as much as those at the top of a module: a lazy
+import that dodges a cycle is still a cycle.
 """
 
 import ast
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -20,9 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "zebra_jax")
 
 # Lowest first; the parts of one floor do not import each other.
-FLOORS = (("errors",), ("model", "data"), ("config",), ("runtime",),
-          ("inference",), ("training",), ("benchmarks",), ("cli",),
-          ("tools",), ("main",))
+FLOORS = (("errors",), ("model", "data"), ("config",), ("configs",),
+          ("runtime",), ("inference",), ("training",), ("benchmarks",),
+          ("cli",), ("tools",), ("main",))
 # What each part may import from the package (besides itself): the floors
 # below its own.
 ALLOWED = {part: {low for below in FLOORS[:level] for low in below}
@@ -204,3 +209,199 @@ def test_no_test_module_imports_another():
   assert len([p for p in paths if os.path.basename(p).startswith("test_")]) > 30
   assert [hit for path in sorted(paths)
           for hit in _test_module_imports(path)] == []
+
+
+# What importing a module may change in the process, by module: each kind
+# it changes, and why. Any other change at import is a failure, and so is a
+# declaration that no longer holds.
+DECLARED_EFFECTS = {
+    "zebra_jax.main": {
+        "flags": "the zebra-jax command's absl flags (--config, --mode...)"},
+    "zebra_jax.runtime.distributed": {
+        "flags": "the multi-process flags main and the tools share"},
+    "zebra_jax.runtime.checkpoint": {
+        "logging": "a filter on absl's logger that drops orbax's per-file "
+                   "lines and the errors of its own background threads"},
+    "zebra_jax.tools.stripe_bench": {
+        "environ": "XLA_FLAGS (8 emulated CPU devices) and JAX_PLATFORMS, "
+                   "which jax reads when its backend starts: a script"},
+}
+
+
+def _module_local_call(node: ast.stmt, defined: set[str]) -> bool:
+  """`name.method(...)` on a name the module itself defined (e.g. a
+  custom_vjp's defvjp): it changes only the module."""
+  if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
+    return False
+  func = node.value.func
+  while isinstance(func, ast.Attribute):
+    func = func.value
+  return isinstance(func, ast.Name) and func.id in defined
+
+
+def _import_guard(node: ast.stmt) -> bool:
+  """try: import x / except ImportError: x = None."""
+  return (isinstance(node, ast.Try) and
+          all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body)
+          and all(isinstance(h.type, ast.Name) and h.type.id in (
+              "ImportError", "ModuleNotFoundError") for h in node.handlers))
+
+
+def _statements_that_act(path: str) -> list[str]:
+  """A module's top-level statements other than a docstring, imports,
+  definitions, assignments, import guards, calls on what it defined, and
+  `if __name__ == "__main__":`."""
+  tree = ast.parse(open(path, encoding="utf-8").read(), path)
+  defined = {n.name for n in tree.body
+             if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+  defined |= {t.id for n in tree.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name)}
+  acting = []
+  for i, node in enumerate(tree.body):
+    if (isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef,
+                          ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
+                          ast.AnnAssign))
+        or (i == 0 and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant))
+        or (isinstance(node, ast.If)
+            and ast.unparse(node.test) == "__name__ == '__main__'")
+        or _import_guard(node) or _module_local_call(node, defined)):
+      continue
+    acting.append(f"{path}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+  return acting
+
+
+def test_module_top_levels_only_define():
+  """A statement that acts at import (a call, an if, a loop) needs its
+  module in DECLARED_EFFECTS."""
+  found = [hit for name, path in sorted(_modules().items())
+           if name not in DECLARED_EFFECTS
+           for hit in _statements_that_act(path)]
+  assert not found, "\n".join(found)
+
+
+def _dependency_order(graph: dict[str, set[str]]) -> list[str]:
+  """Every module after the modules it imports: importing them in this
+  order charges each change to the module that made it."""
+  order, seen = [], set()
+
+  def visit(module):
+    seen.add(module)
+    for dep in sorted(graph[module]):
+      if dep not in seen:
+        visit(dep)
+    order.append(module)
+  for module in sorted(graph):
+    if module not in seen:
+      visit(module)
+  return order
+
+
+def _third_party_imports() -> list[str]:
+  """The modules outside the package that its modules import at top level
+  (for `from a import b`, a and, where it is a module, a.b)."""
+  found = set()
+  for path in _modules().values():
+    for node in ast.parse(open(path, encoding="utf-8").read()).body:
+      if isinstance(node, ast.Import):
+        found.update(a.name for a in node.names)
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        found.add(node.module)
+        found.update(f"{node.module}.{a.name}" for a in node.names)
+  return sorted(n for n in found if n.split(".")[0] != "zebra_jax")
+
+
+# Run in a fresh process: imports what the package imports, then each module
+# of the package in dependency order, and reports what each import changed.
+_IMPORT_EVERY_MODULE = """
+import importlib, importlib.util, json, logging, os, signal, sys, threading
+import warnings
+third_party, modules = json.loads(sys.argv[1])
+for name in third_party:
+  try:
+    importlib.import_module(name)
+  except ImportError:
+    pass  # an optional dependency: the modules that need it are skipped
+import jax
+from absl import flags
+# host_memory read by path, not imported: importing it would import the
+# package (its __init__) before the first look.
+spec = importlib.util.spec_from_file_location("_malloc_probe", sys.argv[2])
+host_memory = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(host_memory)
+try:
+  from jax._src.xla_bridge import backends_are_initialized
+except ImportError:
+  backends_are_initialized = lambda: None
+
+def loggers():
+  found = {"": logging.getLogger()}
+  found.update((n, l) for n, l in logging.Logger.manager.loggerDict.items()
+               if isinstance(l, logging.Logger))
+  return {n: (l.level, l.propagate, l.disabled,
+              [id(h) for h in l.handlers], [id(f) for f in l.filters])
+          for n, l in found.items()}
+
+def state():
+  return {
+      "environ": dict(os.environ), "cwd": os.getcwd(),
+      "sys.path": list(sys.path), "flags": sorted(flags.FLAGS),
+      "logging": loggers(), "warnings": [repr(f) for f in warnings.filters],
+      "signals": {int(s): repr(signal.getsignal(s))
+                  for s in signal.valid_signals()
+                  if s not in (signal.SIGKILL, signal.SIGSTOP)},
+      "threads": threading.active_count(),
+      "jax.config": {k: repr(v) for k, v in jax.config.values.items()},
+      "jax backend": backends_are_initialized(),
+      "malloc": host_memory.settings_in_effect(),
+      "stdio": [id(sys.stdout), id(sys.stderr), id(sys.stdin)]}
+
+def changed(before, after):
+  if before["logging"] != after["logging"]:  # a new plain logger is no change
+    plain = (logging.NOTSET, True, False, [], [])
+    after = {**after, "logging": {n: v for n, v in after["logging"].items()
+             if n in before["logging"] or tuple(v) != plain}}
+  return sorted(k for k in before if before[k] != after[k])
+
+effects, skipped = {}, []
+for name in modules:
+  before = state()
+  try:
+    importlib.import_module(name)
+  except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] == "zebra_jax":
+      raise
+    skipped.append(f"{name} (no {e.name})")
+    continue
+  kinds = changed(before, state())
+  if kinds:
+    effects[name] = kinds
+print(json.dumps({"effects": effects, "skipped": skipped}))
+"""
+
+
+def test_importing_the_package_changes_only_what_it_declares(tmp_path):
+  """Each module imported in turn, in a fresh process: the environment,
+  working directory, sys.path, absl flags, logging, warning filters, signal
+  handlers, threads, jax's config and backend, malloc and stdio are as they
+  were, but for DECLARED_EFFECTS."""
+  modules = _dependency_order(_graph())
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "ZEBRA_JAX_SYSTEM_MALLOC")}
+  out = subprocess.run(
+      [sys.executable, "-c", _IMPORT_EVERY_MODULE,
+       json.dumps([_third_party_imports(), modules]),
+       os.path.join(PACKAGE, "runtime", "host_memory.py")],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  report = json.loads(out.stdout.strip().splitlines()[-1])
+  imported = [m for m in modules
+              if not any(s.startswith(f"{m} ") for s in report["skipped"])]
+  assert "zebra_jax.main" in imported and len(imported) > 50, report
+  observed = {m: set(kinds) for m, kinds in report["effects"].items()}
+  undeclared = {m: kinds - set(DECLARED_EFFECTS.get(m, ()))
+                for m, kinds in observed.items()}
+  assert not {m: k for m, k in undeclared.items() if k}, report
+  stale = {m: set(kinds) - observed.get(m, set())
+           for m, kinds in DECLARED_EFFECTS.items() if m in imported}
+  assert not {m: k for m, k in stale.items() if k}, stale

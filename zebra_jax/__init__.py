@@ -1,9 +1,8 @@
-"""zebra_jax: ZebraLSTM (striped LSTM) language models in JAX/Flax."""
+"""zebra_jax: ZebraLSTM (striped LSTM) language models in JAX/Flax.
 
-from zebra_jax.runtime import host_memory as _host_memory
+Importing the package changes nothing in the process (no allocator, logging,
+environment or flag settings; tests/test_architecture.py checks it): the
+entry points set what they need (runtime/host_memory.py).
+"""
 
 __version__ = "0.1.0"
-
-# Before JAX starts its backend, whichever entry point imported the package
-# (runtime/host_memory.py says why).
-_host_memory.reuse_freed_host_memory()

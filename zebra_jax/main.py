@@ -17,6 +17,7 @@ from zebra_jax.cli import arguments, entry
 from zebra_jax.cli.modes import CONFIGLESS, MODES
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import distributed  # defines the multi-process flags
+from zebra_jax.runtime import host_memory
 
 _CONFIG = flags.DEFINE_string(
     "config", None, "Shipped config NAME[:variant] (base, demo, wt103, e.g. "
@@ -97,6 +98,7 @@ def _fail(writer, message: str) -> None:
 
 def run():
   """The `zebra-jax` console script and python -m zebra_jax.main."""
+  host_memory.reuse_freed_host_memory()  # before JAX starts its backend
   app.run(main, flags_parser=lambda argv: entry.parse_flags(
       argv, arguments.check_removed, own_overrides=True))
 

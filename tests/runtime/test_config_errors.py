@@ -216,7 +216,8 @@ def test_cli_mistyped_config_path(tmp_path):
   assert "no such file 'configs/nope.py'" in line
   assert "shipped configs: base, demo, wt103" in line  # what exists instead
   line = _one_error_line(_cli(tmp_path, "--config=dmeo:tiny"))
-  assert "no shipped config 'dmeo'" in line and "e.g. --config=demo:tiny" in line
+  assert "no shipped config 'dmeo'" in line
+  assert "e.g. --config=demo:tiny" in line
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])

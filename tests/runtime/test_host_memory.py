@@ -1,5 +1,6 @@
-"""The package's malloc settings: a compiled program's temporaries are reused
-from call to call instead of being faulted in anew (runtime/host_memory.py).
+"""The entry points' malloc settings: a compiled program's temporaries are
+reused from call to call instead of being faulted in anew
+(runtime/host_memory.py); importing the package leaves malloc as it was.
 
 Each case runs in a fresh process, since the settings only take hold before
 JAX starts its backend; the process with the settings switched off is the
@@ -22,8 +23,10 @@ pytestmark = pytest.mark.skipif(not host_memory.is_glibc(),
 # the reductions: one temporary block above glibc's 64 MB per-thread heap.
 _PROGRAM = """
 import json, resource, statistics
-import zebra_jax  # first: before JAX starts its backend
 import jax, jax.numpy as jnp
+import zebra_jax.main  # what the zebra-jax command imports, then as it does:
+from zebra_jax.runtime import host_memory
+host_memory.reuse_freed_host_memory()  # before JAX starts its backend
 
 def f(x, y):
   z = x @ y
@@ -62,6 +65,41 @@ def test_temporaries_are_not_faulted_in_on_every_call():
   # ...with them, the memory of the last call is reused.
   reused = _faults(opt_out=False)
   assert reused["faults_per_call"] < 0.05 * reused["temp_pages"]
+
+
+_ENTRY_POINT = """
+import sys
+import zebra_jax.main
+from zebra_jax.runtime import host_memory
+imported = host_memory.settings_in_effect()
+sys.argv = ["zebra-jax", "--mode=eval", "--workdir=/nonexistent/run"]
+try:
+  zebra_jax.main.run()  # answers with one error line, exit 2
+except SystemExit:
+  pass
+print(imported, host_memory.settings_in_effect())
+"""
+
+
+def test_the_entry_point_sets_them_and_importing_does_not():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop(host_memory.OPT_OUT, None)
+  out = subprocess.run([sys.executable, "-c", _ENTRY_POINT], env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert "error: " in out.stderr, out.stderr
+  assert out.stdout.split() == ["False", "True"]
+
+
+def test_settings_in_effect_observes_them():
+  """In a fresh process: glibc's defaults map a large block anew, the
+  settings serve it from the heap."""
+  out = subprocess.run([sys.executable, "-c", (
+      "from zebra_jax.runtime import host_memory as h; "
+      "print(h.settings_in_effect(), h.reuse_freed_host_memory(), "
+      "h.settings_in_effect())")],
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+      text=True, timeout=60, check=True)
+  assert out.stdout.split() == ["False", "True", "True"]
 
 
 def test_opt_out_changes_nothing(monkeypatch):

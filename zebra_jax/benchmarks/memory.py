@@ -13,7 +13,10 @@ from zebra_jax.benchmarks.steps import lm_runner
 from zebra_jax.runtime import profiling
 
 # What a row's fresh process runs: the row as one JSON line on stdout.
+# The parent's malloc settings too (tools/bench.py sets them).
 _CHILD = ("import json; from zebra_jax.benchmarks import memory, shapes; "
+          "from zebra_jax.runtime import host_memory; "
+          "host_memory.reuse_freed_host_memory(); "
           "print(json.dumps(memory.memory_row(shapes.SHAPES[{!r}], {}, {})))")
 
 def memory_row(shape, seq_len, remat):

@@ -13,6 +13,7 @@ from absl import app, flags
 from zebra_jax.cli import arguments, overrides
 from zebra_jax.config import files
 from zebra_jax.errors import UserError
+from zebra_jax.runtime import host_memory
 
 
 def usage_error(message: str) -> None:
@@ -88,8 +89,11 @@ def run_tool(main: Callable[[list], int | None],
   """app.run(main), a UserError from main being one `error:` line, exit 2.
 
   own_overrides: as in parse_flags (main reads its config with
-  cli.arguments.load).
+  cli.arguments.load). Sets glibc's malloc first, before JAX starts its
+  backend (runtime/host_memory.py).
   """
+  host_memory.reuse_freed_host_memory()
+
   def guarded(argv):
     try:
       return main(argv)

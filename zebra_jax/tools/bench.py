@@ -14,6 +14,7 @@ from absl import app, flags
 
 from zebra_jax.benchmarks import speed
 from zebra_jax.benchmarks.shapes import NO_PREALLOCATE
+from zebra_jax.runtime import host_memory
 
 
 def _flags() -> None:
@@ -41,4 +42,5 @@ def main(argv):
 
 if __name__ == "__main__":
   _flags()
+  host_memory.reuse_freed_host_memory()  # before JAX starts its backend
   app.run(main)
