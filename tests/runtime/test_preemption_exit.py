@@ -38,7 +38,7 @@ def test_sigterm_before_first_eval_exits_75_strict_json_then_completes_0(
     tmp_path):
   workdir = str(tmp_path / "run")
   args = [sys.executable, "-m", "zebra_jax.main",
-          "--config=configs/demo.py:tiny", f"--workdir={workdir}",
+          "--config=demo:tiny", f"--workdir={workdir}",
           "--config.train.log_every=1", "--config.train.eval_every=100000",
           "--config.checkpoint.every_steps=100000",
           "--config.train.report_at_end=false"]

@@ -47,7 +47,7 @@ def _sbatch(tmp_path, srun_status, requeue="1", preempt="None",
          "SLURM_JOB_ID": "42", "SLURM_CPUS_PER_TASK": "3",
          "ZEBRA_JAX_PYTHON": sys.executable, **env}
   out = subprocess.run(
-      ["bash", os.path.join(REPO, "launch", "slurm.sbatch"), "configs/demo.py",
+      ["bash", os.path.join(REPO, "launch", "slurm.sbatch"), "demo",
        str(tmp_path / "run"), "--config.train.num_steps=7"],
       env=env, capture_output=True, text=True, timeout=60)
   requeued = fake / "requeued"
@@ -87,7 +87,7 @@ def test_runs_the_named_python_with_the_cpus_it_was_given(tmp_path):
   args = (tmp_path / "bin" / "srun.args").read_text().splitlines()
   python = args.index(sys.executable)
   assert args[python:] == [
-      sys.executable, "-m", "zebra_jax.main", "--config=configs/demo.py",
+      sys.executable, "-m", "zebra_jax.main", "--config=demo",
       f"--workdir={tmp_path / 'run'}", "--config.train.num_steps=7"]
   # A task that holds neither its peers up nor a crashed peer's forever.
   assert "--kill-on-bad-exit=0" in args[:python]
