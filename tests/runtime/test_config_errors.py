@@ -24,28 +24,31 @@ POSITIVE_INTS = (
     "data.batch_size", "data.seq_len", "data.bpe_vocab_size",
     "model.embed_size", "model.hidden_size", "model.num_layers",
     "model.num_stripes", "model.unroll", "model.adaptive_div_val",
-    "model.adaptive_chunk_rows", "train.num_steps", "train.log_every",
+    "train.num_steps", "train.log_every",
     "train.eval_every", "train.grad_accum_steps", "train.max_consecutive_skips",
     "train.loss_scale.growth_interval", "eval.batch_size", "eval.seq_len",
     "checkpoint.every_steps", "checkpoint.keep_latest", "sample.max_new_tokens",
     "sample.num_samples", "sample.chunk", "serve.max_body_bytes",
     "serve.max_new_tokens", "serve.max_prompt_tokens", "serve.max_rows",
-    "serve.max_score_tokens", "parallel.stripe_devices",
+    "serve.max_score_tokens", "serve.slots", "serve.prefill_chunk",
+    "serve.prefill_rows", "serve.decode_block", "parallel.stripe_devices",
     "export.triton_max_batch_size")
 NON_NEGATIVE_INTS = (
     "data.min_freq", "data.max_vocab_size", "model.vocab_size",
+    "model.adaptive_chunk_rows",
     "optim.warmup_steps", "train.eval_max_batches", "checkpoint.keep_best",
     "profile.start_step", "profile.num_steps", "sample.top_k",
-    "export.triton_queue_delay_us")
+    "eval.max_tokens", "serve.queue", "export.triton_queue_delay_us")
 POSITIVE_NUMBERS = ("optim.learning_rate", "optim.eps",
                     "train.loss_scale.initial_scale",
                     "train.loss_scale.min_scale", "sample.repetition_penalty")
 NON_NEGATIVE_NUMBERS = ("optim.weight_decay", "optim.clip_norm",
                         "train.time_budget_minutes", "sample.temperature")
 BOOLS = ("model.tie_embeddings", "model.adaptive_tie", "model.remat",
-         "train.report_at_end", "train.sample_at_eval", "sample.stream")
+         "train.report_at_end", "train.sample_at_eval", "eval.accuracy",
+         "sample.stream")
 TEXTS = ("data.path", "data.hf_name", "data.hf_config", "data.hf_cache_dir",
-         "sample.prompt", "sample.stop", "export.triton_gpus")
+         "sample.prompt", "sample.stop", "serve.api_key", "export.triton_gpus")
 
 # (field, bad value, what the one line says about it)
 CASES = (
