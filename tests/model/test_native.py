@@ -164,13 +164,31 @@ def test_remat_matches_scan(native):
 
 @pytest.mark.parametrize("stripes,kind,steps,batch", [
     (1, "dense", 1, 1), (4, "grouped", 1, 1), (2, "dense", 5, 3),
-    (3, "grouped", 4, 2)])
-def test_forward_only_matches_scan(march, stripes, kind, steps, batch):
-  """Evaluation and sampling: no gradient, so nothing kept for one."""
+    (3, "grouped", 4, 2), (2, "dense", 1, 5)])
+def test_forward_only_matches_scan(march, monkeypatch, stripes, kind, steps,
+                                   batch):
+  """Evaluation and sampling: no gradient, so nothing kept for one. The
+  kernel runs every step here, small single steps included (which
+  otherwise run as the scan's one step)."""
+  monkeypatch.setattr(native_recurrence, "ONE_STEP_FLOPS", 0)
   args = _args(stripes, kind, steps=steps, batch=batch, width=24, seed=11)
   layer = lambda f: jax.jit(lambda *a: f(*a, 1, False))
   _assert_close(layer(native_recurrence.zebra_layer)(*args),
                 layer(recurrence.zebra_layer)(*args), NAMES[:3])
+
+
+def test_a_small_single_step_runs_as_the_scans_step(native):
+  """Sampling a small model: one step below ONE_STEP_FLOPS holds no call
+  into the library (XLA fuses the scan's step); a larger one does, and so
+  does a step whose gradient is taken."""
+  lowered = lambda fn, args: jax.jit(fn).lower(*args).as_text()
+  layer = lambda *a: native_recurrence.zebra_layer(*a, 1, False)
+  small = _args(1, "dense", steps=1, batch=1, width=32)
+  assert "zebra_native" not in lowered(layer, small)
+  assert "zebra_native" in lowered(
+      lambda *a: _value_and_grads(layer, a), small)
+  large = _args(1, "dense", steps=1, batch=1, width=512, n_in=512)
+  assert "zebra_native" in lowered(layer, large)
 
 
 @pytest.mark.parametrize("kind", ["dense", "grouped"])

@@ -2,7 +2,8 @@
 
   python3 -m zebra_jax.benchmarks.native [--quick] [--rounds=N] [--json=F]
 
-Rows (median ms per call, all interleaved round after round in one process):
+Rows (median ms per call, all interleaved round after round in one process;
+ratios the median of each round's ratio):
   train_{S}_{isa}  stacked ZebraLSTMLayers + Adam (benchmarks/steps.py
               core_runner, model.recurrence=native) with the library built
               for one -march: native (this CPU; avx512f where it has it),
@@ -19,15 +20,16 @@ import functools
 import json
 import os
 import platform
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 
 from zebra_jax.benchmarks.shapes import SHAPES, model_config
 from zebra_jax.benchmarks.steps import _create, core_runner
 from zebra_jax.benchmarks.table import print_rows, ratio_text
-from zebra_jax.benchmarks.timing import time_interleaved
 from zebra_jax.inference import sampling
 from zebra_jax.model import lm, native_recurrence
 
@@ -67,6 +69,21 @@ def _sampler(shape, stripes, grouped, kernel):
   return lambda: jax.block_until_ready(run())
 
 
+def _paired_times(fns: dict, rounds: int) -> dict:
+  """Seconds per call of each function in each round ([rounds] arrays),
+  rounds interleaved, after one untimed call each. Ratios are taken round
+  by round: on a loaded machine a round's load hits its rows alike."""
+  for fn in fns.values():
+    fn()
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - start)
+  return {name: np.asarray(t) for name, t in times.items()}
+
+
 def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
   shape = SHAPES["quick" if quick else "A"]
   rounds = rounds or (3 if quick else 7)
@@ -85,27 +102,29 @@ def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
     for kernel in ("native", "scan"):
       fns[f"sample_{name}_b1_{kernel}"] = _sampler(shape, stripes, grouped,
                                                    kernel)
-  seconds = time_interleaved(fns, rounds)
+  times = _paired_times(fns, rounds)
+  seconds = {row: float(np.median(t)) for row, t in times.items()}
+  ratio = lambda row, ref: float(np.median(times[row] / times[ref]))
   rows = []
-  for row, s in seconds.items():
+  for row in times:
     kind, setting = row.split("_")[:2]
     if kind == "train":
       # Against the AVX-512 build, else this CPU's build (the first built).
       builds = [r for r in isas if r.startswith(f"train_{setting}_")]
       reference = next((r for r in builds if isas[r] == "avx512f"),
                        builds[0] if builds else None)
-      scan = seconds[f"train_{setting}_scan"]
+      scan = f"train_{setting}_scan"
     else:
-      reference, scan = None, seconds[f"sample_{setting}_b1_scan"]
-    rows.append({"name": row, "ms": 1e3 * s,
-                 "x_avx512": (s / seconds[reference] if reference
+      reference, scan = None, f"sample_{setting}_b1_scan"
+    rows.append({"name": row, "ms": 1e3 * seconds[row],
+                 "x_avx512": (ratio(row, reference) if reference
                               and row in isas else None),
-                 "x_scan": s / scan})
+                 "x_scan": ratio(row, scan)})
   print(f"native time loops, shape {'quick' if quick else 'A'} "
         f"(hidden {shape['hidden']}, batch {shape['batch']}, "
         f"seq {shape['seq_len']}; sampling {shape['gen_tokens']} tokens), "
         f"{jax.devices()[0].device_kind}, {len(os.sched_getaffinity(0))} "
-        f"cores, median of {rounds} interleaved rounds")
+        f"cores, {rounds} interleaved rounds, load {os.getloadavg()[0]:.1f}")
   print_rows(rows, [
       ("row", 24, lambda r: r["name"]),
       ("ms/call", 10, lambda r: f"{r['ms']:.2f}"),

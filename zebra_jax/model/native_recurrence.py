@@ -292,11 +292,22 @@ def threads(flops: int) -> int:
                     flops // MIN_FLOPS_PER_THREAD))
 
 
+# A single step with nothing kept for a gradient (sampling, serving) of
+# fewer FLOPs than this runs as the scan's one step, which XLA fuses into
+# its neighbours: there a call's fixed cost, about 1 us, is the step's
+# price (sampling at hidden 32 took 1.1-1.25x the scan's time). Above it the
+# kernel's matrix-vector product is the faster (dense S=1, hidden 512: 0.9x).
+ONE_STEP_FLOPS = 1 << 20
+
+
 def _forward(x_proj, h0, c0, w_h, keep):
   """x_proj [S, T, B, 4G] -> ys [S, T, B, G], h, c [S, B, G], and () /
   (cs,) / (cs, gates) for keep None / "states" / "gates". The gates are
   written over x_proj's buffer."""
   s, t, b, g4 = x_proj.shape
+  if keep is None and t == 1 and 2 * s * b * g4 * (g4 // 4) < ONE_STEP_FLOPS:
+    # pylint: disable-next=protected-access
+    return recurrence._forward(x_proj, h0, c0, w_h, 1, None)
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
   window = jax.ShapeDtypeStruct((s, t, b, g4 // 4), f32)
