@@ -182,6 +182,65 @@ def test_a_failing_callback_cancels_only_its_request(gen):
   assert len(fine.result(timeout=300)) == 20
 
 
+class _Letters:
+  """a-z as tokens 0-25."""
+  spaces_in_tokens = True
+
+  def encode_prompt(self, text):
+    return [ord(c) - 97 for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(97 + int(i)) for i in ids)
+
+
+def _counter_model():
+  """A fake LM whose next token is a hash of every token consumed:
+  h <- (3h + token + 1) mod 26, next token = h. Any step taken on a row's
+  state that is not its own token changes its text."""
+  def step_fn(params, carry, tokens):
+    (h,) = carry
+    h = (3 * h + tokens[:, None].astype(h.dtype) + 1) % 26
+    logits = params["scale"] * jax.nn.one_hot(h[:, 0].astype(int), 26)
+    return logits, (h,)
+
+  return engine.Model(
+      step_fn=step_fn, params={"scale": np.float32(10)},
+      init_carry=lambda b: (jax.numpy.zeros((b, 1), jax.numpy.float32),),
+      vocab_size=26, tokenizer=_Letters())
+
+
+def _counter_text(prompt, n):
+  h, out = 0, []
+  for c in prompt:
+    h = (3 * h + ord(c) - 97 + 1) % 26
+  for _ in range(n):
+    out.append(h)
+    h = (3 * h + h + 1) % 26
+  return "".join(chr(97 + t) for t in out)
+
+
+def test_rows_filling_and_decoding_together_match_the_recurrence():
+  """Against numpy: prompts of up to 7 chunks fill while other rows decode
+  between their chunks, rows join and leave, greedy and sampled mixed."""
+  e = engine.Engine(_counter_model(), slots=4, queue=64, prefill_chunk=4,
+                    prefill_rows=2, decode_block=2)
+  try:
+    rng = np.random.default_rng(0)
+    prompts = ["".join(chr(97 + c) for c in rng.integers(0, 26, n))
+               for n in (1, 27, 3, 13, 5, 26, 9, 2, 17, 4)]
+    busy = e.submit("q", engine.Settings(max_new_tokens=10**6, seed=3))
+    rows = [e.submit(p, engine.Settings(max_new_tokens=5 + i,
+                                        temperature=0.0))
+            for i, p in enumerate(prompts)]
+    for i, (p, r) in enumerate(zip(prompts, rows)):
+      assert r.result(timeout=300) == _counter_text(p, 5 + i)
+    assert not busy.done()
+    busy.cancel()
+    busy.result(timeout=300)
+  finally:
+    e.close()
+
+
 def test_seed_keys_match_jax_for_32_bit_seeds():
   for seed in (0, 1, 7, 2**31, 2**32 - 1):
     np.testing.assert_array_equal(engine.seed_key(seed),
@@ -207,3 +266,109 @@ def test_a_device_failure_fails_the_requests_and_closes_the_engine(gen):
   with pytest.raises(RuntimeError, match="closed"):
     broken.submit("the ", engine.Settings())
   broken.close()
+
+
+class _Letters:
+  """a-z as tokens 0-25."""
+  spaces_in_tokens = True
+
+  def encode_prompt(self, text):
+    return [ord(c) - 97 for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(97 + int(i)) for i in ids)
+
+
+def _counter_model():
+  """A fake LM whose next token is a hash of every token consumed:
+  h <- (3h + token + 1) mod 26, next token = h. Any step taken on a row's
+  state that is not its own token changes its text."""
+  def step_fn(params, carry, tokens):
+    (h,) = carry
+    h = (3 * h + tokens[:, None].astype(h.dtype) + 1) % 26
+    logits = params["scale"] * jax.nn.one_hot(h[:, 0].astype(int), 26)
+    return logits, (h,)
+
+  return engine.Model(
+      step_fn=step_fn, params={"scale": np.float32(10)},
+      init_carry=lambda b: (jax.numpy.zeros((b, 1), jax.numpy.float32),),
+      vocab_size=26, tokenizer=_Letters())
+
+
+def _counter_text(prompt, n):
+  h, out = 0, []
+  for c in prompt:
+    h = (3 * h + ord(c) - 97 + 1) % 26
+  for _ in range(n):
+    out.append(h)
+    h = (3 * h + h + 1) % 26
+  return "".join(chr(97 + t) for t in out)
+
+
+def test_rows_filling_and_decoding_together_match_the_recurrence():
+  """Against numpy: prompts of up to 7 chunks fill while other rows decode
+  between their chunks, rows join and leave, greedy and sampled mixed."""
+  e = engine.Engine(_counter_model(), slots=4, queue=64, prefill_chunk=4,
+                    prefill_rows=2, decode_block=2)
+  try:
+    rng = np.random.default_rng(0)
+    prompts = ["".join(chr(97 + c) for c in rng.integers(0, 26, n))
+               for n in (1, 27, 3, 13, 5, 26, 9, 2, 17, 4)]
+    busy = e.submit("q", engine.Settings(max_new_tokens=10**6, seed=3))
+    rows = [e.submit(p, engine.Settings(max_new_tokens=5 + i,
+                                        temperature=0.0))
+            for i, p in enumerate(prompts)]
+    for i, (p, r) in enumerate(zip(prompts, rows)):
+      assert r.result(timeout=300) == _counter_text(p, 5 + i)
+    assert not busy.done()
+    busy.cancel()
+    busy.result(timeout=300)
+  finally:
+    e.close()
+
+
+def test_seed_keys_match_jax_for_32_bit_seeds():
+  for seed in (0, 1, 7, 2**31, 2**32 - 1):
+    np.testing.assert_array_equal(engine.seed_key(seed),
+                                  np.asarray(jax.random.PRNGKey(seed)))
+  assert engine.seed_key(2**40)[0] == 256  # the high word is kept
+  assert not np.array_equal(engine.seed_key(-1), engine.seed_key(2**32 - 1))
+
+
+def test_a_device_failure_fails_the_requests_and_closes_the_engine(gen):
+  broken = engine.Engine(gen.engine_model(), slots=2, queue=4,
+                         prefill_chunk=8, prefill_rows=2, decode_block=2)
+
+  def fail(*args):
+    raise RuntimeError("device lost")
+
+  broken._decode = fail  # the next decode call fails
+  reasons = []
+  request = broken.submit("the ", engine.Settings(max_new_tokens=5),
+                          on_done=reasons.append)
+  with pytest.raises(RuntimeError, match="device lost"):
+    request.result(timeout=300)
+  assert request.finish_reason == "error" and reasons == ["error"]
+  with pytest.raises(RuntimeError, match="closed"):
+    broken.submit("the ", engine.Settings())
+  broken.close()
+
+
+def test_a_long_prompt_filling_while_others_decode_equals_it_alone(gen):
+  """A prompt of 6 prefill chunks enters while another row decodes at every
+  step between its chunks: its carry must only move with its own tokens."""
+  e = gen.engine
+  requests = [engine.Settings(max_new_tokens=10, temperature=0.0),
+              engine.Settings(max_new_tokens=10, seed=4,
+                              repetition_penalty=1.5)]
+  decoding = threading.Event()
+  busy = e.submit("x", engine.Settings(max_new_tokens=400, seed=1),
+                  on_text=lambda d: decoding.set())
+  assert decoding.wait(300)
+  beside = [e.submit(TEXT[:45], s).result(timeout=300) for s in requests]
+  assert not busy.done()  # it decoded all along
+  busy.cancel()
+  busy.result(timeout=300)
+  assert e.stats()["busy"] == 0
+  alone = [e.submit(TEXT[:45], s).result(timeout=300) for s in requests]
+  assert beside == alone

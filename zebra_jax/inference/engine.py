@@ -232,10 +232,15 @@ def penalize_rows(logits, seen, penalty):
 
 def draw_rows(keys, logits, temperature, top_k, top_p):
   """One token per row: greedy (first argmax) where temperature is 0, else a
-  draw from the filtered distribution with the row's own key."""
-  filtered = filter_rows(logits, temperature, top_k, top_p)
-  drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(
-      keys, filtered).astype(jnp.int32)
+  draw from the filtered distribution with the row's own key. A batch of
+  greedy rows draws nothing."""
+  def draw(logits):
+    filtered = filter_rows(logits, temperature, top_k, top_p)
+    return jax.vmap(lambda key, row: jax.random.categorical(key, row))(
+        keys, filtered).astype(jnp.int32)
+
+  drawn = jax.lax.cond(jnp.any(temperature > 0), draw,
+                       lambda l: jnp.zeros(l.shape[:1], jnp.int32), logits)
   return jnp.where(temperature == 0, first_argmax(logits), drawn)
 
 
@@ -260,25 +265,37 @@ class _State(NamedTuple):
   penalty: jax.Array      # float32 [S]
 
 
-def _decode(params, state: _State, *, step_fn, block):
-  """`block` tokens for every slot: (state, tokens int32 [S, block])."""
+def _decode(params, state: _State, active, *, step_fn, block):
+  """`block` tokens for every slot: (state, tokens int32 [S, block]).
+
+  Rows not decoding (free, or between two chunks of their prompt) keep
+  their state and decode greedily without filters, so a filter no busy row
+  uses costs nothing; their tokens are never read.
+  """
   rows = jnp.arange(state.step.shape[0])
+  temperature = jnp.where(active, state.temperature, 0.0)
+  top_k = jnp.where(active, state.top_k, 0)
+  top_p = jnp.where(active, state.top_p, 1.0)
+  penalty = jnp.where(active, state.penalty, 1.0)
+  on = active[:, None]
 
   def one(state, _):
     logits = jax.lax.cond(
-        jnp.any(state.penalty != 1),
-        lambda l: penalize_rows(l, state.seen, state.penalty),
+        jnp.any(penalty != 1),
+        lambda l: penalize_rows(l, state.seen, penalty),
         lambda l: l, state.logits)
     keys = jax.vmap(jax.random.fold_in)(state.key, state.step)
-    tokens = draw_rows(keys, logits, state.temperature, state.top_k,
-                       state.top_p)
+    tokens = draw_rows(keys, logits, temperature, top_k, top_p)
     new_logits, new_carry = step_fn(params, state.carry, tokens)
-    new_carry = jax.tree.map(lambda n, o: n.astype(o.dtype), new_carry,
-                             state.carry)
+    # Only busy rows move: a row between two prefill chunks keeps its carry.
+    new_carry = jax.tree.map(
+        lambda n, o: jnp.where(on, n.astype(o.dtype), o), new_carry,
+        state.carry)
     return state._replace(
-        carry=new_carry, logits=new_logits.astype(jnp.float32),
-        seen=state.seen.at[rows, tokens].set(True), step=state.step + 1
-    ), tokens
+        carry=new_carry,
+        logits=jnp.where(on, new_logits.astype(jnp.float32), state.logits),
+        seen=state.seen.at[rows, tokens].max(active),
+        step=state.step + active), tokens
 
   state, tokens = jax.lax.scan(one, state, None, length=block)
   return state, tokens.T
@@ -431,9 +448,10 @@ class Engine:
     self.block, self.max_prompt_tokens = decode_block, max_prompt_tokens
     self._traces = 0  # each trace is a new program: a jit cache miss
 
-    def decode(params, state):
+    def decode(params, state, active):
       self._traces += 1
-      return _decode(params, state, step_fn=model.step_fn, block=decode_block)
+      return _decode(params, state, active, step_fn=model.step_fn,
+                     block=decode_block)
 
     def prefill(params, state, *args):
       self._traces += 1
@@ -508,7 +526,8 @@ class Engine:
     for _ in range(2):
       self._state = self._prefill(self.model.params, self._state,
                                   *self._prefill_args([]))
-      self._state, tokens = self._decode(self.model.params, self._state)
+      self._state, tokens = self._decode(self.model.params, self._state,
+                                         np.zeros(self.slots, bool))
       jax.block_until_ready(tokens)
 
   def compiled_programs(self) -> int:
@@ -651,7 +670,9 @@ class Engine:
     decoding = [r for r in rows if r._fed == len(r.ids)]
     if not decoding:
       return True
-    self._state, tokens = self._decode(self.model.params, self._state)
+    active = np.zeros(self.slots, bool)
+    active[[r._slot for r in decoding]] = True
+    self._state, tokens = self._decode(self.model.params, self._state, active)
     tokens = np.asarray(tokens)                         # [S, block]
     self._steps += 1
     for comp in decoding:
