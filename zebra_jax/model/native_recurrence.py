@@ -70,6 +70,7 @@ def march() -> str:
 
 
 def flags(target: str) -> tuple[str, ...]:
+  """The compiler's flags for -march=target (checked: it goes into argv)."""
   if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", target):
     raise UserError(f"{MARCH_ENV}={target!r} is not a -march value: use e.g. "
                     "native, x86-64-v3, x86-64 or armv8-a")
@@ -192,7 +193,9 @@ def build(cxx: str, target: str, out: pathlib.Path | None = None
     except subprocess.CalledProcessError as e:
       why = (f"compiling {SOURCE.name} for -march={target} failed: "
              f"{first_error(e.stderr + e.stdout)}")
-      if out is None:  # remembered, atomically as the library is
+      # Remembered (atomically, as the library is) where the compiler
+      # itself refused; not a compiler killed by a signal (out of memory).
+      if out is None and e.returncode > 0:
         note = pathlib.Path(tmp) / failed.name
         note.write_text(why + "\n")
         os.replace(note, failed)
