@@ -2,7 +2,7 @@
 
 import io
 
-from zebra_jax.runtime import progress
+from zebra_jax import progress
 
 
 class _FakeTTY(io.StringIO):

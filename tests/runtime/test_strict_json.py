@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from zebra_jax.runtime import strict_json, writer
+from zebra_jax import strict_json
+from zebra_jax.runtime import writer
 
 
 def _strict_loads(text):

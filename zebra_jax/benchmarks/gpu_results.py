@@ -7,7 +7,7 @@ import json
 import os
 import textwrap
 
-from zebra_jax.runtime import strict_json
+from zebra_jax import strict_json
 
 STAGES = ("smoke", "quick", "bench", "wt103", "precision", "infer", "scaling")
 # Seconds each stage may run on one H100, its process's start included.

@@ -58,7 +58,8 @@ from zebra_jax.benchmarks.timing import datasheet, matmul_peak, time_interleaved
 from zebra_jax.benchmarks.torch_reference import torch_runners
 from zebra_jax.benchmarks import traces
 from zebra_jax.benchmarks.traces import trace_rows
-from zebra_jax.runtime import profiling, strict_json
+from zebra_jax import strict_json
+from zebra_jax.runtime import profiling
 
 def row_specs(shape) -> dict:
   """{group: {row: (build, tokens per call, FLOPs per token)}}: build()

@@ -49,7 +49,7 @@ import ml_collections
 
 from zebra_jax.benchmarks import stripes_report
 from zebra_jax.errors import UserError
-from zebra_jax.runtime import strict_json
+from zebra_jax import strict_json
 
 # The calibration run: windows of steps after the first (which compiles), and
 # the median window's rate is the estimate (robust to one noisy window).

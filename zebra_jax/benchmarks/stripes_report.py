@@ -16,7 +16,7 @@ import platform
 import statistics
 from typing import Sequence
 
-from zebra_jax.runtime import strict_json
+from zebra_jax import strict_json
 
 
 def machine() -> str:

@@ -55,7 +55,7 @@ import numpy as np
 from zebra_jax.benchmarks.table import print_rows, speed_columns
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
-from zebra_jax.runtime import strict_json
+from zebra_jax import strict_json
 
 SHAPES = {
     "A": dict(tokenizer="char", hidden=512, layers=2, batch=32, seq_len=64,

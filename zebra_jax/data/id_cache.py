@@ -21,7 +21,7 @@ from absl import logging
 import numpy as np
 
 from zebra_jax.data.splits import SPLITS
-from zebra_jax.runtime import strict_json
+from zebra_jax import strict_json
 
 _MANIFEST_VERSION = 1
 _LINE_EVERY_S = 10.0  # plain progress lines when stderr is not a terminal

@@ -30,7 +30,7 @@ from zebra_jax.data.batching import (DataPosition, RandomWindowBatcher,
                                      StreamBatcher)
 from zebra_jax.data.splits import SPLITS
 from zebra_jax.errors import UserError
-from zebra_jax.runtime import progress
+from zebra_jax import progress
 
 __all__ = ["prepare_data", "load_eval_data", "make_source", "tokenizer_spec",
            "make_batcher", "DataPosition", "StreamBatcher",

@@ -20,7 +20,7 @@ import numpy as np
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference import sampling
-from zebra_jax.runtime import strict_json
+from zebra_jax import strict_json
 
 PERCENTILES = (50, 90, 95, 99)
 

@@ -39,7 +39,8 @@ from zebra_jax.errors import UserError
 from zebra_jax.inference import engine as engines
 from zebra_jax.inference import loading, sample
 from zebra_jax.model import lm
-from zebra_jax.runtime import distributed, strict_json
+from zebra_jax import strict_json
+from zebra_jax.runtime import distributed
 
 _TRITON_TEMPLATES = os.path.join(os.path.dirname(__file__), "triton")
 MODEL_NAME = "zebra_lstm"

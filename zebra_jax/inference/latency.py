@@ -21,7 +21,7 @@ import urllib.parse
 
 import numpy as np
 
-from zebra_jax.runtime import strict_json
+from zebra_jax import strict_json
 
 
 def _post(url, path, body):

@@ -25,7 +25,7 @@ import uuid
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference import sample
-from zebra_jax.runtime import strict_json
+from zebra_jax import strict_json
 
 MODEL_ID = "zebra_lstm"
 MAX_STOPS = 4

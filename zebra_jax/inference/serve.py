@@ -53,7 +53,7 @@ from aiohttp import web
 from zebra_jax.errors import UserError
 from zebra_jax.inference import engine as engines
 from zebra_jax.inference import loading, openai_api, sample, score
-from zebra_jax.runtime import strict_json
+from zebra_jax import strict_json
 
 API_KEY_ENV = "ZEBRA_JAX_API_KEY"
 

@@ -14,7 +14,8 @@ import ml_collections
 from zebra_jax.config import files
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
-from zebra_jax.runtime import config_checks, distributed, strict_json
+from zebra_jax import strict_json
+from zebra_jax.runtime import config_checks, distributed
 
 # Fields that change the parameters' shapes or meaning: a workdir is tied to them.
 _ARCHITECTURE = ("embed_size", "hidden_size", "num_layers", "num_stripes",

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from zebra_jax.errors import UserError
-from zebra_jax.runtime import progress, strict_json
+from zebra_jax import progress, strict_json
 
 
 TENSORBOARDX_HINT = "pip install tensorboardX"

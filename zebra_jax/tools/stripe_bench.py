@@ -20,7 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from absl import flags  # noqa: E402  (jax must see XLA_FLAGS first)
 
 from zebra_jax.cli import arguments, entry  # noqa: E402
-from zebra_jax.runtime import strict_json
+from zebra_jax import strict_json
 
 
 def main(argv) -> None:

@@ -23,7 +23,8 @@ from zebra_jax.errors import UserError
 from zebra_jax.inference import sample
 from zebra_jax.model import lm, metrics
 from zebra_jax.model.config import ModelConfig
-from zebra_jax.runtime import checkpoint, parallel, profiling, progress, rundir, writer
+from zebra_jax import progress
+from zebra_jax.runtime import checkpoint, parallel, profiling, rundir, writer
 from zebra_jax.training import evaluate, loss_scale, optim, preemption
 from zebra_jax.training.train_state import init_state, TrainState
 
