@@ -129,7 +129,7 @@ def test_long_evaluations_print_progress_lines(char_run, capsys, monkeypatch):
                 label="valid")
   lines = [l for l in capsys.readouterr().out.splitlines()
            if l.startswith("valid: ")]
-  assert len(lines) == 4, lines  # 3 windows, then the closing line
+  assert len(lines) >= 4, lines  # a line per window, then the closing one
   assert "/160 tok" in lines[0] and "ETA" in lines[0]
   assert lines[-1].startswith("valid: 160 tok in ")
 

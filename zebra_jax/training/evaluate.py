@@ -30,7 +30,8 @@ from zebra_jax.errors import UserError
 from zebra_jax.inference import loading
 from zebra_jax.model import adaptive_softmax as asm, lm, metrics
 from zebra_jax.model.config import ModelConfig
-from zebra_jax.runtime import parallel, progress, writer
+from zebra_jax import progress
+from zebra_jax.runtime import parallel, writer
 
 
 _WINDOWS_IN_FLIGHT = 8  # enough to hide dispatch, few enough to never stall
@@ -183,6 +184,7 @@ class Evaluator:
           collect()
           bar.update(self.batch_size * end)
       collect()
+      bar.update(self.batch_size * cols)
     out = metrics.summarize(total["loss_sum"], total.get("correct"),
                             total["count"])
     out["bpc"] = out["loss"] / math.log(2)  # bits per token; per char if char
