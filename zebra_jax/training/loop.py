@@ -21,7 +21,7 @@ from absl import logging
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
 from zebra_jax.inference import sample
-from zebra_jax.model import lm, metrics
+from zebra_jax.model import lm, metrics, stripe_parallel
 from zebra_jax.model.config import ModelConfig
 from zebra_jax import progress
 from zebra_jax.runtime import checkpoint, parallel, profiling, rundir, writer
@@ -48,7 +48,8 @@ def _from_micro(x):
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef,
-               tx: optax.GradientTransformation, accum_steps: int = 1):
+               tx: optax.GradientTransformation, accum_steps: int = 1,
+               mesh=None):
   """One window: (state, batch) -> (state, metric sums).
 
   batch: inputs/targets [batch, time] int32 and reset, a bool scalar that
@@ -56,7 +57,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef,
   With accum_steps = k the batch runs as k micro-batches whose gradients are
   summed before one update: the same update as k = 1, in 1/k the activations.
   A step whose gradients are not finite changes neither params nor optimizer
-  state; the loss scale backs off (float16) and counts it.
+  state; the loss scale backs off (float16) and counts it. mesh: the
+  devices the model splits over (lm.apply), None for one.
   """
   carry = jax.tree.map(lambda a: jnp.where(batch["reset"], 0.0, a), state.carry)
   dropout_rng = jax.random.fold_in(state.rng, state.step)
@@ -68,7 +70,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef,
       # No extra full-vocabulary pass for accuracy (adaptive head): see
       # lm.token_sums; the train log then shows no acc.
       sums, new_carry = lm.token_sums(graphdef, params, inputs, targets,
-                                         carry, rng, with_accuracy=False)
+                                         carry, rng, with_accuracy=False,
+                                         mesh=mesh)
       return scale.scale_loss(sums["loss_sum"] / total_tokens), (new_carry, sums)
     return jax.grad(loss_fn, has_aux=True)(params)
 
@@ -92,7 +95,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef,
     sums = jax.tree.map(jnp.sum, sums)
 
   grads = scale.unscale(grads)
-  if (mesh := lm.stripe_mesh()) is not None:
+  if stripe_parallel.active(mesh) is not None:
     # Gradients laid out as the parameters: the embedding's arrives split
     # over "stripe" (from a grouped first layer) and is gathered once here,
     # not as the updated parameter and every optimizer moment after it.
@@ -119,8 +122,7 @@ def compile_train_step(graphdef, tx, mesh, state, accum_steps: int = 1):
   rep, bat = parallel.replicated(mesh), parallel.batch_sharded(mesh)
   batch_shardings = {"inputs": bat, "targets": bat, "reset": rep}
   step = functools.partial(train_step, graphdef=graphdef, tx=tx,
-                           accum_steps=accum_steps)
-  step = lm.with_stripe_parallel(step, mesh)
+                           accum_steps=accum_steps, mesh=mesh)
   return jax.jit(step, in_shardings=(shardings, batch_shardings),
                  out_shardings=(shardings, rep), donate_argnums=0)
 
@@ -215,9 +217,13 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
       ckpt.close()
   except BaseException:
     bar.close()
+    if eval_sampler is not None:
+      eval_sampler.close()
     ckpt.abandon()  # let an in-flight good save finish; keep what is on disk
     log.close()
     raise
+  if eval_sampler is not None:
+    eval_sampler.close()
   wall = time.perf_counter() - started
   trained = step - first_step
   tokens_per_batch = batcher.tokens_per_batch
@@ -399,6 +405,11 @@ def _make_eval_sampler(cfg, model, tokenizer, graphdef):
       generator.set_params(params)
     return generator.generate([cfg.sample.prompt], options)[0]
 
+  def close() -> None:  # the engine's thread ends with the run
+    if generator is not None:
+      generator.close()
+
+  draw.close = close
   try:  # a prompt this vocabulary cannot encode must not stop training
     tokenizer.encode_prompt(cfg.sample.prompt)
   except UserError as e:
