@@ -83,7 +83,7 @@ def _part(module: str) -> str:
 def test_the_graph_is_read_from_the_package():
   graph = _graph()  # the checks below mean nothing on an empty graph
   assert "zebra_jax.model.lm" in graph and "zebra_jax.main" in graph
-  assert "zebra_jax.model.recurrence" in graph["zebra_jax.model.lm"]
+  assert "zebra_jax.model.recurrence.scan" in graph["zebra_jax.model.layer"]
 
 
 def test_no_import_cycles():

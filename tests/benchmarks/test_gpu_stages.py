@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from zebra_jax.benchmarks import gpu_results, gpu_stages
-from zebra_jax.model import pallas_recurrence
+from zebra_jax.model.recurrence import pallas as pallas_recurrence
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ from flax import nnx
 
 from zebra_jax.config import base
 from zebra_jax.errors import UserError
-from zebra_jax.model import lm, recurrence
+from zebra_jax.model import lm
+from zebra_jax.model.recurrence import scan as recurrence
 from zebra_jax.runtime import config_checks
 from tests import references as ref
 from tests.helpers import (assert_trees_close, random_batches,

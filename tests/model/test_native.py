@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zebra_jax.model import lm, native_recurrence, recurrence
+from zebra_jax.model import lm
+from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import scan as recurrence
 
 IN = 8  # the layer's input width (grouped: IN / S per stripe)
 

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zebra_jax.model import native_recurrence, recurrence
+from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import scan as recurrence
 
 # Layer arguments (inputs, w_x, bias, h0, c0, w_h): S=1, T=2, B=3, G=4.
 SHAPES = ((2, 3, 8), (8, 1, 16), (1, 16), (1, 3, 4), (1, 3, 4), (1, 4, 16))
@@ -75,10 +76,10 @@ def test_no_compiler_runs_the_scan_and_says_why(tmp_path):
   process, one warning line on stderr, and the scan's results."""
   code = (
       "import jax.numpy as jnp, numpy as np\n"
-      "from zebra_jax.model import native_recurrence as n, recurrence\n"
+      "from zebra_jax.model.recurrence import native as n, scan\n"
       f"args = [jnp.ones(s, jnp.float32) * 0.1 for s in {SHAPES}]\n"
       "got = n.zebra_layer(*args, 1, False)\n"
-      "want = recurrence.zebra_layer(*args, 1, False)\n"
+      "want = scan.zebra_layer(*args, 1, False)\n"
       "assert all(np.array_equal(g, w) for g, w in zip(got, want))\n")
   env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
          "XDG_CACHE_HOME": str(tmp_path)}
@@ -127,7 +128,7 @@ def test_failed_build_shows_the_first_error_and_is_remembered(
   monkeypatch.setenv("CXX", cxx)
   monkeypatch.setenv(native_recurrence.MARCH_ENV, "no-such-cpu")
   line = _runs_the_scan(caplog)
-  assert "compiling recurrence.cc for -march=no-such-cpu failed:" in line
+  assert "compiling native.cc for -march=no-such-cpu failed:" in line
   assert "error:" in line and "no-such-cpu" in line.split("failed:")[1]
   assert _compiles(log) == 1
   with pytest.raises(native_recurrence.BuildError, match="an earlier build"):

@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 from zebra_jax.configs import base
-from zebra_jax.model import lm, pallas_recurrence, recurrence
+from zebra_jax.model import lm
+from zebra_jax.model.recurrence import pallas as pallas_recurrence
+from zebra_jax.model.recurrence import scan as recurrence
 
 T, B, G, IN = 3, 4, 4, 8  # window, batch, stripe width, layer input
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zebra_jax.model import recurrence
+from zebra_jax.model.recurrence import scan as recurrence
 
 
 def _inputs(stripes, width, batch=3, time=6, features=5, seed=0,

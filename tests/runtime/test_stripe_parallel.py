@@ -298,10 +298,10 @@ def test_gradients_equal_single_device(stripe_input, head):
   def grads(mesh):
     graphdef, _, state = train_state.init_state(cfg, mesh)
     def loss(params, inputs, targets, carry):
-      sums, _ = lm.token_sums(graphdef, params, inputs, targets, carry)
+      sums, _ = lm.token_sums(graphdef, params, inputs, targets, carry,
+                              mesh=mesh)
       return sums["loss_sum"] / targets.size, sums["correct"]
-    fn = jax.jit(lm.with_stripe_parallel(
-        jax.value_and_grad(loss, has_aux=True), mesh))
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
     inputs, targets = (parallel.global_batch(mesh, b[k])
                        for k in ("inputs", "targets"))
     return jax.device_get(fn(state.params, inputs, targets, state.carry))
@@ -321,12 +321,11 @@ def test_scores_and_logits_equal_single_device():
   def outputs(mesh, rows):
     graphdef, _, state = train_state.init_state(cfg, mesh)
     carry = jax.tree.map(lambda x: x[:rows], state.carry)
-    logp = jax.jit(lm.with_stripe_parallel(functools.partial(
-        lm.target_log_probs, graphdef), mesh))(
+    logp = jax.jit(functools.partial(
+        lm.target_log_probs, graphdef, mesh=mesh))(
             state.params, b["inputs"][:rows], b["targets"][:rows], carry)[0]
-    logits = jax.jit(lm.with_stripe_parallel(functools.partial(
-        lm.apply, graphdef), mesh))(state.params, b["inputs"][:rows],
-                                    carry)[0]
+    logits = jax.jit(functools.partial(lm.apply, graphdef, mesh=mesh))(
+        state.params, b["inputs"][:rows], carry)[0]
     return jax.device_get((logp, logits))
 
   for rows in (8, 2):  # 8 rows over 8 devices; 2 do not divide

@@ -31,7 +31,9 @@ from zebra_jax.benchmarks.steps import core_runner
 from zebra_jax.benchmarks.timing import (PEAK_CALL_SECONDS, datasheet,
                                          matmul_peak, time_interleaved)
 from zebra_jax.benchmarks.torch_reference import torch_runners
-from zebra_jax.model import lm, pallas_recurrence, recurrence
+from zebra_jax.model import lm
+from zebra_jax.model.recurrence import pallas as pallas_recurrence
+from zebra_jax.model.recurrence import scan as recurrence
 from zebra_jax.runtime import profiling
 
 

@@ -31,7 +31,8 @@ from zebra_jax.benchmarks.shapes import SHAPES, model_config
 from zebra_jax.benchmarks.steps import _create, core_runner
 from zebra_jax.benchmarks.table import print_rows, ratio_text
 from zebra_jax.inference import sampling
-from zebra_jax.model import lm, native_recurrence
+from zebra_jax.model import lm
+from zebra_jax.model.recurrence import native as native_recurrence
 
 # -march targets, this CPU's first: what other CPUs of the architecture run.
 TARGETS = {"x86_64": ("native", "x86-64-v3", "x86-64")}.get(

@@ -14,7 +14,7 @@ best matmul measured in this run, XLA's planned bytes per step):
   *_S{s}_grouped  the same with model.stripe_input=grouped: every matmul of
               a layer split in S blocks, stripes shuffled between layers
   *_native    the same with model.recurrence=native: the time loops as
-              compiled C++ (native_recurrence.py; CPU shapes)
+              compiled C++ (model/recurrence/native.py; CPU shapes)
   word_S{s}[_grouped][_adaptive]  the LM train step at the word-level shape
               (hidden 256, 16,384 words, Zipf-distributed tokens), full or
               adaptive head: where the softmax, not the recurrence, costs

@@ -18,7 +18,7 @@ time and ends lower (test ppl 4.16 against 4.45); over words dense stripes
 to a loose target but ends above dense S=8 at both levels (seeds apart).
 
 Why model.recurrence=native: the same model with its time loops as compiled
-C++ (zebra_jax/model/native_recurrence.py); this job trained 1,500 steps in
+C++ (zebra_jax/model/recurrence/native.py); this job trained 1,500 steps in
 97-110 s instead of 120 s on 2 CPU cores, to the same valid and test
 perplexity (3.89, 4.70). Without a C++ compiler it runs the scan, with one warning line.
 """

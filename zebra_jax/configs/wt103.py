@@ -40,7 +40,7 @@ With 8 GPUs the recurrence dominates; measure with `python -m zebra_jax.tools.be
 
 The recurrence: the recipe keeps base's model.recurrence=scan. With
 model.recurrence=pallas its stripes (G=256, bfloat16) run the fused kernel
-(zebra_jax/model/pallas_recurrence.py): 16 batch rows per program, 8 warps,
+(zebra_jax/model/recurrence/pallas.py): 16 batch rows per program, 8 warps,
 U_s (512 KiB a stripe, more than a program's registers or shared memory)
 re-read from L2 every step in 64-row blocks; 8 stripes x 128/16 = 64
 programs a layer on one GPU, 8 on each of 8 GPUs (batch 16 each). Not yet

@@ -13,7 +13,7 @@ disk, so a model loads in a third of the memory and from any batch size.
 
 import dataclasses
 import os
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from absl import logging
@@ -102,10 +102,10 @@ def local_replica(params: Any) -> Any:
 
 @dataclasses.dataclass
 class Placement:
-  """Where inference runs a loaded model: its params, placed, and `wrap`,
-  which every jitted model function goes through."""
+  """Where inference runs a loaded model: its params, placed, and the
+  mesh every model function takes (`mesh=`; None: one device)."""
   params: Any
-  wrap: Callable[[Callable], Callable]
+  mesh: Any
   devices: int
 
 
@@ -126,7 +126,7 @@ def placement(loaded: Loaded) -> Placement:
                     "device(s): the model runs on one device", n,
                     len(jax.local_devices()))
   if n <= 1 or len(jax.local_devices()) < n:
-    return Placement(params, lambda fn: fn, 1)
+    return Placement(params, None, 1)
   mesh = parallel.make_mesh(jax.local_devices()[:n], stripe_devices=n)
   params = jax.device_put(params, parallel.param_shardings(mesh, params))
-  return Placement(params, lambda fn: lm.with_stripe_parallel(fn, mesh), n)
+  return Placement(params, mesh, n)

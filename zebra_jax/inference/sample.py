@@ -53,9 +53,9 @@ class Options:
         raise UserError(f"{name}={value} is not a whole number >= 1: use e.g. 1")
 
 
-def _consume_prompt(params, tokens, carry, *, graphdef):
+def _consume_prompt(params, tokens, carry, *, graphdef, mesh=None):
   """Runs prompts [B, T] through the model: (last logits [B, V], carry)."""
-  return lm.last_logits(graphdef, params, tokens, carry)
+  return lm.last_logits(graphdef, params, tokens, carry, mesh=mesh)
 
 
 ENGINE_FIELDS = ("slots", "queue", "prefill_chunk", "prefill_rows",
@@ -85,10 +85,10 @@ class Generator:
     # One device, or the run's stripe devices (loading.placement).
     place = loading.placement(loaded)
     self.params = place.params
-    self._consume = jax.jit(place.wrap(functools.partial(
-        _consume_prompt, graphdef=loaded.graphdef)))
-    self.step_fn = place.wrap(functools.partial(lm.decode_step,
-                                                graphdef=loaded.graphdef))
+    self._consume = jax.jit(functools.partial(
+        _consume_prompt, graphdef=loaded.graphdef, mesh=place.mesh))
+    self.step_fn = functools.partial(lm.decode_step, graphdef=loaded.graphdef,
+                                     mesh=place.mesh)
     self._engine_options = engine_options(loaded.cfg, **engine_overrides)
     self._engine = None
     self._engine_lock = threading.Lock()

@@ -20,7 +20,7 @@ from zebra_jax.inference import loading
 from zebra_jax.model import lm
 
 
-def window_logprobs(params, carry, inputs, targets, *, graphdef):
+def window_logprobs(params, carry, inputs, targets, *, graphdef, mesh=None):
   """log p(target | left context) for one window.
 
   Args:
@@ -29,7 +29,7 @@ def window_logprobs(params, carry, inputs, targets, *, graphdef):
     (new carry, float32 [batch, time] log-probabilities).
   """
   logp, carry = lm.target_log_probs(graphdef, params, inputs, targets,
-                                       carry)
+                                       carry, mesh=mesh)
   return carry, logp
 
 
@@ -67,8 +67,8 @@ class Scorer:
     # One device, or the run's stripe devices (loading.placement).
     place = loading.placement(loaded)
     self.params = place.params
-    self._window = jax.jit(place.wrap(functools.partial(
-        window_logprobs, graphdef=loaded.graphdef)))
+    self._window = jax.jit(functools.partial(
+        window_logprobs, graphdef=loaded.graphdef, mesh=place.mesh))
 
   def score_ids(self, ids: np.ndarray) -> np.ndarray:
     """float64 [len(ids) - 1]: log-probabilities of ids[1:]."""

@@ -6,7 +6,7 @@ rest of the devices form "data":
 
   data    the batch and the LSTM carry are split along their batch axis;
           parameters and optimizer state are replicated over it. Each device
-          runs the model on its own rows (lm.py, `stripe_parallel`), and the
+          runs the model on its own rows (model/stripe_parallel.py), and the
           gradients are all-reduced once (NCCL on GPUs).
   stripe  one model across devices: every ZebraLSTM layer's stripes are split
           over it (w_x, w_h, b, their optimizer state, the carry (h, c) and

@@ -39,7 +39,7 @@ _LINE_EVERY_S = 10.0  # progress lines off a terminal (long CPU evaluations)
 
 
 def eval_step(params, carry, inputs, targets, *, graphdef,
-              accuracy: bool = True, head_width: int = 0):
+              accuracy: bool = True, head_width: int = 0, mesh=None):
   """One window without dropout: (new carry, metric sums).
 
   head_width: the head's widest logits block (the vocabulary, or the
@@ -50,7 +50,7 @@ def eval_step(params, carry, inputs, targets, *, graphdef,
   heap kept as its high-water mark.
   """
   model = nnx.merge(graphdef, params)
-  rows = model.rows(inputs.shape[0])
+  rows = model.rows(inputs.shape[0], mesh)
   hidden, carry = model.features(inputs, carry, rows=rows)
   b, t = targets.shape
   k = head_steps(b, t, head_width)
@@ -114,8 +114,7 @@ class Evaluator:
     carry = parallel.carry_sharded(mesh)
     step = functools.partial(eval_step, graphdef=graphdef,
                              accuracy=accuracy,
-                             head_width=head_width(model_cfg))
-    step = lm.with_stripe_parallel(step, mesh)
+                             head_width=head_width(model_cfg), mesh=mesh)
     # Params come replicated, or split over "stripe" as in training.
     params_in = rep if parallel.stripe_devices(mesh) == 1 else None
     self._step = jax.jit(step, in_shardings=(params_in, carry, bat, bat),

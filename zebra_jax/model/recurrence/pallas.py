@@ -7,7 +7,7 @@ synchronisation per step (a dense fused LSTM kernel must synchronise the
 whole grid every step). The grid is stripes x batch blocks; every program is
 independent.
 
-Same function, conventions and residuals as `recurrence.zebra_layer` (read
+Same function, conventions and residuals as `scan.zebra_layer` (read
 that module first): the input projection x_proj = inputs W_x + b is one large
 matmul outside the kernel, time-major inside each stripe ([S, T, B, 4G],
 gates [i | f | g | o]); the backward kernel is a reverse-time loop that only
@@ -93,7 +93,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from zebra_jax.model import recurrence
+from zebra_jax.model.recurrence import scan
 
 ROWS = 16               # batch rows per program on Triton: tl.dot needs M >= 16
 _MIN_TRITON_DIM = 16    # and every matmul dimension >= 16, powers of two
@@ -353,7 +353,7 @@ def _kernel_args(launch):
 def _forward(x_proj, h0, c0, w_h, launch, keep, interpret):
   """x_proj [S, T, B, 4G] f32 -> ys [S, T, B, G] (w_h's dtype), h, c [S, B, G]
   f32, and () / (cs,) / (cs, gates) for keep None / "states" / "gates" (the
-  names recurrence.py uses for what the backward pass keeps)."""
+  names scan.py uses for what the backward pass keeps)."""
   s, t, b, g4 = x_proj.shape
   g = g4 // 4
   rows = launch.rows
@@ -412,9 +412,9 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c, launch, interpret):
 
 @functools.cache
 def _fused_layer(launch, interpret):
-  """recurrence.kernel_layer with this launch's forward and backward kernels
+  """scan.kernel_layer with this launch's forward and backward kernels
   (one per plan and mode: jax.custom_vjp functions are traced by identity)."""
-  return recurrence.kernel_layer(
+  return scan.kernel_layer(
       lambda x_proj, h0, c0, w_h, keep: _forward(x_proj, h0, c0, w_h, launch,
                                                  keep, interpret),
       lambda *args: _backward(*args, launch, interpret))
@@ -422,7 +422,7 @@ def _fused_layer(launch, interpret):
 
 def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False, *,
                 interpret=None, budget=None, launch=None):
-  """`recurrence.zebra_layer` with the time loop in a fused Pallas kernel.
+  """`scan.zebra_layer` with the time loop in a fused Pallas kernel.
 
   Same arguments and results: (outputs [S, T, B, G] in w_h's dtype, final
   h, final c). interpret: None = compiled on GPUs, interpret mode elsewhere
@@ -435,7 +435,7 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False, *,
   if interpret is None:
     interpret = platform != "gpu"
     if interpret:
-      recurrence.warn_once(
+      scan.warn_once(
           f"model.recurrence=pallas on {platform}: the kernel runs in Pallas "
           "interpret mode (exact but slow); use model.recurrence=scan off "
           "GPUs")
@@ -443,10 +443,10 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False, *,
   if launch is None:
     launch = launch_plan(b, g, w_h.dtype, triton=not interpret, budget=budget)
   if launch.rows is None:
-    recurrence.warn_once(
+    scan.warn_once(
         f"model.recurrence=pallas: {launch.why}; running the scan instead "
         f"(S={s}, B={b}, G={g}, {jnp.dtype(w_h.dtype).name})")
-    return recurrence.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
+    return scan.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
                                   remat)
   return _fused_layer(launch, bool(interpret))(inputs, w_x, bias, h0, c0, w_h,
                                                remat)

@@ -11,7 +11,7 @@
 // (or, with fewer stripes than threads, of its own batch rows) with no
 // synchronisation between time steps.
 //
-// Layouts are recurrence.py's: stripe-major, row-major, float32.
+// Layouts are scan.py's: stripe-major, row-major, float32.
 //   x_proj, gates, dz [S, T, B, 4G]   gates [i | f | g | o] within a stripe
 //   ys, cs, d_ys      [S, T, B, G]
 //   h, c              [S, B, G]
@@ -27,7 +27,7 @@
 // Portable C++ with GCC/Clang vector extensions, one vector a register of
 // whatever -march targets (AVX-512, AVX2, SSE2, NEON). Threads: the calling one and XLA's own pool
 // (the one that runs its CPU ops), no more than the caller's `threads`,
-// which native_recurrence.py sizes to the work: a sampling step (T = 1,
+// which native.py sizes to the work: a sampling step (T = 1,
 // B = 1) runs on the calling thread alone.
 
 #include <algorithm>
@@ -536,7 +536,7 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> d_ys,
 }  // namespace
 
 // The vector instructions this library was compiled for: what
-// native_recurrence.py reports and its tests check (an x86-64-v3 build must
+// native.py reports and its tests check (an x86-64-v3 build must
 // not have used AVX-512).
 extern "C" const char* ZebraNativeTarget() {
 #if defined(__AVX512F__)

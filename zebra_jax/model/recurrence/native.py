@@ -1,19 +1,19 @@
 """A ZebraLSTM layer's time loops as compiled C++ on a CPU (XLA FFI calls).
 
-Why: on a CPU, XLA runs every time step of `recurrence.py`'s scans as
+Why: on a CPU, XLA runs every time step of `scan.py`'s scans as
 separate ops (the step's matmul, a gate fusion, one write per output
 window) one after another on one thread, so the time loops take about half
 of a grouped layer's step while the second core idles
-(docs/performance.md). `native/recurrence.cc` runs each loop as one call:
+(docs/performance.md). `native.cc` runs each loop as one call:
 a step is one pass over its rows (the recurrent matmul accumulated onto the
 projected inputs in registers, the gate math on the rows just written), and
 each thread runs whole windows of its own stripes, or of its own batch rows
 when there are fewer stripes than cores, with no synchronisation per step.
 None of the libraries XLA calls has a kernel for a block-diagonal LSTM step.
 
-Same function, conventions and residuals as `recurrence.zebra_layer` and
+Same function, conventions and residuals as `scan.zebra_layer` and
 the Pallas kernel: the input projection, the gates' recomputation under
-remat and the window gradients are `recurrence.py`'s large matmuls; only the
+remat and the window gradients are `scan.py`'s large matmuls; only the
 two time loops are C++.
 
 Building: the source is compiled on first use with the machine's C++
@@ -26,7 +26,7 @@ compiler, jax's version, the flags and, for -march=native, the CPU's
 features. A failed build is remembered there under the same key, so other
 processes do not retry it. Ahead of time, on a machine with a compiler:
 
-  python3 -m zebra_jax.model.native_recurrence --build [--march=M] [--out=F]
+  python3 -m zebra_jax.model.recurrence.native --build [--march=M] [--out=F]
 
 and ZEBRA_JAX_NATIVE_LIB=F on a node without one loads that library. Where
 the kernels cannot run (not a CPU, a compute dtype other than float32, no
@@ -55,9 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax.errors import UserError
-from zebra_jax.model import recurrence
+from zebra_jax.model.recurrence import scan
 
-SOURCE = pathlib.Path(__file__).with_name("native") / "recurrence.cc"
+SOURCE = pathlib.Path(__file__).with_name("native.cc")
 MARCH_ENV, LIB_ENV = "ZEBRA_JAX_NATIVE_MARCH", "ZEBRA_JAX_NATIVE_LIB"
 _FORWARD, _BACKWARD = "zebra_native_forward", "zebra_native_backward"
 _COMPILE_TIMEOUT_S = 600
@@ -215,7 +215,7 @@ def library_path() -> pathlib.Path:
   if cxx is None:
     raise BuildError("no C++ compiler found (install g++, set CXX, or point "
                      f"{LIB_ENV} at a library built with `python3 -m "
-                     "zebra_jax.model.native_recurrence --build`)")
+                     "zebra_jax.model.recurrence.native --build`)")
   return build(cxx, march())
 
 
@@ -310,7 +310,7 @@ def _forward(x_proj, h0, c0, w_h, keep):
   s, t, b, g4 = x_proj.shape
   if keep is None and t == 1 and 2 * s * b * g4 * (g4 // 4) < ONE_STEP_FLOPS:
     # pylint: disable-next=protected-access
-    return recurrence._forward(x_proj, h0, c0, w_h, 1, None)
+    return scan._forward(x_proj, h0, c0, w_h, 1, None)
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
   window = jax.ShapeDtypeStruct((s, t, b, g4 // 4), f32)
@@ -340,17 +340,17 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
           threads=np.int64(threads(2 * s * t * b * g4 * (g4 // 4))))
 
 
-_native_layer = recurrence.kernel_layer(_forward, _backward)
+_native_layer = scan.kernel_layer(_forward, _backward)
 
 
 def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):
-  """`recurrence.zebra_layer` with its time loops in C++: same arguments and
+  """`scan.zebra_layer` with its time loops in C++: same arguments and
   results. Where the kernels cannot run, the scan runs, with one warning."""
   why = unavailable(w_h.dtype, inputs.shape)
   if why:
-    recurrence.warn_once(
+    scan.warn_once(
         f"model.recurrence=native: {why}; running the scan instead")
-    return recurrence.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
+    return scan.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
                                   remat)
   return _native_layer(inputs, w_x, bias, h0, c0, w_h, remat)
 
@@ -359,7 +359,7 @@ def main(argv=None) -> int:
   """`--build`: compiles the library ahead of time (for a node without a
   compiler: copy it there and set ZEBRA_JAX_NATIVE_LIB)."""
   parser = argparse.ArgumentParser(
-      prog="python3 -m zebra_jax.model.native_recurrence",
+      prog="python3 -m zebra_jax.model.recurrence.native",
       description="Build the native CPU time loops ahead of time.")
   parser.add_argument("--build", action="store_true", required=True,
                       help="compile the library (or find it in the cache)")
