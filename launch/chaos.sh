@@ -3,4 +3,4 @@
 # and a full disk, each followed by a resume; prints fault / recovered / steps lost.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python3 -m zebra_jax.tools.chaos "$@"
+exec python3 -m lab.chaos "$@"

@@ -18,6 +18,8 @@ case "$level" in
   *) echo "error: the level is char or word, not '$level'" >&2; exit 2 ;;
 esac
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
-exec python3 -m zebra_jax.tools.experiments --out="$out" --budget_minutes=3.25 \
+# The lab runs from this checkout (it is not part of the installed package).
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+exec python3 -m lab.experiments --out="$out" --budget_minutes=3.25 \
     --seeds=0,1,2 --stripes=1,4,8 --grouped=4,8,16 --equal_time=4,8,16 \
     --config=demo "${data[@]}" "$@"

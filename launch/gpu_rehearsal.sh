@@ -137,7 +137,7 @@ fi
 
 # The documented calls and their budget, from the tree being rehearsed.
 plan=$(cd "$tree" && PYTHONPATH="$tree" "$py" -c '
-from zebra_jax.benchmarks.gpu_results import CALLS, CALL_BUDGET_S
+from lab.benchmarks.gpu_results import CALLS, CALL_BUDGET_S
 print(CALL_BUDGET_S)
 print(";".join(" ".join(c) for c in CALLS))')
 budget=${REHEARSAL_CALL_BUDGET:-$(sed -n 1p <<< "$plan")}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure: python -m zebra_jax.tools.gpu_report from the repository
+# Every GPU figure: python -m lab.gpu_report from the repository
 # root (the project itself need not be pip-installed).
 #
 #   bash launch/gpu_report.sh [--dry-run] [--no-install] [STAGE ...]
@@ -13,7 +13,7 @@
 #
 # Stages: smoke quick bench wt103 precision infer scaling (none named: all of
 # them; each runs in its own process under its own time budget,
-# zebra_jax/benchmarks/gpu_results.py's STAGE_BUDGET_S).
+# lab/benchmarks/gpu_results.py's STAGE_BUDGET_S).
 #
 # What it installs, one printed line per decision:
 # - jax: nothing when the Python already has jax with a CUDA plugin (a GPU
@@ -74,7 +74,7 @@ if [[ -n "$dry" ]]; then
 else
   OUT=${OUT:-docs}
 fi
-# Imports zebra_jax from this checkout, in every subprocess too.
+# Imports zebra_jax and the lab from this checkout, in every subprocess too.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # "JAX_VERSION PLUGIN", "-" for what is missing. A plugin module is enough;
@@ -140,4 +140,4 @@ done
 
 stage_flag=${csv:+--stages=${csv}}
 echo "=== gpu_report ${stage_flag:-(every stage)} ${dry} --out=${OUT}"
-exec "$PYTHON" -m zebra_jax.tools.gpu_report --out="$OUT" ${stage_flag} ${dry}
+exec "$PYTHON" -m lab.gpu_report --out="$OUT" ${stage_flag} ${dry}

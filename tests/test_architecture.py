@@ -4,12 +4,15 @@ and importing it changes nothing in the process but what a module declares.
 Floors, lowest first (as docs/architecture.md and the README draw them):
 errors; model and data (side by side, neither imports the other); config;
 configs (the shipped configs, data built on config/base.py); runtime;
-inference; training; benchmarks (they time training and inference); cli
-(flag parsing and mode dispatch, shared by main and the tools); tools
-(scripts: nothing imports them); main. A module imports only from its own
-part and the floors below it: no two parts may import each other. Imports
-made inside functions count as much as those at the top of a module: a lazy
-import that dodges a cycle is still a cycle.
+inference; training; cli (flag parsing and mode dispatch, shared by main
+and the lab's scripts); main. A module imports only from its own part and
+the floors below it: no two parts may import each other. Imports made inside
+functions count as much as those at the top of a module: a lazy import that
+dodges a cycle is still a cycle.
+
+The lab (lab/, beside the package) stands on top: it imports the package,
+the package never imports it. Inside it the scripts (lab/NAME.py, run as
+python -m lab.NAME) stand on lab/benchmarks/, and no script imports another.
 """
 
 import ast
@@ -23,26 +26,27 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "zebra_jax")
+LAB = os.path.join(ROOT, "lab")
 
 # Lowest first; the parts of one floor do not import each other.
 FLOORS = (("errors", "strict_json", "progress"), ("model", "data"),
           ("config",), ("configs",), ("runtime",), ("inference",),
-          ("training",), ("benchmarks",), ("cli",), ("tools",), ("main",))
+          ("training",), ("cli",), ("main",))
 # What each part may import from the package (besides itself): the floors
 # below its own.
 ALLOWED = {part: {low for below in FLOORS[:level] for low in below}
            for level, floor in enumerate(FLOORS) for part in floor}
 
 
-def _modules() -> dict[str, str]:
-  """Dotted module name -> file path, for every module of the package."""
+def _modules(package: str = PACKAGE) -> dict[str, str]:
+  """Dotted module name -> file path, for every module of a package."""
   found = {}
-  for folder, _, files in os.walk(PACKAGE):
+  for folder, _, files in os.walk(package):
     for name in files:
       if not name.endswith(".py"):
         continue
       path = os.path.join(folder, name)
-      rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3]
+      rel = os.path.relpath(path, os.path.dirname(package))[:-3]
       dotted = rel.replace(os.sep, ".").removesuffix(".__init__")
       found[dotted] = path
   return found
@@ -66,8 +70,8 @@ def _imports(path: str, modules: dict[str, str]) -> set[str]:
   return out
 
 
-def _graph() -> dict[str, set[str]]:
-  modules = _modules()
+def _graph(package: str = PACKAGE) -> dict[str, set[str]]:
+  modules = _modules(package)
   return {name: _imports(path, modules) for name, path in modules.items()}
 
 
@@ -129,19 +133,37 @@ def test_every_part_of_the_package_has_a_floor():
   assert parts == set(ALLOWED)
 
 
-def test_nothing_outside_tools_imports_tools():
-  """tools/ holds scripts: what they share lives in a library floor."""
-  wrong = [f"{module} imports {dep}" for module, deps in _graph().items()
-           for dep in deps
-           if _part(dep) == "tools" and _part(module) != "tools"]
-  assert not wrong, "\n".join(wrong)
+def _top_level_imports(path: str) -> set[str]:
+  """The first name of every module `path` imports, wherever in the file."""
+  found = set()
+  for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+    if isinstance(node, ast.Import):
+      found.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      found.add(node.module.split(".")[0])
+  return found
 
 
-def test_no_tool_imports_another_tool():
-  wrong = [f"{module} imports {dep}" for module, deps in _graph().items()
-           for dep in deps if _part(module) == _part(dep) == "tools"
-           and dep != "zebra_jax.tools"]
-  assert not wrong, "\n".join(wrong)
+def test_the_package_never_imports_the_lab():
+  """The wheel ships zebra_jax/ alone: an import of lab/ would fail there."""
+  wrong = [name for name, path in _modules().items()
+           if "lab" in _top_level_imports(path)]
+  assert not wrong, wrong
+
+
+def _lab_script(module: str) -> bool:
+  """lab.NAME (a script) rather than lab, lab.benchmarks or below."""
+  return module.count(".") == 1 and module != "lab.benchmarks"
+
+
+def test_the_lab_stands_on_the_package():
+  graph = _graph(LAB)
+  assert "lab.bench" in graph and "lab.benchmarks.speed" in graph["lab.bench"]
+  assert "zebra_jax" in _top_level_imports(_modules(LAB)["lab.bench"])
+  scripts_imported = [f"{module} imports {dep}"
+                      for module, deps in graph.items() for dep in deps
+                      if _lab_script(dep)]
+  assert not scripts_imported, "\n".join(scripts_imported)
 
 
 def _documented_floors(path: str, start: str) -> list[str]:
@@ -171,6 +193,9 @@ def test_the_docs_draw_the_floors_in_this_order():
   assert set(ALLOWED) <= set(lowest_first), lowest_first
   assert _floor_order(lowest_first) == sorted(_floor_order(lowest_first)), (
       lowest_first)
+  # The lab, beside the package, is drawn above its top floor.
+  assert top_first.index("lab") < top_first.index("main"), top_first
+  assert lowest_first.index("lab") > lowest_first.index("main"), lowest_first
 
 
 @pytest.mark.parametrize("low", ["model", "data"])
@@ -218,13 +243,10 @@ DECLARED_EFFECTS = {
     "zebra_jax.main": {
         "flags": "the zebra-jax command's absl flags (--config, --mode...)"},
     "zebra_jax.runtime.distributed": {
-        "flags": "the multi-process flags main and the tools share"},
+        "flags": "the multi-process flags main and the lab share"},
     "zebra_jax.runtime.checkpoint": {
         "logging": "a filter on absl's logger that drops orbax's per-file "
                    "lines and the errors of its own background threads"},
-    "zebra_jax.tools.stripe_bench": {
-        "environ": "XLA_FLAGS (8 emulated CPU devices) and JAX_PLATFORMS, "
-                   "which jax reads when its backend starts: a script"},
 }
 
 

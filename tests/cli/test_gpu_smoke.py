@@ -42,6 +42,6 @@ def test_train_eval_sample_on_the_gpu(tmp_path):
 
 
 def test_bench_quick_on_the_gpu(tmp_path):
-  out = _run("-m", "zebra_jax.tools.bench", "--quick", "--memory=false",
+  out = _run("-m", "lab.bench", "--quick", "--memory=false",
              f"--json={tmp_path / 'bench.json'}")
   assert (tmp_path / "bench.json").exists(), out

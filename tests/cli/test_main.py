@@ -265,8 +265,8 @@ def test_removed_numeric_flag_names_its_config_field(tmp_path, flag, field):
   assert line.startswith("error: ") and f"use {field}" in line, line
 
 
-def test_modes_that_became_tools_name_their_command(tmp_path):
+def test_modes_that_became_lab_scripts_name_their_command(tmp_path):
   out = _cli("--mode=infer_bench", f"--workdir={tmp_path}", cwd=tmp_path)
   assert out.returncode == 2
   (line,) = out.stderr.strip().splitlines()
-  assert "python -m zebra_jax.tools.infer_bench" in line, line
+  assert "python -m lab.infer_bench --workdir=DIR in a checkout" in line, line

@@ -143,7 +143,7 @@ def test_make_tokenizer_unknown_kind():
 
 
 def test_char_encode_round_trips_a_megabyte():
-  # Speed is measured by tools/data_bench.py; here: a megabyte of text in one
+  # Speed is measured by lab/data_bench.py; here: a megabyte of text in one
   # vectorised call gives one id per character, exactly invertible.
   text = "".join(f"{i % 97} The quick brown fox jumps over the lazy dog.\n"
                  for i in range(22_000))  # ~1.1 MB, ASCII: 1 byte a char

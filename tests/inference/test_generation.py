@@ -1,7 +1,6 @@
-"""Generation: batched prompts of different lengths, chunks, stop, stream, CLI,
-and the inference benchmark."""
+"""Generation: batched prompts of different lengths, chunks, stop, stream and
+the CLI."""
 
-import json
 import subprocess
 import sys
 
@@ -10,7 +9,6 @@ import pytest
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference import engine, loading, sample
-from zebra_jax.inference import benchmark
 from tests.helpers import REPO
 
 PROMPTS = ["the ", "line 12: the quick", "x"]
@@ -138,24 +136,6 @@ def test_cli_prompt_file_and_stream(trained, tmp_path):
     stream_cfg = cfg.copy_and_resolve_references()
     stream_cfg.sample.stream = True
     sample.run(stream_cfg, workdir, ["the ", "x"])
-
-
-def test_infer_bench_reports_throughput_and_latency_percentiles(trained,
-                                                                tmp_path):
-  cfg, workdir, _ = trained
-  path = str(tmp_path / "bench.json")
-  report = benchmark.run(cfg, workdir, ["1", "2"], new_tokens=3,
-                           prompt_len=4, requests=2, json_path=path)
-  assert json.load(open(path)) == report
-  assert [r["batch_size"] for r in report["results"]] == [1, 2]
-  for r in report["results"]:
-    assert r["tokens_per_s"] > 0
-    for stats in (r["token_latency_ms"], r["request_latency_ms"]):
-      assert 0 < stats["p50"] <= stats["p90"] <= stats["p95"] <= stats["p99"]
-  stats = benchmark.latency_stats([0.001, 0.002, 0.003, 0.004])
-  assert stats["avg"] == pytest.approx(2.5) and stats["p50"] == pytest.approx(2.5)
-  with pytest.raises(UserError, match="--batch_sizes"):
-    benchmark.run(cfg, workdir, ["one"])
 
 
 def test_bpe_continuations_keep_their_own_spaces_and_whole_characters():

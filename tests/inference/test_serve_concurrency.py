@@ -259,12 +259,12 @@ def test_api_key_401_without_or_with_a_wrong_key(service):
 
 @pytest.mark.slow
 def test_serve_bench_reports_every_phase(service, tmp_path):
-  """tools/serve_bench against a live server: every phase counted, no
+  """lab/serve_bench.py against a live server: every phase counted, no
   errors, the engine's programs unchanged, its JSON complete."""
   out = tmp_path / "bench.json"
   with running(service) as port:
     done = subprocess.run(
-        [sys.executable, "-m", "zebra_jax.tools.serve_bench",
+        [sys.executable, "-m", "lab.serve_bench",
          f"--url=http://127.0.0.1:{port}", "--seed_prompt=line 1: the ",
          "--clients=1,3", "--seconds=1", "--client_procs=2",
          "--max_tokens=8", f"--json={out}"],

@@ -18,9 +18,9 @@ from zebra_jax.errors import UserError
 from zebra_jax.model import lm
 from zebra_jax.model.config import ModelConfig
 from zebra_jax.runtime import checkpoint, config_checks, parallel
-from zebra_jax.runtime import hlo_collectives as hc
-from zebra_jax.runtime import scaling
 from zebra_jax.training import loop, train_state
+from lab import scaling
+from lab.benchmarks import hlo_collectives as hc
 from tests.helpers import random_batches
 
 MESHES = [(1, 8), (2, 4), (4, 2)]  # (data, stripe)

@@ -1,1 +1,1 @@
-"""Command-line plumbing shared by zebra_jax.main and the tools."""
+"""Command-line plumbing shared by zebra_jax.main and the lab's scripts."""

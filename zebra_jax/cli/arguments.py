@@ -24,10 +24,11 @@ REMOVED_FLAGS = {
     "stream": "sample.stream", "stream_chunk": "sample.chunk",
     "max_new_tokens": "sample.max_new_tokens",
     "num_samples": "sample.num_samples"}
-# Modes that became their tools' own commands.
+# Modes that became the lab's own commands (lab/, beside the package: they
+# run from a checkout of the repository, not from the wheel).
 REMOVED_MODES = {
-    "bench": "python -m zebra_jax.tools.bench (e.g. --quick)",
-    "infer_bench": "python -m zebra_jax.tools.infer_bench --workdir=DIR"}
+    "bench": "python -m lab.bench (e.g. --quick)",
+    "infer_bench": "python -m lab.infer_bench --workdir=DIR"}
 
 
 def flag_value(argv: list[str], name: str) -> str | None:
@@ -58,7 +59,7 @@ def check_removed(argv: list[str]) -> None:
   mode = flag_value(argv, "mode")
   if mode in REMOVED_MODES:
     raise UserError(f"--mode={mode} is its own command now: run "
-                    f"{REMOVED_MODES[mode]}")
+                    f"{REMOVED_MODES[mode]} in a checkout of the repository")
 
 
 def load(mode: str, spec: str | None, workdir: str | None,

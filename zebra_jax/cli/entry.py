@@ -1,7 +1,7 @@
 """Running an absl program with one `error:` line (exit 2) for bad input.
 
-Used by zebra_jax.main and the tools, so every entry point parses flags the
-same way: absl flags, --config files, UserError as one line.
+Used by zebra_jax.main and the lab's scripts, so every entry point parses
+flags the same way: absl flags, --config files, UserError as one line.
 """
 
 import re

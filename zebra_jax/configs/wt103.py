@@ -35,7 +35,7 @@ kernel latency whatever the GPU count, plus ~2 ms of all-reduce:
   1      30-80     0.2-0.55M     3-9                           0.8-2.3 h
   8      15-47     0.35-1.1M     1.5-5                         0.4-1.3 h
 
-With 8 GPUs the recurrence dominates; measure with `python -m zebra_jax.tools.bench
+With 8 GPUs the recurrence dominates; measure with `python -m lab.bench
 --shape=gpu` and the `tok/s` of the first log lines before trusting these.
 
 The recurrence: the recipe keeps base's model.recurrence=scan. With
@@ -44,7 +44,7 @@ model.recurrence=pallas its stripes (G=256, bfloat16) run the fused kernel
 U_s (512 KiB a stripe, more than a program's registers or shared memory)
 re-read from L2 every step in 64-row blocks; 8 stripes x 128/16 = 64
 programs a layer on one GPU, 8 on each of 8 GPUs (batch 16 each). Not yet
-measured against the scan. `python -m zebra_jax.tools.gpu_report
+measured against the scan. `python -m lab.gpu_report
 --stage=wt103` trains this model (with the scan) on synthetic ids for tok/s,
 ms/step, peak memory and the share of the step in the LSTM layers, the head
 and the optimizer; its "pallas" line says only whether the kernel would run

@@ -25,7 +25,7 @@ against 2,313-3,422 without (1.14x to 1.77x), and peaked at 881-904 MB of
 resident memory against 823-861 MB (5% more, medians).
 Importing the package changes nothing: the entry points call it first
 (`zebra-jax` and `python -m zebra_jax.main` in main.run, the tools in
-cli/entry.run_tool, tools/bench.py), before JAX starts its backend: a thread
+cli/entry.run_tool, lab/bench.py), before JAX starts its backend: a thread
 picks its arena at its first allocation, so setting it later leaves the
 runtime's threads where they are. A program of one's own that imports the
 package calls `reuse_freed_host_memory()` before its first computation for

@@ -1,6 +1,6 @@
 """Loss and perplexity curves from metrics.jsonl, several workdirs overlaid.
 
-Drawn by `zebra-jax --mode=plot` and `python -m zebra_jax.tools.plot`.
+Drawn by `zebra-jax --mode=plot` (--compare overlays more workdirs).
 
 The figure has a row per quantity (loss, ppl) and a column per x axis (step,
 wall-clock seconds): stripes trade speed for quality, so a comparison is only

@@ -8,7 +8,7 @@ the train step ("loss", "optimizer").
 
 Peak memory: on GPUs the allocator's `peak_bytes_in_use`; on CPU the process's
 peak resident set size. Both only ever grow within a process, so comparing two
-configurations needs two processes (zebra_jax.benchmarks.memory does that).
+configurations needs two processes (lab.benchmarks.memory does that).
 XLA's own buffer plan for one compiled step (`compiled_bytes`) is exact per step and
 needs no run, so it also answers "which window fits this budget".
 """

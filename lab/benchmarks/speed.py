@@ -1,0 +1,257 @@
+"""Speed and memory benchmark: ZebraLSTM next to PyTorch nn.LSTM, one process.
+
+Rows (tokens/s, ms/step, ratio to torch, model GFLOP/s and fraction of the
+best matmul measured in this run, XLA's planned bytes per step):
+  core_S{s}   stacked ZebraLSTMLayers + Adam, sum-of-squares loss on outputs
+  core_S1_remat  core_S1 with model.remat (the gates recomputed), beside it
+  core_S{s}_autodiff  the same with JAX's autodiff of the scan instead of the
+              hand-written backward pass (recurrence.py)
+  lm_S{s}     embedding -> layers -> tied head -> cross-entropy, + Adam
+  eval_S{s}   the LM forward with carry (evaluate.eval_step)
+  gen_S{s}_b{b}  sampling.generate: one token at a time in a jitted scan
+              from the full distribution; _nucleus: with the sample
+              config's default temperature, top_k and top_p
+  *_S{s}_grouped  the same with model.stripe_input=grouped: every matmul of
+              a layer split in S blocks, stripes shuffled between layers
+  *_native    the same with model.recurrence=native: the time loops as
+              compiled C++ (model/recurrence/native.py; CPU shapes)
+  word_S{s}[_grouped][_adaptive]  the LM train step at the word-level shape
+              (hidden 256, 16,384 words, Zipf-distributed tokens), full or
+              adaptive head: where the softmax, not the recurrence, costs
+  torch_*_{n}t  nn.LSTM (+ nn.Embedding and a tied head, or
+              nn.AdaptiveLogSoftmaxWithLoss) of the same shape on n threads;
+              ratios are against the faster thread count; float32 weights
+              and Adam state, under torch.autocast in bfloat16 (as JAX
+              keeps float32 parameters and computes in bfloat16)
+Every timed function runs once untimed, then all run interleaved, round after
+round, and each row reports its median: the machine's noise (other jobs) hits
+every row alike, so on shared CPUs compare ratios, not absolute times.
+Memory: one fresh process per window (peak RSS on CPU, peak_bytes_in_use on
+GPU) and XLA's buffer plan.
+
+FLOPs are the matmuls each step runs, counted analytically per token: input
+projection 2*in*4H (grouped: /S), recurrence 2*H*4H/S, head 2*H*V (adaptive:
+the shortlist, and each tail for the share of tokens it holds). A train step
+runs each three times (forward, weight gradient, input gradient), except the
+first layer's input gradient where nothing needs it: the core rows' inputs
+are data (JAX never computes it; torch's autograd skips it too, the input not
+requiring grad); the LM rows need it for the embedding. Remat's recomputed
+matmuls are not counted (model FLOPs). The peak is the best measured matmul
+of several shapes in the compute dtype, the steps' own among them, each call
+at least 10 ms of work even at the datasheet's rate, shown beside the
+datasheet's dense bf16 figure where the device is known; a row above 100% of
+it would mean the peak is wrong, and the output says so.
+"""
+
+import functools
+import os
+
+import jax
+
+from lab.benchmarks.flops import step_flops, torch_flops
+from lab.benchmarks.memory import memory_rows
+from lab.benchmarks.shapes import SHAPES, word_shape
+from lab.benchmarks.steps import (core_runner, eval_runner, gen_runner,
+                                        lm_runner, word_runner)
+from lab.benchmarks.table import print_rows, speed_columns
+from lab.benchmarks.timing import datasheet, matmul_peak, time_interleaved
+from lab.benchmarks.torch_reference import torch_runners
+from lab.benchmarks import traces
+from lab.benchmarks.traces import trace_rows
+from zebra_jax import strict_json
+from zebra_jax.runtime import profiling
+
+def row_specs(shape) -> dict:
+  """{group: {row: (build, tokens per call, FLOPs per token)}}: build()
+  compiles the row's runner, so that a caller compiles a group's rows just
+  before timing them (and can time a few rows first)."""
+  b, t = shape["batch"], shape["seq_len"]
+  word = word_shape(shape)
+  first, last = shape["stripes"][0], shape["stripes"][-1]
+  grouped = shape["grouped_stripes"]
+  lm_rows = [(s, False) for s in shape["lm_stripes"]] + [
+      (s, True) for s in grouped]
+  # model.recurrence=native beside the scan: the first dense and the last
+  # grouped setting (CPU shapes only)
+  native_rows = ([(first, False), (grouped[-1], True)] if shape.get("native")
+                 else [])
+  suffix = lambda is_grouped: "_grouped" if is_grouped else ""
+  core_flops = lambda s, g=False: step_flops(shape, s, grouped=g,
+                                             input_grad=False)
+  lm_flops = lambda s, g, train=True: step_flops(shape, s, grouped=g,
+                                                 head="full", train=train)
+  p = functools.partial
+  groups = {
+      "core": {
+          **{f"core_S{s}": (p(core_runner, shape, s), b * t, core_flops(s))
+             for s in shape["stripes"]},
+          f"core_S{first}_remat": (p(core_runner, shape, first, remat=True),
+                                   b * t, core_flops(first)),
+          **{f"core_S{s}_grouped": (p(core_runner, shape, s, grouped=True),
+                                    b * t, core_flops(s, True))
+             for s in grouped},
+          **{f"core_S{s}_autodiff": (p(core_runner, shape, s,
+                                       custom_vjp=False),
+                                     b * t, core_flops(s))
+             for s in (first, last)},
+          **{f"core_S{s}{suffix(g)}_native": (
+              p(core_runner, shape, s, grouped=g, kernel="native"), b * t,
+              core_flops(s, g)) for s, g in native_rows}},
+      "lm": {**{f"lm_S{s}{suffix(g)}": (p(lm_runner, shape, s, grouped=g),
+                                        b * t, lm_flops(s, g))
+                for s, g in lm_rows},
+             **{f"lm_S{s}{suffix(g)}_native": (
+                 p(lm_runner, shape, s, grouped=g, kernel="native"), b * t,
+                 lm_flops(s, g)) for s, g in native_rows}},
+      "eval": {**{f"eval_S{s}{suffix(g)}": (p(eval_runner, shape, s, g),
+                                            b * t, lm_flops(s, g, train=False))
+                  for s, g in lm_rows},
+               **{f"eval_S{s}{suffix(g)}_native": (
+                   p(eval_runner, shape, s, g, kernel="native"), b * t,
+                   lm_flops(s, g, train=False)) for s, g in native_rows}},
+      "gen": {f"gen_S{s}{suffix(g)}_b{gb}{'_nucleus' if n else ''}": (
+                  p(gen_runner, shape, s, gb, g, nucleus=n),
+                  gb * shape["gen_tokens"], lm_flops(s, g, train=False))
+              for s, g in lm_rows for gb in (1, b) for n in (False, True)},
+  }
+  for head in ("full", "adaptive"):
+    name = "word" if head == "full" else "word_adaptive"
+    groups[name] = {
+        f"word_S{s}{suffix(g)}{'' if head == 'full' else '_adaptive'}": (
+            p(word_runner, word, s, grouped=g, head=head), b * t,
+            step_flops(word, s, grouped=g, head=head))
+        for s, g in ((1, False), (last, True))}
+  return groups
+
+
+def time_group(shape, group, specs, torch_fns, rounds, peak,
+               trace_dir=None) -> tuple[list[dict], dict]:
+  """(rows, trace breakdown) of one group: its rows compiled, then timed
+  interleaved with torch's rows of the group (ratios are against the
+  fastest torch thread count); trace_dir: one profiled step of each JAX row
+  afterwards, into trace_dir/group."""
+  b, t = shape["batch"], shape["seq_len"]
+  runners = {name: build() for name, (build, _, _) in specs.items()}
+  fns = dict(runners)
+  torch_name = f"torch_{group}"
+  for threads, fn in torch_fns.get(group, {}).items():
+    fns[f"{torch_name}_{threads}t"] = fn
+  sec = time_interleaved(fns, rounds)
+  torch_secs = {n: v for n, v in sec.items() if n.startswith(torch_name)}
+  base = min(torch_secs.values()) if torch_secs else None
+  rows = [_row(name, group, sec[name], tokens, flops, peak, base,
+               getattr(runners[name], "compiled", None))
+          for name, (_, tokens, flops) in specs.items()]
+  rows += [_row(name, group, torch_sec, b * t, torch_flops(shape)[group],
+                peak, base) for name, torch_sec in torch_secs.items()]
+  breakdown = (trace_rows(os.path.join(trace_dir, group), runners)
+               if trace_dir else {})
+  return rows, breakdown
+
+
+def speed_rows(shape, rounds, trace_dir=None):
+  """Every timed row, group after group, each group compiled just before
+  it is timed."""
+  torch_fns, torch_note = torch_runners(shape)
+  peak, peak_by_shape = matmul_peak(shape, rounds)
+  rows, breakdown = [], {}
+  for group, specs in row_specs(shape).items():
+    group_rows, group_breakdown = time_group(shape, group, specs, torch_fns,
+                                             rounds, peak, trace_dir)
+    rows += group_rows
+    breakdown.update(group_breakdown)
+  return rows, peak, peak_by_shape, torch_note, breakdown
+
+
+def _row(name, group, sec, tokens, flops, peak, torch_sec, compiled=None):
+  gflops = flops * tokens / sec / 1e9
+  return {"name": name, "group": group, "tokens_per_s": tokens / sec,
+          "ms_per_step": 1e3 * sec,
+          "ratio_to_torch": None if torch_sec is None else torch_sec / sec,
+          "gflops": gflops, "frac_of_peak": gflops * 1e9 / peak,
+          "xla_bytes": profiling.compiled_bytes(compiled) if compiled else None}
+
+
+# ------------------------------------------------------------ reporting
+
+
+def _mb(x):
+  return "-" if x is None else f"{x / 2 ** 20:,.0f} MB"
+
+
+def peak_text(result) -> str:
+  """The best measured matmul beside the datasheet's figure."""
+  sheet = result["datasheet_bf16_tflops"]
+  return (f"best measured matmul {result['matmul_peak_gflops']:,.0f} GFLOP/s "
+          f"({result['config']['dtype']}); datasheet dense bf16 "
+          + (f"{sheet:,.0f} TFLOP/s ({result['datasheet']})" if sheet
+             else "unknown"))
+
+
+def print_table(result, trace_dir=None) -> None:
+  print(f"\n{result['device']} | shape {result['shape']} | "
+        f"{peak_text(result)} | {result['torch']}")
+  print("matmul GFLOP/s by shape: " + ", ".join(
+      f"{k} {v:,.0f}" for k, v in result["matmul_gflops_by_shape"].items()))
+  print_rows(result["rows"], speed_columns(28, 11) + [
+      ("model GFLOP/s", 14, lambda r: f"{r['gflops']:.1f}"),
+      ("% peak", 8, lambda r: f"{100 * r['frac_of_peak']:.0f}%"),
+      ("XLA plan", 11, lambda r: _mb(r["xla_bytes"]))])
+  if result.get("memory"):
+    print(f"\nLM step S=1, batch {result['config']['batch']}: peak memory")
+    print(f"{'window':>7}{'remat':>7}{'measured peak':>15}{'XLA plan':>11}")
+    for m in result["memory"]:
+      print(f"{m['seq_len']:>7}{str(m['remat']):>7}{_mb(m['peak_bytes']):>15}"
+            f"{_mb(m['xla_bytes']):>11}   ({m['peak_source']})")
+    fit = result["max_window"]
+    print(f"largest window in {fit['budget_gb']} GB (XLA plan, linear fit): "
+          f"{fit['max_seq_len']}")
+  if result.get("trace_breakdown"):
+    print(f"\ndevice time of one traced step, ms by kind of op "
+          f"(trace in {trace_dir or 'the trace folder'})")
+    print(f"{'row':<28}" + "".join(f"{k:>21}" for k in traces.KINDS)
+          + f"{'ops':>8}")
+    for name, b in result["trace_breakdown"].items():
+      print(f"{name:<28}" + "".join(f"{b[k]:>21.1f}" for k in traces.KINDS)
+            + f"{b['ops']:>8}")
+  for note in result["notes"]:
+    print(f"note: {note}")
+
+
+def run(quick: bool = False, shape_name: str = "A", json_path=None,
+        rounds: int = 0, memory: bool = True, trace_dir=None) -> dict:
+  """Runs every row; prints the table; returns (and optionally writes) it."""
+  shape = SHAPES["quick" if quick else shape_name]
+  rounds = rounds or (3 if quick else 7)
+  rows, peak, peak_by_shape, torch_note, breakdown = speed_rows(
+      shape, rounds, trace_dir)
+  notes = [torch_note] if torch_note else []
+  over = [r["name"] for r in rows if r["frac_of_peak"] > 1.0]
+  if over:  # nothing is clamped: the peak, not the row, is wrong
+    notes.append(f"{', '.join(over)} above the best measured matmul: the "
+                 "peak underestimates this machine (load changed while "
+                 "timing, or a faster matmul shape exists)")
+  sheet, sheet_name = datasheet(jax.devices()[0].device_kind)
+  result = {"device": f"{jax.devices()[0].device_kind} x1 "
+                      f"({os.cpu_count()} CPU cores visible)",
+            "shape": "quick" if quick else shape_name,
+            "config": {k: v for k, v in shape.items()},
+            "matmul_peak_gflops": peak / 1e9,
+            "datasheet_bf16_tflops": sheet and sheet / 1e12,
+            "datasheet": sheet_name,
+            "matmul_gflops_by_shape": peak_by_shape,
+            "torch": torch_note or "-",
+            "rows": rows, "notes": notes}
+  if breakdown:
+    result["trace_breakdown"] = breakdown
+  if memory:
+    result["memory"], result["max_window"] = memory_rows(
+        result["shape"], fresh_processes=not quick)
+    if quick:
+      notes.append("quick: memory rows share one process, so their peaks "
+                   "are cumulative")
+  print_table(result, trace_dir)
+  if json_path:
+    with open(json_path, "w") as f:
+      strict_json.dump(result, f, indent=1)
+  return result

@@ -1,0 +1,203 @@
+"""The JAX steps the benchmarks time: core layers, LM, eval, word-level,
+generation; each compiled once and called as a `Runner`.
+
+The LM rows run the product's own train step (training/loop.py's
+compile_train_step), so a change to that step is what they measure; only the
+core rows (stacked layers, no embedding or head) build a step of their own.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from lab.benchmarks.shapes import model_config, zipf_probs
+from zebra_jax.config import base
+from zebra_jax.inference import sampling
+from zebra_jax.model import lm
+
+def _adam_step(loss_fn, tx):
+  """(params, opt_state, *args) -> (params, opt_state, loss); donates state."""
+  def step(params, opt_state, *args):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *args)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+    return params, opt_state, loss
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _random_split(build):
+  """(graphdef, params) of build(), params drawn uniformly in +-0.1.
+
+  Speed does not depend on the values, and the real initializers (orthogonal
+  blocks need a QR) take seconds to compile per shape.
+  """
+  graphdef, shapes = nnx.split(nnx.eval_shape(build))
+  leaves, treedef = jax.tree.flatten(shapes)
+
+  @jax.jit
+  def draw(key):
+    keys = jax.random.split(key, len(leaves))
+    return [jax.random.uniform(k, x.shape, x.dtype, -0.1, 0.1)
+            for k, x in zip(keys, leaves)]
+  return graphdef, jax.tree.unflatten(treedef, draw(jax.random.key(0)))
+
+
+def _create(cfg):
+  return _random_split(lambda: lm.ZebraLM(cfg, rngs=nnx.Rngs(0)))
+
+
+class Runner:
+  """A compiled step and its live arguments; calling it runs one step.
+
+  feedback maps output positions to the argument they replace next call (the
+  donated train state, or the eval carry).
+  """
+
+  def __init__(self, jitted, args, feedback: dict[int, int]):
+    self.compiled = jitted.lower(*args).compile()
+    self.args, self.feedback = list(args), feedback
+
+  def __call__(self):
+    out = self.compiled(*self.args)
+    for out_index, arg_index in self.feedback.items():
+      self.args[arg_index] = out[out_index]
+    jax.block_until_ready(out)
+
+
+def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True,
+                grouped=False, kernel="scan"):
+  """Stacked ZebraLSTMLayers (no embedding/softmax) + Adam on random inputs.
+
+  custom_vjp=False differentiates the scan with plain autodiff: the row that
+  shows what the hand-written backward pass (recurrence.py) buys. grouped:
+  block-diagonal input projections, the stripes shuffled between layers as
+  the LM does. kernel: the layers' recurrence (model.recurrence)."""
+  b, t, h = shape["batch"], seq_len or shape["seq_len"], shape["hidden"]
+  dt = lm.compute_dtype(shape["dtype"])
+  graphdef, params = _random_split(lambda: nnx.List([
+      lm.ZebraLSTMLayer(h, h, stripes, rngs=nnx.Rngs(i), dtype=dt,
+                        remat=remat, custom_vjp=custom_vjp, grouped=grouped,
+                        kernel=kernel)
+      for i in range(shape["layers"])]))
+  x = jax.random.normal(jax.random.key(0), (b, t, h), dt)
+  zeros = jnp.zeros((b, h), jnp.float32)
+
+  def loss_fn(params, x):
+    y = x
+    for i, layer in enumerate(nnx.merge(graphdef, params)):
+      with jax.named_scope(f"zebra_lstm_{i}"):
+        if i > 0 and grouped:
+          y = lm.stripe_shuffle(y, stripes)
+        y, _ = layer(y, (zeros, zeros))
+    return jnp.sum(jnp.square(y.astype(jnp.float32))) / y.size
+
+  tx = optax.adam(1e-3)
+  return Runner(_adam_step(loss_fn, tx), (params, tx.init(params), x),
+                 {0: 0, 1: 1})
+
+
+def random_tokens(shape, seq_len=None, seed=0):
+  t = seq_len or shape["seq_len"]
+  if shape.get("zipf"):  # the word-level shape: Zipf-distributed ids
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.choice(shape["vocab"], (shape["batch"], t + 1),
+                                  p=zipf_probs(shape["vocab"])), jnp.int32)
+  return jax.random.randint(jax.random.key(seed), (shape["batch"], t + 1), 0,
+                            shape["vocab"])
+
+
+def train_step(model, batch_size: int, devices=None):
+  """The product's train step (training/loop.py) for `model` (a model config)
+  over a data mesh of `devices` (default: the first): (jitted step, fresh
+  state, mesh). The state's params are random (_random_split) and its
+  optimizer Adam at 1e-3, the one torch's reference runs; the step donates it.
+
+  Imported here: the training floor brings the multi-process flags, which
+  importing a benchmark should not define.
+  """
+  # pylint: disable=g-import-not-at-top
+  from zebra_jax.runtime import parallel
+  from zebra_jax.training import loop, train_state
+  cfg = base.get_config()
+  cfg.model.update(model)
+  cfg.data.batch_size = batch_size
+  mesh = parallel.make_mesh(devices or jax.devices()[:1])
+  graphdef, params = _create(model)
+  tx = optax.adam(1e-3)
+  state = train_state.TrainState(
+      step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+      carry=lm.init_carry(model, batch_size),
+      rng=jax.random.PRNGKey(cfg.seed),
+      loss_scale=train_state.make_loss_scale(cfg))
+  state = jax.device_put(state, parallel.state_shardings(mesh, state))
+  return loop.compile_train_step(graphdef, tx, mesh, state), state, mesh
+
+
+def train_batch(mesh, tokens) -> dict:
+  """[batch, time + 1] ids -> the train step's batch, sharded on 'data'; the
+  carry is kept from step to step, as a stream batcher keeps it."""
+  # pylint: disable-next=g-import-not-at-top
+  from zebra_jax.runtime import parallel
+  tokens = np.asarray(tokens, np.int32)
+  return {"inputs": parallel.global_batch(mesh, tokens[:, :-1]),
+          "targets": parallel.global_batch(mesh, tokens[:, 1:]),
+          "reset": np.asarray(False)}
+
+
+def _train_runner(model, shape, tokens) -> Runner:
+  step, state, mesh = train_step(model, shape["batch"])
+  return Runner(step, (state, train_batch(mesh, tokens)), {0: 0})
+
+
+def word_runner(shape, stripes, *, grouped=False, head="full"):
+  """The product's train step at the word-level shape (word_shape), full or
+  adaptive head."""
+  cfg = model_config(shape, stripes, grouped, head)
+  return _train_runner(cfg, shape, random_tokens(shape))
+
+
+def lm_runner(shape, stripes, *, seq_len=None, remat=False, grouped=False,
+              kernel="scan"):
+  """The product's train step: embedding, layers, tied head, mean CE, Adam.
+  kernel: the layers' recurrence (model.recurrence)."""
+  cfg = model_config(shape, stripes, grouped, remat=remat, recurrence=kernel)
+  return _train_runner(cfg, shape, random_tokens(shape, seq_len))
+
+
+def eval_runner(shape, stripes, grouped=False, kernel="scan"):
+  """The LM forward with carry, as evaluation runs it. Imported here: the
+  training floor brings the multi-process flags, which importing a benchmark
+  should not define."""
+  from zebra_jax.training import evaluate  # pylint: disable=g-import-not-at-top
+  cfg = model_config(shape, stripes, grouped, recurrence=kernel)
+  graphdef, params = _create(cfg)
+  tokens = random_tokens(shape)
+  step = jax.jit(functools.partial(evaluate.eval_step, graphdef=graphdef),
+                 donate_argnums=1)
+  return Runner(step, (params, lm.init_carry(cfg, shape["batch"]),
+                        tokens[:, :-1], tokens[:, 1:]), {0: 1})
+
+
+_SAMPLE_FILTER = {k: base.get_config().sample[k]
+                  for k in ("temperature", "top_k", "top_p")}
+
+
+def gen_runner(shape, stripes, batch, grouped=False, nucleus=False):
+  """sampling.generate from the full distribution; nucleus: with the
+  sample config's default temperature, top_k and top_p."""
+  cfg = model_config(shape, stripes, grouped)
+  graphdef, params = _create(cfg)
+  step_fn = functools.partial(lm.decode_step, graphdef=graphdef)
+  carry = lm.init_carry(cfg, batch)
+  logits = jnp.zeros((batch, shape["vocab"]), jnp.float32)
+  run = functools.partial(
+      sampling.generate, step_fn, params, carry, logits, jax.random.key(0),
+      num_new_tokens=shape["gen_tokens"],
+      **(_SAMPLE_FILTER if nucleus else dict(temperature=1.0)))
+  jax.block_until_ready(run())  # compiles
+  return lambda: jax.block_until_ready(run())

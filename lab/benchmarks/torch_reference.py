@@ -1,0 +1,165 @@
+"""PyTorch nn.LSTM steps of the benchmark shapes: the reference JAX rows are
+compared with, in the same process and timed the same way.
+"""
+
+import contextlib
+import functools
+import os
+
+import jax
+import numpy as np
+
+from lab.benchmarks.shapes import word_shape
+from lab.benchmarks.steps import random_tokens
+
+TORCH_GROUPS = ("core", "lm", "eval", "word", "word_adaptive")
+
+
+def _torch_autocast(torch, device: str, dtype):
+  """torch.autocast to `dtype` (None: off). oneDNN's CPU LSTM has no
+  bfloat16 kernel on CPUs without AVX512-BF16 and raises when autocast
+  hands it one, so on CPUs autocast runs without oneDNN."""
+  stack = contextlib.ExitStack()
+  if dtype is not None:
+    stack.enter_context(torch.autocast(device_type=device, dtype=dtype))
+    if device == "cpu":
+      stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
+  return stack
+
+
+class TorchTrainer:
+  """One torch train step: float32 parameters and float32 Adam state, the
+  forward and backward under torch.autocast when autocast_dtype is set,
+  which is what JAX's bfloat16 steps do (float32 parameters cast for the
+  matmuls)."""
+
+  def __init__(self, torch, params, loss_fn, device, autocast_dtype, sync):
+    self.params = list(params)
+    self.opt = torch.optim.Adam(self.params, 1e-3)
+    self.loss_fn, self.sync = loss_fn, sync
+    self.autocast = functools.partial(_torch_autocast, torch, device,
+                                      autocast_dtype)
+
+  def __call__(self):
+    self.opt.zero_grad(set_to_none=True)
+    with self.autocast():
+      loss = self.loss_fn("mean")
+    loss.backward()
+    self.opt.step()
+    self.sync()
+
+
+def torch_steps(shape, groups=TORCH_GROUPS, device="cpu") -> dict:
+  """{group: step} of nn.LSTM rows of the same shape (torch imported).
+
+  Modules are float32 everywhere; in bfloat16 they run under
+  torch.autocast (TorchTrainer). The core rows' input does not require
+  grad, so autograd skips the first layer's input gradient, as JAX does.
+  """
+  import torch  # pylint: disable=g-import-not-at-top
+  autocast_dtype = torch.bfloat16 if shape["dtype"] == "bfloat16" else None
+  cuda = device == "cuda"
+  sync = torch.cuda.synchronize if cuda else (lambda: None)
+  torch.manual_seed(0)
+
+  def lm_loss(shape, head="full"):
+    """(parameters, loss_fn(reduction)) of embedding -> nn.LSTM -> tied full
+    head or nn.AdaptiveLogSoftmaxWithLoss (same cutoffs and div_val,
+    untied)."""
+    h, v = shape["hidden"], shape["vocab"]
+    lstm = torch.nn.LSTM(h, h, shape["layers"], batch_first=True).to(device)
+    embed = torch.nn.Embedding(v, h).to(device)
+    tokens = torch.tensor(np.asarray(random_tokens(shape)), dtype=torch.long,
+                          device=device)
+    targets = tokens[:, 1:].reshape(-1)
+    if head == "full":
+      head_b = torch.nn.Parameter(torch.zeros(v, device=device))
+      extra = [head_b]
+
+      def loss_fn(reduction):
+        y, _ = lstm(embed(tokens[:, :-1]))
+        logits = (y @ embed.weight.T + head_b).float()  # tied head
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, v), targets, reduction=reduction)
+    else:
+      cutoffs = [c for c in shape["cutoffs"] if c < v]
+      adaptive = torch.nn.AdaptiveLogSoftmaxWithLoss(
+          h, v, cutoffs, div_value=float(shape["div_val"])).to(device)
+      extra = list(adaptive.parameters())
+
+      def loss_fn(reduction):
+        y, _ = lstm(embed(tokens[:, :-1]))
+        loss = adaptive(y.reshape(-1, h), targets).loss  # mean
+        return loss * targets.numel() if reduction == "sum" else loss
+    return [*lstm.parameters(), *embed.parameters(), *extra], loss_fn
+
+  def core_loss():
+    b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
+    lstm = torch.nn.LSTM(h, h, shape["layers"], batch_first=True).to(device)
+    x = torch.randn(b, t, h, device=device)  # needs no grad
+
+    def loss_fn(reduction):
+      del reduction  # a mean, as core_runner's loss
+      y, _ = lstm(x)
+      return y.float().square().mean()
+    return lstm.parameters(), loss_fn
+
+  def trainer(params_and_loss):
+    return TorchTrainer(torch, *params_and_loss, device, autocast_dtype, sync)
+
+  def evaluator(params_and_loss):
+    _, loss_fn = params_and_loss
+    autocast = functools.partial(_torch_autocast, torch, device,
+                                 autocast_dtype)
+
+    def ev():
+      with torch.no_grad(), autocast():
+        loss_fn("sum")
+      sync()
+    return ev
+
+  build = {"core": lambda: trainer(core_loss()),
+           "lm": lambda: trainer(lm_loss(shape)),
+           "eval": lambda: evaluator(lm_loss(shape)),
+           "word": lambda: trainer(lm_loss(word_shape(shape))),
+           "word_adaptive": lambda: trainer(lm_loss(word_shape(shape),
+                                                    "adaptive"))}
+  return {group: build[group]() for group in groups}
+
+
+def torch_runners(shape, groups=TORCH_GROUPS) -> tuple[dict, str | None]:
+  """({group: {threads: step}}, note) of `torch_steps`; ({}, note) when torch
+  is missing.
+
+  On CPU torch runs with 1 thread and with every core, because on small
+  shared machines one thread is often faster (its OpenMP threads spin and
+  lose more than XLA's pool to other load).
+  """
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {}, "torch not installed (pip install torch): torch rows skipped"
+  cuda = torch.cuda.is_available() and jax.devices()[0].platform == "gpu"
+  threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+      else os.cpu_count()
+  torch.set_num_threads(threads)
+  steps = torch_steps(shape, groups, "cuda" if cuda else "cpu")
+
+  def with_threads(fn, n):
+    def run():
+      torch.set_num_threads(n)
+      fn()
+    return run
+
+  fns = {group: {n: with_threads(fn, n)
+                 for n in ([threads] if cuda else sorted({1, threads}))}
+         for group, fn in steps.items()}
+  where = (f"cuDNN {torch.backends.cudnn.version()}" if cuda
+           else f"CPU, 1 and {threads} threads, the faster kept")
+  note = f"torch {torch.__version__} ({where})"
+  if shape["dtype"] == "bfloat16":
+    note += ("; float32 weights and Adam state under torch.autocast(bfloat16)"
+             " as JAX keeps float32 parameters and computes in bfloat16"
+             + ("; autocast runs cuDNN's LSTM in float16 (same tensor-core "
+                "rate)" if cuda else ""))
+  return fns, note

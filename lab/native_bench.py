@@ -1,0 +1,154 @@
+"""The native time loops on every build target this CPU runs, and sampling.
+
+  python3 -m lab.native_bench [--quick] [--rounds=N] [--json=F]
+
+Rows (median ms per call, all interleaved round after round in one process;
+ratios the median of each round's ratio):
+  train_{S}_{isa}  stacked ZebraLSTMLayers + Adam (lab/benchmarks/steps.py
+              core_runner, model.recurrence=native) with the library built
+              for one -march: native (this CPU; avx512f where it has it),
+              x86-64-v3 (avx2) and x86-64 (sse2) on x86-64; x avx512 is its
+              time over the AVX-512 build's (or this CPU's build's)
+  train_{S}_scan   the same with the scan
+  sample_{S}_b1_{native,scan}  sampling.generate at batch 1, one token at a
+              time (T = 1, B = 1 calls), native against the scan
+S1: one dense stripe; S8g: 8 grouped stripes. On a shared CPU compare the
+ratios, not the times.
+"""
+
+import functools
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from lab.benchmarks.shapes import SHAPES, model_config
+from lab.benchmarks.steps import _create, core_runner
+from lab.benchmarks.table import print_rows, ratio_text
+from zebra_jax.inference import sampling
+from zebra_jax.model import lm
+from zebra_jax.model.recurrence import native as native_recurrence
+
+# -march targets, this CPU's first: what other CPUs of the architecture run.
+TARGETS = {"x86_64": ("native", "x86-64-v3", "x86-64")}.get(
+    platform.machine(), ("native",))
+SETTINGS = {"S1": (1, False), "S8g": (8, True)}  # stripes, grouped
+
+
+def _with_target(target: str, build):
+  """build() with the library for -march=target (traced and compiled now,
+  so the target's FFI calls are in the compiled program); its vector ISA."""
+  before = os.environ.get(native_recurrence.MARCH_ENV)
+  os.environ[native_recurrence.MARCH_ENV] = target
+  try:
+    why = native_recurrence.unavailable(jnp.float32)
+    if why:
+      return None, why
+    return build(), native_recurrence.vector_isa()
+  finally:
+    if before is None:
+      del os.environ[native_recurrence.MARCH_ENV]
+    else:
+      os.environ[native_recurrence.MARCH_ENV] = before
+
+
+def _sampler(shape, stripes, grouped, kernel):
+  """sampling.generate at batch 1: shape["gen_tokens"] tokens per call."""
+  cfg = model_config(shape, stripes, grouped, recurrence=kernel)
+  graphdef, params = _create(cfg)
+  step_fn = functools.partial(lm.decode_step, graphdef=graphdef)
+  run = functools.partial(
+      sampling.generate, step_fn, params, lm.init_carry(cfg, 1),
+      jnp.zeros((1, shape["vocab"]), jnp.float32), jax.random.key(0),
+      num_new_tokens=shape["gen_tokens"], temperature=1.0)
+  jax.block_until_ready(run())  # compiles
+  return lambda: jax.block_until_ready(run())
+
+
+def _paired_times(fns: dict, rounds: int) -> dict:
+  """Seconds per call of each function in each round ([rounds] arrays),
+  rounds interleaved, after one untimed call each. Ratios are taken round
+  by round: on a loaded machine a round's load hits its rows alike."""
+  for fn in fns.values():
+    fn()
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - start)
+  return {name: np.asarray(t) for name, t in times.items()}
+
+
+def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
+  shape = SHAPES["quick" if quick else "A"]
+  rounds = rounds or (3 if quick else 7)
+  fns, notes, isas = {}, [], {}
+  for name, (stripes, grouped) in SETTINGS.items():
+    for target in TARGETS:
+      runner, isa = _with_target(target, functools.partial(
+          core_runner, shape, stripes, grouped=grouped, kernel="native"))
+      if runner is None:
+        notes.append(f"-march={target}: {isa}")
+        continue
+      fns[f"train_{name}_{isa}"] = runner
+      isas[f"train_{name}_{isa}"] = isa
+    fns[f"train_{name}_scan"] = core_runner(shape, stripes, grouped=grouped)
+  for name, (stripes, grouped) in SETTINGS.items():
+    for kernel in ("native", "scan"):
+      fns[f"sample_{name}_b1_{kernel}"] = _sampler(shape, stripes, grouped,
+                                                   kernel)
+  times = _paired_times(fns, rounds)
+  seconds = {row: float(np.median(t)) for row, t in times.items()}
+  ratio = lambda row, ref: float(np.median(times[row] / times[ref]))
+  rows = []
+  for row in times:
+    kind, setting = row.split("_")[:2]
+    if kind == "train":
+      # Against the AVX-512 build, else this CPU's build (the first built).
+      builds = [r for r in isas if r.startswith(f"train_{setting}_")]
+      reference = next((r for r in builds if isas[r] == "avx512f"),
+                       builds[0] if builds else None)
+      scan = f"train_{setting}_scan"
+    else:
+      reference, scan = None, f"sample_{setting}_b1_scan"
+    rows.append({"name": row, "ms": 1e3 * seconds[row],
+                 "x_avx512": (ratio(row, reference) if reference
+                              and row in isas else None),
+                 "x_scan": ratio(row, scan)})
+  print(f"native time loops, shape {'quick' if quick else 'A'} "
+        f"(hidden {shape['hidden']}, batch {shape['batch']}, "
+        f"seq {shape['seq_len']}; sampling {shape['gen_tokens']} tokens), "
+        f"{jax.devices()[0].device_kind}, {len(os.sched_getaffinity(0))} "
+        f"cores, {rounds} interleaved rounds, load {os.getloadavg()[0]:.1f}")
+  print_rows(rows, [
+      ("row", 24, lambda r: r["name"]),
+      ("ms/call", 10, lambda r: f"{r['ms']:.2f}"),
+      ("x avx512", 10, lambda r: ratio_text(r["x_avx512"])),
+      ("x scan", 8, lambda r: ratio_text(r["x_scan"]))])
+  for note in notes:
+    print(f"not built: {note}")
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump({"shape": "quick" if quick else "A", "rounds": rounds,
+                 "rows": rows, "not_built": notes}, f, indent=1,
+                allow_nan=False)
+  return rows
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  run(f.quick, f.rounds, f.json)
+
+
+if __name__ == "__main__":
+  flags.DEFINE_bool("quick", False, "Tiny shapes: a smoke test in seconds.")
+  flags.DEFINE_integer("rounds", 0, "Timing rounds (0 = default).")
+  flags.DEFINE_string("json", None, "Also write the rows here.")
+  app.run(main)

@@ -1,0 +1,415 @@
+"""The HTTP server under concurrent OpenAI clients: throughput, latency, memory.
+
+  python -m lab.serve_bench --workdir=runs/tiny \
+      [--clients=1,16,64] [--seconds=15] [--soak_seconds=600] \
+      [--url=http://127.0.0.1:8000] [--config.serve.slots=64 ...]
+
+Starts `--mode=serve` on the workdir (or talks to --url), then drives it
+with the real `openai` client as users would: prompts of 5-60 characters cut
+from text the model itself wrote, temperatures from greedy to 1.4, a seed
+each, half of the requests streamed, `--max_tokens` each, no retries. Per
+number of concurrent clients (each a thread with its own client and
+connection pool, spread over --client_procs processes so the clients' own
+Python does not become the bottleneck): generated tokens/s over the phase,
+p50/p99 request latency, p50 time to the first streamed text, errors. Also:
+the first request at a never-seen prompt length and temperature against the
+same request repeated, the engine's compiled-program count (GET /health)
+before and after, and the server's RSS at start, after the phases and over
+an optional soak of varied traffic. Prints a table; writes JSON (--json,
+default WORKDIR/serve_bench.json).
+"""
+
+import concurrent.futures
+import json
+import logging
+import multiprocessing
+import os
+import random
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from absl import flags
+
+from zebra_jax.cli import entry
+from zebra_jax.errors import UserError
+
+MODEL = "zebra_lstm"
+TEMPERATURES = (0.0, 0.0, 0.3, 0.7, 1.0, 1.4)  # a third greedy
+
+
+def _call(url: str, path: str, key: str = "", body=None) -> dict:
+  """GET (or POST `body`) as JSON; an HTTP error is one UserError line."""
+  headers = {"Content-Type": "application/json"}
+  if key:
+    headers["Authorization"] = f"Bearer {key}"
+  data = None if body is None else json.dumps(body).encode()
+  request = urllib.request.Request(url + path, data, headers)
+  try:
+    with urllib.request.urlopen(request, timeout=300) as response:
+      return json.loads(response.read())
+  except urllib.error.HTTPError as e:
+    raise UserError(f"{path} answered HTTP {e.code}: "
+                    f"{e.read()[:300].decode(errors='replace')}") from None
+  except urllib.error.URLError as e:
+    raise UserError(f"cannot reach {url}: {e.reason}") from None
+
+
+def _get(url: str, path: str, key: str = "") -> dict:
+  return _call(url, path, key)
+
+
+class Server:
+  """`--mode=serve` on a free port, as a child process."""
+
+  def __init__(self, workdir: str, overrides: list[str], timeout: float = 300):
+    self.log = tempfile.NamedTemporaryFile(
+        "w+", prefix="serve_bench_", suffix=".log", delete=False)
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "zebra_jax.main", f"--workdir={workdir}",
+         "--mode=serve", "--port=0", *overrides],
+        stdout=subprocess.PIPE, stderr=self.log, text=True)
+    deadline = time.monotonic() + timeout
+    for line in self.proc.stdout:
+      found = re.search(r"on (http://[\w.:\[\]]+:\d+) ", line)
+      if found:
+        self.url = found.group(1)
+        return
+      if time.monotonic() > deadline:
+        break
+    self.close()
+    raise UserError(f"the server did not start: see {self.log.name}")
+
+  def close(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.terminate()
+      try:
+        self.proc.wait(timeout=30)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def source_text(url: str, key: str, seed_prompt: str, chars: int) -> str:
+  """Text the model writes from `seed_prompt`: prompts cut from it use only
+  what the tokenizer knows."""
+  text = seed_prompt
+  while len(text) < chars:
+    tail = text[-200:]
+    out = _call(url, "/generate", key, {
+        "prompt": tail, "temperature": 1.0, "max_new_tokens": 500,
+        "seed": len(text)})["texts"][0]
+    text += out[len(tail):]
+  return text
+
+
+def seed_prompt_of(workdir: str) -> str:
+  """A few letters the workdir's tokenizer knows, e.g. 'the '."""
+  from zebra_jax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.load(os.path.join(workdir, "tokenizer"))
+  for candidate in ("The ", "the ", "A ", "a "):
+    try:
+      if len(tok.encode_prompt(candidate)):
+        return candidate
+    except UserError:
+      continue
+  texts = [tok.token_text(i) for i in range(tok.vocab_size)]
+  letters = [t for t in texts if t.isalpha()]
+  if not letters:
+    raise UserError("found no letters in the workdir's tokenizer: pass "
+                    "--seed_prompt")
+  return "".join(letters[:3]) + (" " if " " in texts else "")
+
+
+def request_mix(text: str, client: int, k: int, max_tokens: int) -> dict:
+  """Request k of a client: deterministic, varied, half streamed."""
+  rng = random.Random(client * 1_000_003 + k)
+  length = rng.randint(5, 60)
+  at = rng.randrange(0, max(1, len(text) - length))
+  return {"prompt": text[at:at + length], "max_tokens": max_tokens,
+          "temperature": rng.choice(TEMPERATURES),
+          "seed": rng.randrange(1 << 31), "stream": (client + k) % 2 == 1}
+
+
+def complete(client, req: dict) -> tuple[int, float | None]:
+  """(completion tokens, seconds to the first text or None) of a request."""
+  start = time.perf_counter()
+  if not req["stream"]:
+    out = client.completions.create(model=MODEL, **req)
+    return out.usage.completion_tokens, None
+  first, reason, text = None, None, ""
+  for chunk in client.completions.create(model=MODEL, **req):
+    choice = chunk.choices[0]
+    if choice.text and first is None:
+      first = time.perf_counter() - start
+    text += choice.text
+    reason = choice.finish_reason or reason
+  # No stop strings are sent: a stream ends by length, max_tokens tokens.
+  if reason != "length":
+    raise RuntimeError(f"stream ended by {reason!r}")
+  return req["max_tokens"], first
+
+
+def _clients(args) -> list[dict]:
+  """One process's share of a phase: threads, one openai client each."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import openai  # pylint: disable=g-import-not-at-top
+  _quiet()
+  url, key, text, ids, start_at, stop_at, max_tokens = args
+  records, lock = [], threading.Lock()
+
+  def run(client_id):
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key or "unused",
+                           max_retries=0, timeout=300)
+    time.sleep(max(0.0, start_at - time.time()))
+    k = 0
+    while time.time() < stop_at:
+      req = request_mix(text, client_id, k, max_tokens)
+      t0 = time.time()
+      try:
+        tokens, first = complete(client, req)
+        error = None
+      except Exception as e:  # pylint: disable=broad-except
+        tokens, first, error = 0, None, f"{type(e).__name__}: {e}"[:200]
+      with lock:
+        records.append({"start": t0, "end": time.time(), "tokens": tokens,
+                        "first": first, "error": error,
+                        "stream": req["stream"]})
+      k += 1
+    client.close()
+
+  threads = [threading.Thread(target=run, args=(i,)) for i in ids]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  return records
+
+
+def _quiet() -> None:
+  """No log line per client request (the HTTP libraries log at INFO)."""
+  for name in ("httpx", "httpx2", "openai", "httpcore"):
+    logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+  """User + system CPU time of a process so far (Linux /proc)."""
+  if pid is None:
+    return None
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _percentile(values, q):
+  if not values:
+    return None
+  values = sorted(values)
+  return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def phase(url, key, text, clients, seconds, max_tokens, procs,
+          pid=None) -> dict:
+  """`clients` concurrent clients for `seconds`: the phase's figures."""
+  cpu = cpu_seconds(pid)
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  procs = max(1, min(procs, clients))
+  start_at = time.time() + 2.0  # every process ready before the first call
+  shares = [list(range(p, clients, procs)) for p in range(procs)]
+  ctx = multiprocessing.get_context("fork")
+  with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+    parts = pool.map(_clients, [(url, key, text, ids, start_at,
+                                 start_at + seconds, max_tokens)
+                                for ids in shares])
+    records = [r for part in parts for r in part]
+  if cpu is not None:
+    cpu = cpu_seconds(pid) - cpu
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the pool has ended
+  clients_cpu = (after.ru_utime + after.ru_stime
+                 - children.ru_utime - children.ru_stime)
+  ok = [r for r in records if r["error"] is None]
+  wall = (max(r["end"] for r in records) - min(r["start"] for r in records)
+          if records else 0.0)
+  tokens = sum(r["tokens"] for r in ok)
+  latency = [1e3 * (r["end"] - r["start"]) for r in ok]
+  first = [1e3 * r["first"] for r in ok if r["first"] is not None]
+  errors = sorted({r["error"] for r in records if r["error"]})
+  return {"clients": clients, "requests": len(records),
+          "errors": len(records) - len(ok), "error_kinds": errors[:5],
+          "seconds": round(wall, 2),
+          "tokens_per_s": round(tokens / wall, 1) if wall else 0.0,
+          "p50_ms": _round(_percentile(latency, 50)),
+          "p99_ms": _round(_percentile(latency, 99)),
+          "first_text_p50_ms": _round(_percentile(first, 50)),
+          # of one core, over the phase and its 2 s start (None: --url)
+          "server_cpu_pct": (round(100 * cpu / (wall + 2.0))
+                             if cpu is not None and wall else None),
+          "clients_cpu_pct": round(100 * clients_cpu / (wall + 2.0))
+                             if wall else None}
+
+
+def _round(x):
+  return None if x is None else round(x, 1)
+
+
+def novelty(url, key, text, max_tokens, count=8) -> dict:
+  """The first request at a never-seen prompt length and temperature, then
+  the same request again: median latency of each, one client, greedy-free."""
+  import openai  # pylint: disable=g-import-not-at-top
+  _quiet()
+  client = openai.OpenAI(base_url=url + "/v1", api_key=key or "unused",
+                         max_retries=0, timeout=300)
+  # Lengths and temperatures the traffic phases never use.
+  lengths = [61 + 3 * i for i in range(count)]
+  first, repeat = [], []
+  for i, length in enumerate(lengths):
+    req = {"prompt": text[7 * i:7 * i + length], "max_tokens": max_tokens,
+           "temperature": 0.05 + 0.11 * i, "seed": i, "stream": False}
+    for times in (first, repeat):
+      t0 = time.perf_counter()
+      complete(client, req)
+      times.append(1e3 * (time.perf_counter() - t0))
+  client.close()
+  f, r = _percentile(first, 50), _percentile(repeat, 50)
+  return {"requests": count, "first_p50_ms": _round(f),
+          "repeat_p50_ms": _round(r), "ratio": round(f / r, 2)}
+
+
+def table(phases: list[dict]) -> str:
+  head = ("| clients | requests | errors | tokens/s | vs 1 client | p50 ms "
+          "| p99 ms | first text p50 ms | server CPU | clients CPU |")
+  rows = [head, "|" + "---|" * 10]
+  base = phases[0]["tokens_per_s"] if phases else 0
+  for p in phases:
+    rows.append(f"| {p['clients']} | {p['requests']} | {p['errors']} | "
+                f"{p['tokens_per_s']:,.0f} | "
+                f"{p['tokens_per_s'] / base if base else 0:.1f}x | "
+                f"{p['p50_ms']} | {p['p99_ms']} | {p['first_text_p50_ms']} | "
+                f"{p['server_cpu_pct']}% | {p['clients_cpu_pct']}% |")
+  return "\n".join(rows)
+
+
+def soak(url, key, text, clients, seconds, max_tokens, procs, pid,
+         every=30.0) -> dict:
+  """Varied traffic for `seconds`, the server's RSS sampled between bursts."""
+  samples, phases, t_end = [], [], time.monotonic() + seconds
+  while time.monotonic() < t_end:
+    burst = min(every, t_end - time.monotonic())
+    if burst < 1:
+      break
+    phases.append(phase(url, key, text, clients, burst, max_tokens, procs,
+                        pid))
+    samples.append(_get(url, "/health", key)["rss_bytes"])
+  first, last = samples[0], samples[-1]
+  return {"clients": clients, "seconds": seconds,
+          "requests": sum(p["requests"] for p in phases),
+          "errors": sum(p["errors"] for p in phases),
+          "rss_mb": [round(s / 2**20, 1) for s in samples],
+          "growth_pct": round(100 * (last - first) / first, 2)}
+
+
+def main(argv) -> None:
+  f = flags.FLAGS
+  overrides = [f"--config.{name}" + ("" if value is None else f"={value}")
+               for name, value in argv[1:]]
+  if not (f.url or f.workdir):
+    raise UserError("give --workdir=DIR (the bench starts its server) or "
+                    "--url=URL of a running --mode=serve")
+  if f.url and overrides:
+    raise UserError("--config.* overrides shape the server the bench starts: "
+                    "drop them with --url, or drop --url")
+  key = os.environ.get("ZEBRA_JAX_API_KEY", "")
+  server = None if f.url else Server(f.workdir, overrides)
+  try:
+    url = f.url.rstrip("/") if f.url else server.url
+    health = _get(url, "/health", key)
+    rss_start = health["rss_bytes"]
+    programs_start = health["engine"]["compiled_programs"]
+    seed = f.seed_prompt or (seed_prompt_of(f.workdir) if f.workdir else None)
+    if not seed:
+      raise UserError("with --url and no --workdir, pass --seed_prompt (text "
+                      "the model's tokenizer knows)")
+    text = source_text(url, key, seed, 4000)
+    load = [os.getloadavg()]
+    fresh = novelty(url, key, text, f.max_tokens)
+    clients = [int(c) for c in f.clients]
+    pid = server.proc.pid if server else None
+    phases = [phase(url, key, text, c, f.seconds, f.max_tokens,
+                    f.client_procs, pid) for c in clients]
+    load.append(os.getloadavg())
+    rss_warm = _get(url, "/health", key)["rss_bytes"]
+    soaked = (soak(url, key, text, f.soak_clients, f.soak_seconds,
+                   f.max_tokens, f.client_procs, pid)
+              if f.soak_seconds > 0 else None)
+    health = _get(url, "/health", key)
+    load.append(os.getloadavg())
+  finally:
+    if server is not None:
+      server.close()
+  report = {
+      "command": " ".join(["python -m lab.serve_bench"]
+                          + sys.argv[1:]),
+      "cpus": os.cpu_count(), "load_average_1_5_15": load,
+      "engine": health["engine"], "max_tokens": f.max_tokens,
+      "novelty": fresh, "phases": phases, "soak": soaked,
+      "compiled_programs": {"start": programs_start,
+                            "end": health["engine"]["compiled_programs"]},
+      "rss_mb": {"start": round(rss_start / 2**20, 1),
+                 "after_phases": round(rss_warm / 2**20, 1),
+                 "end": round(health["rss_bytes"] / 2**20, 1)}}
+  print(table(phases))
+  print(f"first request at a new prompt length and temperature: "
+        f"{fresh['first_p50_ms']} ms p50, repeated {fresh['repeat_p50_ms']} "
+        f"ms ({fresh['ratio']}x)")
+  print(f"compiled programs: {programs_start} at start, "
+        f"{health['engine']['compiled_programs']} at the end | server RSS "
+        f"{report['rss_mb']['start']} MB at start, "
+        f"{report['rss_mb']['after_phases']} after the phases, "
+        f"{report['rss_mb']['end']} at the end")
+  if soaked:
+    print(f"soak: {soaked['seconds']} s of {soaked['clients']} clients, "
+          f"{soaked['requests']} requests, {soaked['errors']} errors, RSS "
+          f"{soaked['rss_mb'][0]} -> {soaked['rss_mb'][-1]} MB "
+          f"({soaked['growth_pct']:+.2f}%)")
+  print(f"load average (1, 5, 15 min) at start/after phases/end: {load}")
+  path = f.json or (os.path.join(f.workdir, "serve_bench.json")
+                    if f.workdir else "serve_bench.json")
+  with open(path, "w", encoding="utf-8") as out:
+    json.dump(report, out, indent=1)
+  print(f"wrote {path}")
+
+
+def _flags() -> None:
+  """The tool's flags, defined when it runs (importing it defines none)."""
+  flags.DEFINE_string("workdir", None, "A trained run directory: the bench "
+                      "starts --mode=serve on it (--config.* overrides go "
+                      "to the server).")
+  flags.DEFINE_string("url", None, "A running server instead, e.g. "
+                      "http://127.0.0.1:8000 (API key: $ZEBRA_JAX_API_KEY).")
+  flags.DEFINE_list("clients", ["1", "16", "64"], "Concurrent clients per "
+                    "phase.")
+  flags.DEFINE_float("seconds", 15.0, "Length of each phase.")
+  flags.DEFINE_integer("max_tokens", 32, "Tokens generated per request.")
+  flags.DEFINE_integer("client_procs", 4, "Processes the clients are spread "
+                       "over (each runs its share as threads).")
+  flags.DEFINE_float("soak_seconds", 0.0, "Then this long of varied traffic "
+                     "from --soak_clients, the server's RSS sampled every "
+                     "30 s.")
+  flags.DEFINE_integer("soak_clients", 16, "Concurrent clients of the soak.")
+  flags.DEFINE_string("seed_prompt", None, "Text the model continues to make "
+                      "the prompts (default: from the workdir's tokenizer).")
+  flags.DEFINE_string("json", None, "JSON output (default "
+                      "WORKDIR/serve_bench.json).")
+
+
+if __name__ == "__main__":
+  _flags()
+  entry.run_tool(main, own_overrides=True)

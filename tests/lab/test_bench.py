@@ -1,0 +1,88 @@
+"""Smoke test of `python -m lab.bench --quick`: rows exist, numbers are
+positive. No timing assertions: CI machines are shared and noisy.
+
+It runs in a fresh process: the memory rows read process peaks.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def test_quick_bench_writes_every_row(tmp_path):
+  path = tmp_path / "bench.json"
+  # One CPU device; conftest's JAX_DISABLE_MOST_OPTIMIZATIONS reaches it too.
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run(
+      [sys.executable, "-m", "lab.bench", "--quick", f"--json={path}",
+       f"--trace_dir={tmp_path / 'trace'}"],
+      capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "tok/s" in out.stdout  # the table was printed
+  result = json.loads(path.read_text())
+
+  rows = {r["name"]: r for r in result["rows"]}
+  want = {"core_S1", "core_S4", "core_S1_remat", "core_S4_grouped",
+          "core_S1_autodiff", "core_S4_autodiff",
+          "lm_S1", "lm_S4_grouped", "eval_S1", "eval_S4_grouped",
+          "gen_S1_b1", "gen_S1_b4", "gen_S4_grouped_b1", "gen_S4_grouped_b4",
+          "gen_S1_b1_nucleus", "gen_S4_grouped_b4_nucleus",
+          "word_S1", "word_S4_grouped", "word_S1_adaptive",
+          "word_S4_grouped_adaptive"}
+  if importlib.util.find_spec("torch") is not None:
+    want |= {"torch_core_1t", "torch_lm_1t", "torch_eval_1t",
+             "torch_word_1t", "torch_word_adaptive_1t"}
+  else:
+    assert any("torch not installed" in n for n in result["notes"])
+  assert want <= set(rows), sorted(rows)
+  # The peak is the best of its shapes, the steps' own among them.
+  by_shape = result["matmul_gflops_by_shape"]
+  assert {"input projection", "recurrence S=4", "grouped projection S=4",
+          "head"} <= set(by_shape)
+  assert result["matmul_peak_gflops"] == pytest.approx(max(by_shape.values()))
+  # Grouped rows count S times fewer projection FLOPs per token than dense.
+  core_flops = {n: r["gflops"] * r["ms_per_step"] for n, r in rows.items()}
+  assert core_flops["core_S4_grouped"] < core_flops["core_S4"]
+  for name, r in rows.items():
+    for key in ("tokens_per_s", "ms_per_step", "gflops", "frac_of_peak"):
+      assert r[key] > 0, (name, key, r[key])
+    if name.startswith(("core", "lm", "eval", "word")) and (
+        "torch_core_1t" in rows):
+      assert r["ratio_to_torch"] > 0, name
+    if not name.startswith(("torch", "gen")):
+      assert r["xla_bytes"] > 0, name
+
+  # --trace_dir: one traced step per JAX row, its device time by kind of op.
+  breakdown = result["trace_breakdown"]
+  assert set(breakdown) == {n for n in rows if not n.startswith("torch")}
+  for name, b in breakdown.items():
+    assert b["ops"] > 0 and b["matmul"] > 0, (name, b)
+  # model.recurrence=native rows: their time loops are the kernels' calls.
+  native = {n for n in rows if n.endswith("_native")}
+  assert {"core_S1_native", "core_S4_grouped_native", "lm_S1_native",
+          "eval_S4_grouped_native"} <= native
+  for name in native:
+    assert breakdown[name]["native time loops"] > 0, (name, breakdown[name])
+  assert all(b["native time loops"] == 0 for n, b in breakdown.items()
+             if n not in native)
+  assert "device time of one traced step" in out.stdout
+
+  memory = result["memory"]
+  assert {(m["seq_len"], m["remat"]) for m in memory} == {
+      (8, False), (16, False), (8, True), (16, True)}
+  for m in memory:
+    assert m["peak_bytes"] > 0 and m["xla_bytes"] > 0
+  # A longer window plans more memory. (Whether remat plans less depends on
+  # the shape: test_recurrence checks that it keeps less for the backward.)
+  plan = {(m["seq_len"], m["remat"]): m["xla_bytes"] for m in memory}
+  assert plan[16, False] > plan[8, False] and plan[16, True] > plan[8, True]
+  assert set(result["max_window"]["max_seq_len"]) == {"remat=False",
+                                                       "remat=True"}
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,114 @@
+"""gpu_report's driver: a stage killed midway keeps the rows it finished,
+and a stage past its budget is stopped (the stages themselves:
+tests/lab/benchmarks/test_gpu_stages.py)."""
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lab import gpu_report
+
+
+def _stage_child_pid(stage, out):
+  """The pid of the child process running `stage` into `out`, or None."""
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        args = f.read().decode().split("\0")
+    except OSError:
+      continue
+    if f"--stage_child={stage}" in args and f"--out={out}" in args:
+      return int(pid)
+  return None
+
+
+@pytest.mark.slow
+def test_a_stage_killed_midway_keeps_its_rows(tmp_path):
+  # The real command line: the driver starts the quick stage's process; it
+  # is killed once its first row (the matmul peak) is on disk.
+  out = str(tmp_path)
+  path = tmp_path / "gpu-results.json"
+  driver = subprocess.Popen(
+      [sys.executable, "-m", "lab.gpu_report", "--stages=quick",
+       "--dry_run", f"--out={out}"], stdout=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline:
+    try:
+      rows = json.loads(path.read_text())["stages"]["quick"]["rows"]
+    except (OSError, ValueError, KeyError):
+      rows = 0
+    if rows >= 1:
+      break
+    time.sleep(0.2)
+  os.kill(_stage_child_pid("quick", out), signal.SIGKILL)
+  stdout, _ = driver.communicate(timeout=60)
+  assert driver.returncode == 1  # a stage did not finish; its rows stay
+
+  report = json.loads(path.read_text())
+  status = report["stages"]["quick"]
+  assert status["status"] == (
+      f"stopped by SIGKILL after {status['rows']} rows")
+  assert report["quick"]["peak"]["best_measured_matmul_tflops"] > 0
+  assert status["rows"] == 1 + len(report["quick"].get("rows", []))
+  page = (tmp_path / "gpu-results.md").read_text()
+  assert "## Best measured matmul" in page
+  assert "stage quick: stopped by SIGKILL" in page
+  assert "stage quick: stopped by SIGKILL" in stdout  # the printed summary
+
+  # A stage past its budget: its process group is killed, the report says so.
+  gpu_report.drive(["scaling"], out, dry=True, budgets={"scaling": 2})
+  report = json.loads(path.read_text())
+  assert report["stages"]["scaling"]["status"].startswith(
+      "stopped at its budget after")
+  assert report["quick"]["peak"]  # the earlier stage's rows stay
+
+
+@pytest.mark.parametrize("version", [
+    "0.10.1", "0.10.2", "0.11.2", "0.13.9", "0.14", "0.14.0", "2.11.0+cu130",
+    "2.5.2", "1.26", "3.0.0"])
+@pytest.mark.parametrize("spec", [">=0.10.2,<0.14", ">=1.26,<3", ">=2.4",
+                                  "==0.14", "!=2.5.2", "<=0.11.2,>0.10.1"])
+def test_satisfies_agrees_with_packaging(version, spec):
+  specifiers = pytest.importorskip("packaging.specifiers")
+  want = specifiers.SpecifierSet(spec).contains(version, prereleases=True)
+  assert gpu_report.satisfies(version, spec) == want
+
+
+def test_check_versions_names_what_is_outside(tmp_path):
+  (tmp_path / "pyproject.toml").write_text(
+      '[project]\n'
+      'dependencies = ["numpy>=1.0,<99", "absl-py>=99", '
+      '"no-such-package-zebra>=1"]\n'
+      '[project.optional-dependencies]\n'
+      'bench = ["pytest>=1"]\n')
+  report = gpu_report.check_versions(str(tmp_path / "pyproject.toml"))
+  absl = importlib.metadata.version("absl-py")
+  assert report["outside"] == [f"absl-py {absl} (pyproject.toml: >=99)"]
+  assert report["missing"] == ["no-such-package-zebra"]
+  assert report["installed"]["numpy"] == importlib.metadata.version("numpy")
+  assert report["required"]["pytest"] == ">=1"
+
+
+def test_the_previous_call_carries_into_an_empty_out(tmp_path, capsys):
+  """The node's OUT starts empty: the tree's file is copied in; an OUT
+  that has a file keeps it; a file is never copied over itself."""
+  previous = tmp_path / "docs" / "gpu-results.json"
+  previous.parent.mkdir()
+  previous.write_text(json.dumps({"dry_run": True,
+                                  "stages": {"smoke": {"status": "done"}}}))
+  out = tmp_path / "out"
+  gpu_report._carry(str(out), str(previous))  # pylint: disable=protected-access
+  assert json.loads((out / "gpu-results.json").read_text()) == json.loads(
+      previous.read_text())
+  assert "stages smoke" in capsys.readouterr().out
+  (out / "gpu-results.json").write_text("{}")
+  gpu_report._carry(str(out), str(previous))  # pylint: disable=protected-access
+  assert (out / "gpu-results.json").read_text() == "{}"
+  gpu_report._carry(str(previous.parent), str(previous))  # pylint: disable=protected-access
+  assert "no previous results carried" in capsys.readouterr().out
