@@ -20,7 +20,6 @@ import functools
 import json
 import os
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ from absl import app, flags
 from lab.benchmarks.shapes import SHAPES, model_config
 from lab.benchmarks.steps import _create, core_runner
 from lab.benchmarks.table import print_rows, ratio_text
+from lab.benchmarks.timing import round_times
 from zebra_jax.inference import sampling
 from zebra_jax.model import lm
 from zebra_jax.model.recurrence import native as native_recurrence
@@ -70,21 +70,6 @@ def _sampler(shape, stripes, grouped, kernel):
   return lambda: jax.block_until_ready(run())
 
 
-def _paired_times(fns: dict, rounds: int) -> dict:
-  """Seconds per call of each function in each round ([rounds] arrays),
-  rounds interleaved, after one untimed call each. Ratios are taken round
-  by round: on a loaded machine a round's load hits its rows alike."""
-  for fn in fns.values():
-    fn()
-  times = {name: [] for name in fns}
-  for _ in range(rounds):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
-  return {name: np.asarray(t) for name, t in times.items()}
-
-
 def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
   shape = SHAPES["quick" if quick else "A"]
   rounds = rounds or (3 if quick else 7)
@@ -103,7 +88,9 @@ def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
     for kernel in ("native", "scan"):
       fns[f"sample_{name}_b1_{kernel}"] = _sampler(shape, stripes, grouped,
                                                    kernel)
-  times = _paired_times(fns, rounds)
+  # Ratios are taken round by round: on a loaded machine a round's load hits
+  # its rows alike.
+  times = round_times(fns, rounds)
   seconds = {row: float(np.median(t)) for row, t in times.items()}
   ratio = lambda row, ref: float(np.median(times[row] / times[ref]))
   rows = []

@@ -11,11 +11,12 @@ import numpy as np
 
 from zebra_jax.model import lm
 
-def time_interleaved(fns: dict, rounds: int, calls: int = 1) -> dict:
-  """Median seconds per call of each function, rounds interleaved so that
-  load from other processes spreads over every row alike. Each function
-  runs once untimed first: a first call pays for allocation, autotuning and
-  lazy initialisation (cuDNN plans, XLA's GPU autotuner)."""
+def round_times(fns: dict, rounds: int, calls: int = 1) -> dict:
+  """Seconds per call of each function in each round ([rounds] arrays),
+  rounds interleaved so that load from other processes spreads over every
+  row alike. Each function runs once untimed first: a first call pays for
+  allocation, autotuning and lazy initialisation (cuDNN plans, XLA's GPU
+  autotuner)."""
   for fn in fns.values():
     fn()
   times = {name: [] for name in fns}
@@ -25,7 +26,13 @@ def time_interleaved(fns: dict, rounds: int, calls: int = 1) -> dict:
       for _ in range(calls):
         fn()
       times[name].append((time.perf_counter() - start) / calls)
-  return {name: float(np.median(t)) for name, t in times.items()}
+  return {name: np.asarray(t) for name, t in times.items()}
+
+
+def time_interleaved(fns: dict, rounds: int, calls: int = 1) -> dict:
+  """Median seconds per call of each function (round_times)."""
+  return {name: float(np.median(t))
+          for name, t in round_times(fns, rounds, calls).items()}
 
 
 # Datasheet dense bfloat16 tensor-core FLOP/s by device kind (substrings of
