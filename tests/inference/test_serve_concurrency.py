@@ -113,6 +113,16 @@ def complete(client, req) -> tuple[str, str]:
   return text, reason
 
 
+def run_together(worker, count: int, timeout: float = 240) -> None:
+  """worker(0) ... worker(count - 1), each on its own thread; all must end."""
+  threads = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=timeout)
+  assert not any(t.is_alive() for t in threads)
+
+
 def test_16_concurrent_clients_get_what_they_get_alone(service):
   reqs = requests_mix(16)
   with running(service) as port:
@@ -126,13 +136,7 @@ def test_16_concurrent_clients_get_what_they_get_alone(service):
       # Each thread its own client: its own connection pool.
       together[i] = complete(client_for(port), reqs[i])
 
-    threads = [threading.Thread(target=worker, args=(i,))
-               for i in range(len(reqs))]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join(timeout=240)
-    assert not any(t.is_alive() for t in threads)
+    run_together(worker, len(reqs))
     assert together == alone
     # Greedy text is also what the model-level lax.scan sampler writes.
     for req, (text, reason) in zip(reqs, alone):
@@ -211,12 +215,7 @@ def test_full_queue_answers_503_with_retry_after_and_keeps_serving(loaded):
                           "prompt": "line 5: the", "max_new_tokens": 6000,
                           "temperature": 0}))
 
-      threads = [threading.Thread(target=worker, args=(i,))
-                 for i in range(len(results))]
-      for t in threads:
-        t.start()
-      for t in threads:
-        t.join(timeout=240)
+      run_together(worker, len(results))
       statuses = sorted(status for status, _, _ in results)
       assert statuses.count(200) == 2  # one slot, one queue place
       assert statuses.count(503) == 6
