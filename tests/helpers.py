@@ -1,12 +1,15 @@
 """What several test modules share: the repository's root, small corpora and
-configs, train steps across device counts, checkpoint damage, and a stand-in
-for Triton's Python backend. Session fixtures live in conftest.py; the NumPy
-model references in references.py."""
+configs, train steps across device counts, checkpoint damage, a stand-in for
+Triton's Python backend, and the abstract GPU Pallas kernels lower for.
+Session fixtures live in conftest.py; the NumPy model references in
+references.py."""
 
+import contextlib
 import glob
 import http.client
 import json
 import importlib.util
+import inspect
 import os
 import sys
 import types
@@ -249,3 +252,15 @@ def score_numbers(stdout: str) -> list[float]:
              if w.replace(".", "").isdigit()]
   assert len(numbers) == 5, line  # the text's number first
   return numbers[1:]
+
+
+def triton_target():
+  """jax >= 0.11 lowers Triton kernels without a GPU only for a named
+  abstract GPU; jax 0.10 lowers for a default one."""
+  mesh_params = inspect.signature(jax.sharding.AbstractMesh).parameters
+  if "abstract_device" not in mesh_params:
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100",
+                                       num_cores=132, platform="gpu")
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+      (1,), ("x",), abstract_device=device))

@@ -8,8 +8,6 @@ float32 and bfloat16. Lowering for the GPU (Triton) backend, with the planned
 number of warps, is checked without a GPU by exporting for CUDA.
 """
 
-import contextlib
-import inspect
 import logging
 import re
 import sys
@@ -23,6 +21,7 @@ from zebra_jax.configs import base
 from zebra_jax.model import lm
 from zebra_jax.model.recurrence import pallas as pallas_recurrence
 from zebra_jax.model.recurrence import scan as recurrence
+from tests.helpers import triton_target
 
 T, B, G, IN = 3, 4, 4, 8  # window, batch, stripe width, layer input
 
@@ -200,18 +199,6 @@ def test_too_wide_falls_back_to_scan_with_one_warning(caplog):
   assert "\n" not in lines[0]
 
 
-def _triton_target():
-  """jax >= 0.11 lowers Triton kernels without a GPU only for a named
-  abstract GPU; jax 0.10 lowers for a default one."""
-  mesh_params = inspect.signature(jax.sharding.AbstractMesh).parameters
-  if "abstract_device" not in mesh_params:
-    return contextlib.nullcontext()
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100",
-                                       num_cores=132, platform="gpu")
-  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-      (1,), ("x",), abstract_device=device))
-
-
 @pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("width,batch,remat,strategy,warps", [
@@ -237,7 +224,7 @@ def test_lowers_for_gpu_triton(width, batch, remat, strategy, warps):
     return jnp.sum(ys.astype(F32)) + jnp.sum(h) + jnp.sum(c)
 
   fn = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
-  with _triton_target():
+  with triton_target():
     exported = jax.export.export(
         fn, platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(

@@ -6,9 +6,7 @@ The speed table's rows are left out here (bench_rows=False): they take minutes
 even at bench's quick shape, and tests/lab/test_bench.py runs them.
 """
 
-import contextlib
 import importlib.util
-import inspect
 import json
 
 import jax
@@ -17,6 +15,7 @@ import pytest
 
 from lab.benchmarks import gpu_results, gpu_stages
 from zebra_jax.model.recurrence import pallas as pallas_recurrence
+from tests.helpers import triton_target
 
 
 @pytest.mark.slow
@@ -160,21 +159,9 @@ def test_bench_goes_on_past_pallas_errors(tmp_path, monkeypatch):
   assert "- pallas_core_S4 (float32): error: RuntimeError: ptxas" in page
 
 
-def _triton_target():
-  """jax >= 0.11 lowers Triton kernels without a GPU only for a named
-  abstract GPU; jax 0.10 lowers for a default one."""
-  mesh_params = inspect.signature(jax.sharding.AbstractMesh).parameters
-  if "abstract_device" not in mesh_params:
-    return contextlib.nullcontext()
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100",
-                                       num_cores=132, platform="gpu")
-  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-      (1,), ("x",), abstract_device=device))
-
-
 def _lowered_dots(fn, *specs):
   """The tt.dot input precisions of every Triton kernel fn lowers to."""
-  with gpu_stages.triton_ir() as texts, _triton_target():
+  with gpu_stages.triton_ir() as texts, triton_target():
     jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
   return [gpu_stages.dot_precisions(t) for t in texts]
 
