@@ -4,13 +4,17 @@
       [--clients=1,16,64] [--seconds=15] [--soak_seconds=600] \
       [--url=http://127.0.0.1:8000] [--config.serve.slots=64 ...]
 
-Starts `--mode=serve` on the workdir (or talks to --url), then drives it
-with the real `openai` client as users would: prompts of 5-60 characters cut
-from text the model itself wrote, temperatures from greedy to 1.4, a seed
-each, half of the requests streamed, `--max_tokens` each, no retries. Per
-number of concurrent clients (each a thread with its own client and
-connection pool, spread over --client_procs processes so the clients' own
-Python does not become the bottleneck): generated tokens/s over the phase,
+Starts `--mode=serve` on the workdir (or talks to --url), then drives its
+OpenAI completions API as users would: prompts of 5-60 characters cut from
+text the model itself wrote, temperatures from greedy to 1.4, a seed each,
+half of the requests streamed, `--max_tokens` each, no retries. The clients
+(`--client`) are the real `openai` client, one thread and connection pool
+each, or `aiohttp`: one asyncio task and kept-alive connection each, which
+reads the same JSON and server-sent events for about half the CPU, so that
+on a machine the clients share with the server more of it is left to the
+server (load generators such as vLLM's benchmark_serving use aiohttp for
+the same reason). Either way the clients are spread over --client_procs
+processes. Per number of concurrent clients: generated tokens/s over the phase,
 p50/p99 request latency, p50 time to the first streamed text, errors. Also:
 the first request at a never-seen prompt length and temperature against the
 same request repeated, the engine's compiled-program count (GET /health)
@@ -97,14 +101,15 @@ class Server:
 
 def source_text(url: str, key: str, seed_prompt: str, chars: int) -> str:
   """Text the model writes from `seed_prompt`: prompts cut from it use only
-  what the tokenizer knows."""
+  what the tokenizer knows (a drawn unknown token, which decodes as U+FFFD,
+  is dropped: no prompt may contain it)."""
   text = seed_prompt
   while len(text) < chars:
     tail = text[-200:]
     out = _call(url, "/generate", key, {
         "prompt": tail, "temperature": 1.0, "max_new_tokens": 500,
         "seed": len(text)})["texts"][0]
-    text += out[len(tail):]
+    text += out[len(tail):].replace("\ufffd", "")
   return text
 
 
@@ -191,6 +196,66 @@ def _clients(args) -> list[dict]:
   return records
 
 
+def _aiohttp_clients(args) -> list[dict]:
+  """One process's share of a phase: asyncio tasks on one event loop, each
+  a client with its own kept-alive connection, reading what the openai
+  client reads (usage; the stream's text and finish_reason)."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import aiohttp  # pylint: disable=g-import-not-at-top
+  url, key, text, ids, start_at, stop_at, max_tokens = args
+  headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+  async def complete_one(session, req):
+    start = time.perf_counter()
+    async with session.post(url + "/v1/completions", headers=headers,
+                            json=dict(req, model=MODEL)) as response:
+      if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: "
+                           f"{(await response.text())[:150]}")
+      if not req["stream"]:
+        return (await response.json())["usage"]["completion_tokens"], None
+      first, reason = None, None
+      async for line in response.content:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+          continue
+        choice = json.loads(line[6:])["choices"][0]
+        if choice["text"] and first is None:
+          first = time.perf_counter() - start
+        reason = choice["finish_reason"] or reason
+    if reason != "length":
+      raise RuntimeError(f"stream ended by {reason!r}")
+    return req["max_tokens"], first
+
+  async def run(client_id, records):
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=1),
+        timeout=aiohttp.ClientTimeout(total=300)) as session:
+      await asyncio.sleep(max(0.0, start_at - time.time()))
+      k = 0
+      while time.time() < stop_at:
+        req = request_mix(text, client_id, k, max_tokens)
+        t0 = time.time()
+        try:
+          tokens, first = await complete_one(session, req)
+          error = None
+        except Exception as e:  # pylint: disable=broad-except
+          tokens, first, error = 0, None, f"{type(e).__name__}: {e}"[:200]
+        records.append({"start": t0, "end": time.time(), "tokens": tokens,
+                        "first": first, "error": error,
+                        "stream": req["stream"]})
+        k += 1
+
+  async def main():
+    records = []
+    await asyncio.gather(*(run(i, records) for i in ids))
+    return records
+
+  return asyncio.run(main())
+
+
+CLIENTS = {"openai": _clients, "aiohttp": _aiohttp_clients}
+
+
 def _quiet() -> None:
   """No log line per client request (the HTTP libraries log at INFO)."""
   for name in ("httpx", "httpx2", "openai", "httpcore"):
@@ -217,7 +282,7 @@ def _percentile(values, q):
 
 
 def phase(url, key, text, clients, seconds, max_tokens, procs,
-          pid=None) -> dict:
+          pid=None, client="openai") -> dict:
   """`clients` concurrent clients for `seconds`: the phase's figures."""
   cpu = cpu_seconds(pid)
   children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -226,7 +291,7 @@ def phase(url, key, text, clients, seconds, max_tokens, procs,
   shares = [list(range(p, clients, procs)) for p in range(procs)]
   ctx = multiprocessing.get_context("fork")
   with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
-    parts = pool.map(_clients, [(url, key, text, ids, start_at,
+    parts = pool.map(CLIENTS[client], [(url, key, text, ids, start_at,
                                  start_at + seconds, max_tokens)
                                 for ids in shares])
     records = [r for part in parts for r in part]
@@ -298,7 +363,7 @@ def table(phases: list[dict]) -> str:
 
 
 def soak(url, key, text, clients, seconds, max_tokens, procs, pid,
-         every=30.0) -> dict:
+         client="openai", every=30.0) -> dict:
   """Varied traffic for `seconds`, the server's RSS sampled between bursts."""
   samples, phases, t_end = [], [], time.monotonic() + seconds
   while time.monotonic() < t_end:
@@ -306,7 +371,7 @@ def soak(url, key, text, clients, seconds, max_tokens, procs, pid,
     if burst < 1:
       break
     phases.append(phase(url, key, text, clients, burst, max_tokens, procs,
-                        pid))
+                        pid, client))
     samples.append(_get(url, "/health", key)["rss_bytes"])
   first, last = samples[0], samples[-1]
   return {"clients": clients, "seconds": seconds,
@@ -343,11 +408,11 @@ def main(argv) -> None:
     clients = [int(c) for c in f.clients]
     pid = server.proc.pid if server else None
     phases = [phase(url, key, text, c, f.seconds, f.max_tokens,
-                    f.client_procs, pid) for c in clients]
+                    f.client_procs, pid, f.client) for c in clients]
     load.append(os.getloadavg())
     rss_warm = _get(url, "/health", key)["rss_bytes"]
     soaked = (soak(url, key, text, f.soak_clients, f.soak_seconds,
-                   f.max_tokens, f.client_procs, pid)
+                   f.max_tokens, f.client_procs, pid, f.client)
               if f.soak_seconds > 0 else None)
     health = _get(url, "/health", key)
     load.append(os.getloadavg())
@@ -359,12 +424,14 @@ def main(argv) -> None:
                           + sys.argv[1:]),
       "cpus": os.cpu_count(), "load_average_1_5_15": load,
       "engine": health["engine"], "max_tokens": f.max_tokens,
+      "client": f.client, "client_procs": f.client_procs,
       "novelty": fresh, "phases": phases, "soak": soaked,
       "compiled_programs": {"start": programs_start,
                             "end": health["engine"]["compiled_programs"]},
       "rss_mb": {"start": round(rss_start / 2**20, 1),
                  "after_phases": round(rss_warm / 2**20, 1),
                  "end": round(health["rss_bytes"] / 2**20, 1)}}
+  print(f"clients: {f.client}, over {f.client_procs} processes")
   print(table(phases))
   print(f"first request at a new prompt length and temperature: "
         f"{fresh['first_p50_ms']} ms p50, repeated {fresh['repeat_p50_ms']} "
@@ -398,6 +465,9 @@ def _flags() -> None:
                     "phase.")
   flags.DEFINE_float("seconds", 15.0, "Length of each phase.")
   flags.DEFINE_integer("max_tokens", 32, "Tokens generated per request.")
+  flags.DEFINE_enum("client", "aiohttp", list(CLIENTS), "The clients: "
+                    "aiohttp (asyncio tasks, light) or the openai client "
+                    "(threads).")
   flags.DEFINE_integer("client_procs", 4, "Processes the clients are spread "
                        "over (each runs its share as threads).")
   flags.DEFINE_float("soak_seconds", 0.0, "Then this long of varied traffic "

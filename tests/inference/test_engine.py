@@ -241,6 +241,23 @@ def test_rows_filling_and_decoding_together_match_the_recurrence():
     e.close()
 
 
+def test_categorical_draws_what_jax_random_categorical_draws():
+  """The engine's draw is jax.random.categorical's, token for token, over
+  many keys, with filtered (-inf) entries and near-ties; a change in either
+  (a different noise, argmax's tie rule) shows up as a mismatch."""
+  rng = np.random.RandomState(0)
+  ours = jax.jit(jax.vmap(engine.categorical))
+  jaxs = jax.jit(jax.vmap(lambda k, row: jax.random.categorical(k, row)))
+  for i in range(50):
+    keys = np.stack([engine.seed_key(1000 * i + r) for r in range(64)])
+    logits = (rng.randn(64, 97) * rng.uniform(0.1, 8)).astype(np.float32)
+    logits[:, rng.randint(0, 97, 40)] = -np.inf
+    logits[::7, 3] = logits[::7, 5] = logits[::7].max(-1)  # ties at the top
+    drawn = np.asarray(ours(keys, logits))
+    np.testing.assert_array_equal(drawn, np.asarray(jaxs(keys, logits)))
+    assert np.all(np.isfinite(logits[np.arange(64), drawn]))
+
+
 def test_seed_keys_match_jax_for_32_bit_seeds():
   for seed in (0, 1, 7, 2**31, 2**32 - 1):
     np.testing.assert_array_equal(engine.seed_key(seed),

@@ -257,20 +257,23 @@ def test_api_key_401_without_or_with_a_wrong_key(service):
 
 
 @pytest.mark.slow
-def test_serve_bench_reports_every_phase(service, tmp_path):
-  """lab/serve_bench.py against a live server: every phase counted, no
-  errors, the engine's programs unchanged, its JSON complete."""
+@pytest.mark.parametrize("client", ["aiohttp", "openai"])
+def test_serve_bench_reports_every_phase(service, tmp_path, client):
+  """lab/serve_bench.py against a live server, with either kind of client:
+  every phase counted, no errors, the engine's programs unchanged, its JSON
+  complete."""
   out = tmp_path / "bench.json"
   with running(service) as port:
     done = subprocess.run(
         [sys.executable, "-m", "lab.serve_bench",
          f"--url=http://127.0.0.1:{port}", "--seed_prompt=line 1: the ",
          "--clients=1,3", "--seconds=1", "--client_procs=2",
-         "--max_tokens=8", f"--json={out}"],
+         "--max_tokens=8", f"--client={client}", f"--json={out}"],
         capture_output=True, text=True, timeout=240, check=False)
   assert done.returncode == 0, done.stderr[-2000:]
   report = json.loads(out.read_text())
   assert [p["clients"] for p in report["phases"]] == [1, 3]
+  assert report["client"] == client
   for p in report["phases"]:
     assert p["requests"] > 0 and p["errors"] == 0 and p["tokens_per_s"] > 0
   programs = report["compiled_programs"]
