@@ -20,7 +20,7 @@ def train(cfg, workdir, *, config, **_):
   summary = loop.run(cfg, workdir, config)  # config: for the printed hints
   if cfg.train.report_at_end and not summary["preempted"]:
     evaluate.run(cfg, workdir)
-    sample.run(cfg, workdir)
+    sample.run(cfg, workdir, preview=True)
   return preemption.exit_status(summary["stopped_early"])
 
 

@@ -187,7 +187,8 @@ FIELDS = dict(
                 "it the answer is 503 with Retry-After"),
         prefill_chunk=F(16, POSITIVE_INT, "prompt tokens per row per prefill "
                         "call: the one compiled prompt shape"),
-        prefill_rows=F(8, POSITIVE_INT, "prompts per prefill call"),
+        prefill_rows=F(16, POSITIVE_INT, "prompts per prefill call (on a CPU "
+                       "16 cost what 8 do: the call is overhead-bound)"),
         decode_block=F(4, POSITIVE_INT, "tokens per decode call: fewer "
                        "dispatches against a request joining or stopping up "
                        "to this many steps late"),

@@ -21,12 +21,16 @@ Length buckets would need a compiled program per bucket and pad or split
 prompts anyway; the masked chunk needs one. The engine therefore compiles
 exactly two programs (prefill, decode), both at start-up, whatever the
 traffic: stats()["compiled_programs"] counts their traces (jit cache misses).
-Measured on the tiny char model (hidden 32; 2 CPU cores shared with other
-jobs, load average 11, so +-50% between runs): one decode step costs 0.30 ms
-at 1 row and 0.35 ms at 64, so 64 slots cost barely more than one; a
-16-token prefill chunk for 8 rows costs about one decode step (0.32 ms).
-Through the engine alone (no HTTP), 32 new tokens after prompts of 5-60
-characters: 1 client 2,300-4,000 tokens/s (p50 6-15 ms a request), 16
+Every decode call computes all slots, busy or not: a program for fewer rows
+rounds differently (on the CPU a logit's last bits differed between 8 and
+64 rows), so a request's text would depend on how many ran beside it.
+Measured on the tiny char model (hidden 32; 2 idle CPU cores): a decode call
+of 4 tokens costs 0.22-0.25 ms greedy whether 1 slot is busy or 64,
+0.44-0.47 ms when rows sample; a 16-token prefill chunk costs 0.19 ms for 8
+rows and 0.20 ms for 16 (so `prefill_rows` is 16: the calls are overhead-
+bound). Earlier, on the same cores under load average 11 (+-50% between
+runs), through the engine alone (no HTTP), 32 new tokens after prompts of
+5-60 characters: 1 client 2,300-4,000 tokens/s (p50 6-15 ms a request), 16
 clients 25,000-28,000, 64 clients 49,000-60,000. `decode_block` 4 against 8:
 8 gave up to 1.8x more at 64 clients but makes a joining or stopping row
 wait up to 8 steps and streams in coarser pieces.
@@ -440,7 +444,7 @@ class Engine:
   """Owns the running batch and the thread that steps it."""
 
   def __init__(self, model: Model, *, slots: int = 64, queue: int = 256,
-               prefill_chunk: int = 16, prefill_rows: int = 8,
+               prefill_chunk: int = 16, prefill_rows: int = 16,
                decode_block: int = 4, max_prompt_tokens: int | None = None,
                name: str = "engine"):
     for label, value in (("slots", slots), ("queue", queue),
