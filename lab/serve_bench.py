@@ -2,6 +2,7 @@
 
   python -m lab.serve_bench --workdir=runs/tiny \
       [--clients=1,16,64] [--seconds=15] [--soak_seconds=600] \
+      [--client=aiohttp|openai] [--server_cpus=0 --client_cpus=1] \
       [--url=http://127.0.0.1:8000] [--config.serve.slots=64 ...]
 
 Starts `--mode=serve` on the workdir (or talks to --url), then drives its
@@ -14,7 +15,8 @@ reads the same JSON and server-sent events for about half the CPU, so that
 on a machine the clients share with the server more of it is left to the
 server (load generators such as vLLM's benchmark_serving use aiohttp for
 the same reason). Either way the clients are spread over --client_procs
-processes. Per number of concurrent clients: generated tokens/s over the phase,
+processes. --server_cpus and --client_cpus give each side its own cores, so
+that the figures measure the server rather than the cores its clients take. Per number of concurrent clients: generated tokens/s over the phase,
 p50/p99 request latency, p50 time to the first streamed text, errors. Also:
 the first request at a never-seen prompt length and temperature against the
 same request repeated, the engine's compiled-program count (GET /health)
@@ -68,16 +70,39 @@ def _get(url: str, path: str, key: str = "") -> dict:
   return _call(url, path, key)
 
 
-class Server:
-  """`--mode=serve` on a free port, as a child process."""
+def cpu_set(spec: str | None) -> set[int] | None:
+  """'0' or '0,2-3' -> {0} or {0, 2, 3}; None or '' -> None (no pinning)."""
+  if not spec:
+    return None
+  cpus = set()
+  for part in spec.split(","):
+    first, _, last = part.partition("-")
+    cpus.update(range(int(first), int(last or first) + 1))
+  allowed = os.sched_getaffinity(0)
+  if not cpus <= allowed:
+    raise UserError(f"CPUs {sorted(cpus - allowed)} are not among this "
+                    f"process's {sorted(allowed)}: pick others")
+  return cpus
 
-  def __init__(self, workdir: str, overrides: list[str], timeout: float = 300):
+
+def _pin(cpus: set[int] | None):
+  """A function that pins the calling process to `cpus` (None: no-op)."""
+  return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
+class Server:
+  """`--mode=serve` on a free port, as a child process (on `cpus` if given:
+  XLA then sizes its thread pool to them)."""
+
+  def __init__(self, workdir: str, overrides: list[str], timeout: float = 300,
+               cpus: set[int] | None = None):
     self.log = tempfile.NamedTemporaryFile(
         "w+", prefix="serve_bench_", suffix=".log", delete=False)
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "zebra_jax.main", f"--workdir={workdir}",
          "--mode=serve", "--port=0", *overrides],
-        stdout=subprocess.PIPE, stderr=self.log, text=True)
+        stdout=subprocess.PIPE, stderr=self.log, text=True,
+        preexec_fn=_pin(cpus))
     deadline = time.monotonic() + timeout
     for line in self.proc.stdout:
       found = re.search(r"on (http://[\w.:\[\]]+:\d+) ", line)
@@ -282,7 +307,7 @@ def _percentile(values, q):
 
 
 def phase(url, key, text, clients, seconds, max_tokens, procs,
-          pid=None, client="openai") -> dict:
+          pid=None, client="openai", cpus=None) -> dict:
   """`clients` concurrent clients for `seconds`: the phase's figures."""
   cpu = cpu_seconds(pid)
   children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -290,7 +315,8 @@ def phase(url, key, text, clients, seconds, max_tokens, procs,
   start_at = time.time() + 2.0  # every process ready before the first call
   shares = [list(range(p, clients, procs)) for p in range(procs)]
   ctx = multiprocessing.get_context("fork")
-  with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+  with concurrent.futures.ProcessPoolExecutor(
+      procs, mp_context=ctx, initializer=_pin(cpus)) as pool:
     parts = pool.map(CLIENTS[client], [(url, key, text, ids, start_at,
                                  start_at + seconds, max_tokens)
                                 for ids in shares])
@@ -363,7 +389,7 @@ def table(phases: list[dict]) -> str:
 
 
 def soak(url, key, text, clients, seconds, max_tokens, procs, pid,
-         client="openai", every=30.0) -> dict:
+         client="openai", cpus=None, every=30.0) -> dict:
   """Varied traffic for `seconds`, the server's RSS sampled between bursts."""
   samples, phases, t_end = [], [], time.monotonic() + seconds
   while time.monotonic() < t_end:
@@ -371,7 +397,7 @@ def soak(url, key, text, clients, seconds, max_tokens, procs, pid,
     if burst < 1:
       break
     phases.append(phase(url, key, text, clients, burst, max_tokens, procs,
-                        pid, client))
+                        pid, client, cpus))
     samples.append(_get(url, "/health", key)["rss_bytes"])
   first, last = samples[0], samples[-1]
   return {"clients": clients, "seconds": seconds,
@@ -392,7 +418,11 @@ def main(argv) -> None:
     raise UserError("--config.* overrides shape the server the bench starts: "
                     "drop them with --url, or drop --url")
   key = os.environ.get("ZEBRA_JAX_API_KEY", "")
-  server = None if f.url else Server(f.workdir, overrides)
+  server_cpus, client_cpus = cpu_set(f.server_cpus), cpu_set(f.client_cpus)
+  if f.url and server_cpus:
+    raise UserError("--server_cpus pins the server the bench starts: drop it "
+                    "with --url")
+  server = None if f.url else Server(f.workdir, overrides, cpus=server_cpus)
   try:
     url = f.url.rstrip("/") if f.url else server.url
     health = _get(url, "/health", key)
@@ -408,11 +438,12 @@ def main(argv) -> None:
     clients = [int(c) for c in f.clients]
     pid = server.proc.pid if server else None
     phases = [phase(url, key, text, c, f.seconds, f.max_tokens,
-                    f.client_procs, pid, f.client) for c in clients]
+                    f.client_procs, pid, f.client, client_cpus)
+              for c in clients]
     load.append(os.getloadavg())
     rss_warm = _get(url, "/health", key)["rss_bytes"]
     soaked = (soak(url, key, text, f.soak_clients, f.soak_seconds,
-                   f.max_tokens, f.client_procs, pid, f.client)
+                   f.max_tokens, f.client_procs, pid, f.client, client_cpus)
               if f.soak_seconds > 0 else None)
     health = _get(url, "/health", key)
     load.append(os.getloadavg())
@@ -425,13 +456,16 @@ def main(argv) -> None:
       "cpus": os.cpu_count(), "load_average_1_5_15": load,
       "engine": health["engine"], "max_tokens": f.max_tokens,
       "client": f.client, "client_procs": f.client_procs,
+      "server_cpus": sorted(server_cpus) if server_cpus else "all",
+      "client_cpus": sorted(client_cpus) if client_cpus else "all",
       "novelty": fresh, "phases": phases, "soak": soaked,
       "compiled_programs": {"start": programs_start,
                             "end": health["engine"]["compiled_programs"]},
       "rss_mb": {"start": round(rss_start / 2**20, 1),
                  "after_phases": round(rss_warm / 2**20, 1),
                  "end": round(health["rss_bytes"] / 2**20, 1)}}
-  print(f"clients: {f.client}, over {f.client_procs} processes")
+  print(f"clients: {f.client}, over {f.client_procs} processes, on CPUs "
+        f"{report['client_cpus']}; server on CPUs {report['server_cpus']}")
   print(table(phases))
   print(f"first request at a new prompt length and temperature: "
         f"{fresh['first_p50_ms']} ms p50, repeated {fresh['repeat_p50_ms']} "
@@ -468,6 +502,11 @@ def _flags() -> None:
   flags.DEFINE_enum("client", "aiohttp", list(CLIENTS), "The clients: "
                     "aiohttp (asyncio tasks, light) or the openai client "
                     "(threads).")
+  flags.DEFINE_string("server_cpus", None, "Pin the server the bench starts "
+                      "to these CPUs, e.g. 0 or 0-3 (default: all).")
+  flags.DEFINE_string("client_cpus", None, "Pin the clients to these CPUs, "
+                      "e.g. 1 (default: all): with --server_cpus, the load "
+                      "generator no longer takes the server's CPU.")
   flags.DEFINE_integer("client_procs", 4, "Processes the clients are spread "
                        "over (each runs its share as threads).")
   flags.DEFINE_float("soak_seconds", 0.0, "Then this long of varied traffic "
