@@ -303,3 +303,29 @@ def test_a_long_prompt_filling_while_others_decode_equals_it_alone(gen):
   assert e.stats()["busy"] == 0
   alone = [e.submit(TEXT[:45], s).result(timeout=300) for s in requests]
   assert beside == alone
+
+
+def test_prompts_are_consumed_oldest_first(gen):
+  """A prompt admitted earlier finishes its prefill before a later one
+  starts, whatever slots they took: by slot, a long prompt in a high slot
+  would wait behind every new prompt in the low ones."""
+  e = engine.Engine(gen.engine_model(), slots=2, queue=4, prefill_chunk=8,
+                    prefill_rows=1, decode_block=2)
+  fed = []
+  prefill_args = e._prefill_args
+  def record(batch):  # runs on the engine's thread
+    fed.extend(comp.prompt for comp in batch)
+    return prefill_args(batch)
+  e._prefill_args = record
+  try:
+    first, older, newer = "l", TEXT[:40], TEXT[1:41]
+    # `first` takes slot 0 and leaves it after 2 tokens; `older` (5 chunks)
+    # fills slot 1; `newer` then takes slot 0 while `older` still fills.
+    done = [e.submit(p, engine.Settings(max_new_tokens=2, temperature=0.0),
+                     block=True) for p in (first, older, newer)]
+    for c in done:
+      c.result(timeout=300)
+  finally:
+    e.close()
+  assert fed.count(older) == 5 and fed.count(newer) == 5
+  assert fed.index(newer) > len(fed) - 1 - fed[::-1].index(older), fed

@@ -38,6 +38,7 @@ serving.
 
 import asyncio
 import dataclasses
+import gc
 import hmac
 import ipaddress
 import json
@@ -627,6 +628,11 @@ def run(cfg, workdir: str, host: str = "127.0.0.1", port: int = 8000) -> None:
           f"reach it can use it; set {API_KEY_ENV} or "
           "--config.serve.api_key", flush=True)
   engine = service.engine
+  # What start-up built (the model, jax's and flax's objects) lives as long
+  # as the server: out of the collector's sight, a full collection scans
+  # only what requests left, where it stalled every thread for 130 ms under
+  # 64 clients (the p99 latency).
+  gc.freeze()
   print(f"| serving step {loaded.step} on http://{host}:{server.server_port} "
         f"| {engine.slots} slots, queue {engine.queue_limit} "
         f"| API key {'required' if key else 'off'} "
