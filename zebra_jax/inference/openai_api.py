@@ -79,6 +79,7 @@ def _strings(value, name, max_items, what):
 class Request:
   """A checked /v1/completions request."""
   prompts: list
+  ids: list       # each prompt's tokens, encoded once
   options: sample.Options
   stops: list
   stream: bool
@@ -167,16 +168,16 @@ class Api:
         temperature=float(temperature), top_p=float(top_p), top_k=0,
         repetition_penalty=1.0, num_samples=1, seed=seed,
         stop="")  # the stops travel apart: up to MAX_STOPS of them
-    generator = self.service.generator
+    generator, ids = self.service.generator, []
     for p in prompts:
       try:
-        count = len(generator.encode(p))
+        ids.append(generator.encode(p))
       except UserError as e:
         raise ApiError(str(e), "prompt") from None
-      if count > lim.max_prompt_tokens:
-        raise ApiError(f"a prompt of {count} tokens is too many tokens: at "
-                       f"most {lim.max_prompt_tokens}", "prompt")
-    return Request(prompts, options, stops, flags["stream"],
+      if len(ids[-1]) > lim.max_prompt_tokens:
+        raise ApiError(f"a prompt of {len(ids[-1])} tokens is too many "
+                       f"tokens: at most {lim.max_prompt_tokens}", "prompt")
+    return Request(prompts, ids, options, stops, flags["stream"],
                    logprobs is not None, flags["echo"], model)
 
   def response(self, req: Request, rows, logprobs=None) -> dict:

@@ -176,8 +176,8 @@ class Generator:
     options.check()
     if not prompts:
       raise UserError("no prompts given: pass --prompt or --prompt_file")
-    for p in prompts:
-      self.encode(p)  # a UserError for text the model cannot read, first
+    # A UserError for text the model cannot read, before any row runs.
+    ids = {p: self.encode(p) for p in prompts}
     settings = to_settings(options)
     rows = [(p, j) for p in prompts for j in range(options.num_samples)]
     engine = self.engine
@@ -188,7 +188,7 @@ class Generator:
             on_text is not None and i == 0) else None
         done.append(engine.submit(
             prompt, dataclasses.replace(settings, sample_index=j),
-            on_text=stream, block=True))
+            on_text=stream, block=True, ids=ids[prompt]))
       return [p + c.result() for (p, _), c in zip(rows, done)]
     except engines.BadPrompt as e:
       raise UserError(f"{e}") from None

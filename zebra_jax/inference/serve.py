@@ -50,6 +50,7 @@ import time
 
 from absl import logging
 from aiohttp import web
+import numpy as np
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference import engine as engines
@@ -157,19 +158,21 @@ class Service:
             "head": m.head, "limits": dataclasses.asdict(self.limits),
             "engine": self.stats(), "rss_bytes": _rss_bytes()}
 
-  def prompt_tokens(self, prompt: str) -> int:
-    """Tokens in a prompt; UserError for text the model cannot read, and
-    BadRequest (413) beyond the limit."""
-    n = len(self.generator.encode(prompt))
-    if n > self.limits.max_prompt_tokens:
-      raise BadRequest(f"a prompt of {n} tokens is too many tokens: at most "
-                       f"{self.limits.max_prompt_tokens}", 413)
-    return n
+  def prompt_ids(self, prompt: str) -> np.ndarray:
+    """A prompt's tokens, encoded once: checked here, then handed to the
+    engine. UserError for text the model cannot read, and BadRequest (413)
+    beyond the limit."""
+    ids = self.generator.encode(prompt)
+    if len(ids) > self.limits.max_prompt_tokens:
+      raise BadRequest(f"a prompt of {len(ids)} tokens is too many tokens: "
+                       f"at most {self.limits.max_prompt_tokens}", 413)
+    return ids
 
   def submit(self, prompt: str, options: sample.Options, stops=(),
-             on_text=None, on_done=None,
-             sample_index: int = 0) -> "engines.Completion":
-    """One row into the engine's running batch; returns at once.
+             on_text=None, on_done=None, sample_index: int = 0,
+             ids=None) -> "engines.Completion":
+    """One row into the engine's running batch; returns at once. ids: the
+    prompt's tokens (prompt_ids), if encoded already.
 
     on_text(delta) gets completion text as it is generated and
     on_done(finish_reason) once at the end; both run on the engine's
@@ -179,12 +182,12 @@ class Service:
                                    sample_index=sample_index)
     try:
       return self.engine.submit(prompt, settings, on_text=on_text,
-                                on_done=on_done)
+                                on_done=on_done, ids=ids)
     except engines.BadPrompt as e:
       raise BadRequest(str(e), 413 if "too many" in str(e) else 400) from None
 
-  def check_generate(self, body) -> tuple[list[str], sample.Options]:
-    """/generate's rows (prompt-major: p0 s0, p0 s1, ...) and settings."""
+  def check_generate(self, body) -> tuple[list[str], list, sample.Options]:
+    """/generate's prompts, their tokens and the settings."""
     body = _check_fields(body, _GENERATE_FIELDS)
     prompts = _texts(body, "prompt", "prompts")
     settings = {k: v for k, v in body.items() if k not in ("prompt", "prompts")}
@@ -198,22 +201,21 @@ class Service:
       raise BadRequest(f"{len(prompts)} prompts x num_samples="
                        f"{options.num_samples} is more than {lim.max_rows} "
                        "rows", 413)
-    for p in prompts:
-      self.prompt_tokens(p)
-    return prompts, options
+    return prompts, [self.prompt_ids(p) for p in prompts], options
 
-  def rows(self, prompts: list[str], options: sample.Options):
-    """(prompt, options, sample index) per generated row, prompt-major;
-    sample j of a prompt draws from its own stream of the seed."""
+  def rows(self, prompts: list[str], ids: list, options: sample.Options):
+    """(prompt, its tokens, options, sample index) per generated row,
+    prompt-major (p0 s0, p0 s1, ...); sample j of a prompt draws from its
+    own stream of the seed."""
     one = dataclasses.replace(options, num_samples=1)
-    return [(p, one, j) for p in prompts for j in range(options.num_samples)]
+    return [(p, t, one, j) for p, t in zip(prompts, ids)
+            for j in range(options.num_samples)]
 
   def generate(self, body) -> dict:
     """/generate without HTTP: blocks until every row is done."""
-    prompts, options = self.check_generate(body)
-    rows = self.rows(prompts, options)
-    done = [self.submit(p, o, sample_index=j) for p, o, j in rows]
-    texts = [p + c.result() for (p, _, _), c in zip(rows, done)]
+    rows = self.rows(*self.check_generate(body))
+    done = [self.submit(p, o, sample_index=j, ids=t) for p, t, o, j in rows]
+    texts = [p + c.result() for (p, *_), c in zip(rows, done)]
     return {"texts": texts, "step": int(self.loaded.step)}
 
   def score(self, body) -> dict:
@@ -303,16 +305,16 @@ class Rows:
 
   def __init__(self, service: Service, loop, rows, stops=(),
                stream: bool = False):
-    self.rows = [Row(prompt) for prompt, _, _ in rows]
+    self.rows = [Row(prompt) for prompt, *_ in rows]
     self._inbox, self._open = _Inbox(loop), len(rows)
     try:
-      for i, (prompt, options, j) in enumerate(rows):
+      for i, (prompt, ids, options, j) in enumerate(rows):
         # Without a listener the engine looks at a row's text only at its
         # end (or for its stop strings).
         on_text = ((lambda delta, i=i: self._inbox.put((i, delta, None)))
                    if stream else None)
         self.rows[i].completion = service.submit(
-            prompt, options, stops, sample_index=j, on_text=on_text,
+            prompt, options, stops, sample_index=j, ids=ids, on_text=on_text,
             on_done=lambda reason, i=i: self._inbox.put((i, "", reason)))
     except BaseException:
       self.cancel()  # the rows already admitted leave with the request
@@ -482,8 +484,7 @@ class App:
 
   async def _generate(self, request, body):
     del request
-    prompts, options = self.service.check_generate(body)
-    rows = self.service.rows(prompts, options)
+    rows = self.service.rows(*self.service.check_generate(body))
     done = await self._finish(Rows(self.service, asyncio.get_running_loop(),
                                    rows))
     return _json(200, {"texts": [r.prompt + r.text for r in done],
@@ -506,7 +507,8 @@ class App:
   async def _completions(self, request, body):
     req = self.api.check(body)
     rows = Rows(self.service, asyncio.get_running_loop(),
-                [(p, req.options, 0) for p in req.prompts], req.stops,
+                [(p, t, req.options, 0) for p, t in zip(req.prompts, req.ids)],
+                req.stops,
                 stream=req.stream)
     if req.stream:
       return await self._stream(request, req, rows)
