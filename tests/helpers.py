@@ -1,6 +1,7 @@
 """What several test modules share: the repository's root, small corpora and
 configs, train steps across device counts, checkpoint damage, a stand-in for
-Triton's Python backend, and the abstract GPU Pallas kernels lower for.
+Triton's Python backend, the abstract GPU Pallas kernels lower for and a
+Pallas layer's gradient to lower.
 Session fixtures live in conftest.py; the NumPy model references in
 references.py."""
 
@@ -264,3 +265,21 @@ def triton_target():
                                        num_cores=132, platform="gpu")
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
       (1,), ("x",), abstract_device=device))
+
+
+def pallas_layer_grad(s, t, b, g, n_in, dtype, remat=False):
+  """(value_and_grad of a sum over the Pallas layer's outputs, the shapes of
+  its six inputs): both kernels, forward and backward, for lowering. The
+  matmul operands are `dtype`; biases and the carry float32."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from zebra_jax.model.recurrence import pallas  # pylint: disable=g-import-not-at-top
+  f32, sds = jnp.float32, jax.ShapeDtypeStruct
+  specs = (sds((t, b, n_in), dtype), sds((n_in, s, 4 * g), dtype),
+           sds((s, 4 * g), f32), sds((s, b, g), f32), sds((s, b, g), f32),
+           sds((s, g, 4 * g), dtype))
+
+  def loss(*a):
+    ys, h, c = pallas.zebra_layer(*a, 1, remat, interpret=False)
+    return jnp.sum(ys.astype(f32)) + jnp.sum(h) + jnp.sum(c)
+
+  return jax.value_and_grad(loss, argnums=tuple(range(6))), specs

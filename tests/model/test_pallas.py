@@ -21,7 +21,7 @@ from zebra_jax.configs import base
 from zebra_jax.model import lm
 from zebra_jax.model.recurrence import pallas as pallas_recurrence
 from zebra_jax.model.recurrence import scan as recurrence
-from tests.helpers import triton_target
+from tests.helpers import pallas_layer_grad, triton_target
 
 T, B, G, IN = 3, 4, 4, 8  # window, batch, stripe width, layer input
 
@@ -211,19 +211,11 @@ def test_lowers_for_gpu_triton(width, batch, remat, strategy, warps):
   """Both kernels lower through Pallas' Triton backend (bf16, 16-row batch
   blocks, the planned warps), exported for CUDA on this CPU machine. jax >=
   0.11 warns that the backend is deprecated at every lowering."""
-  s, t, b, g, n_in = 2, 4, batch, width, 32
-  launch = pallas_recurrence.launch_plan(b, g, BF16, triton=True)
+  launch = pallas_recurrence.launch_plan(batch, width, BF16, triton=True)
   assert (launch.u_strategy, launch.num_warps) == (strategy, warps)
-  sds = jax.ShapeDtypeStruct
-  specs = (sds((t, b, n_in), BF16), sds((n_in, s, 4 * g), BF16),
-           sds((s, 4 * g), F32), sds((s, b, g), F32), sds((s, b, g), F32),
-           sds((s, g, 4 * g), BF16))
-
-  def loss(*a):
-    ys, h, c = pallas_recurrence.zebra_layer(*a, 1, remat, interpret=False)
-    return jnp.sum(ys.astype(F32)) + jnp.sum(h) + jnp.sum(c)
-
-  fn = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
+  grad, specs = pallas_layer_grad(s=2, t=4, b=batch, g=width, n_in=32,
+                                  dtype=BF16, remat=remat)
+  fn = jax.jit(grad)
   with triton_target():
     exported = jax.export.export(
         fn, platforms=["cuda"],

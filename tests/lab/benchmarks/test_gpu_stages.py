@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from lab.benchmarks import gpu_results, gpu_stages
-from zebra_jax.model.recurrence import pallas as pallas_recurrence
-from tests.helpers import triton_target
+from tests.helpers import pallas_layer_grad, triton_target
 
 
 @pytest.mark.slow
@@ -174,17 +173,8 @@ def test_stripe_kernel_dots_are_at_their_precision(dtype, want):
   """float32 rows measure IEEE float32 products, not TF32: every tt.dot of
   the forward and backward kernels, lowered for CUDA, is inputPrecision
   ieee (bf16 operands: the attribute only matters for float32)."""
-  s, t, b, g, n = 2, 2, 16, 16, 32
-  f32, sds = jnp.float32, jax.ShapeDtypeStruct
-  specs = (sds((t, b, n), dtype), sds((n, s, 4 * g), dtype),
-           sds((s, 4 * g), f32), sds((s, b, g), f32), sds((s, b, g), f32),
-           sds((s, g, 4 * g), dtype))
-
-  def loss(*a):
-    ys, h, c = pallas_recurrence.zebra_layer(*a, 1, False, interpret=False)
-    return jnp.sum(ys.astype(f32)) + jnp.sum(h) + jnp.sum(c)
-  dots = _lowered_dots(jax.value_and_grad(loss, argnums=tuple(range(6))),
-                       *specs)
+  fn, specs = pallas_layer_grad(s=2, t=2, b=16, g=16, n_in=32, dtype=dtype)
+  dots = _lowered_dots(fn, *specs)
   assert dots == [[want] * 4] * 2  # forward, backward: one dot per gate
 
 
