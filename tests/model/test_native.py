@@ -5,11 +5,12 @@ gradient of `recurrence.zebra_layer` (the scan with its hand-written backward
 pass, itself tested against autodiff and NumPy), for dense and grouped
 stripes, with and without remat, at widths and batches that are and are not
 multiples of the kernel's vector (16 floats) and row block (4 rows), for any
-split of the work over threads, for one step (sampling), forward only, an
-empty batch, and NaN or infinities anywhere: the same non-finite values in
-the same places. Every comparison runs for this CPU's build and, on x86-64,
-for an AVX2 (x86-64-v3) and a baseline (x86-64) build, so a machine with
-AVX-512 also tests the code every other CPU runs. Where there is a compiler
+split of the work over threads, for one step (sampling), forward only, empty
+windows (B, T or S = 0), and NaN or infinities anywhere (inputs, weights,
+states, cotangents): the same non-finite values in the same places.
+Every comparison runs for this CPU's build and, on x86-64, for an AVX2
+(x86-64-v3) and a baseline (x86-64) build, so a machine with AVX-512 also
+tests the code every other CPU runs. Where there is a compiler
 a failed build fails these tests; without one they skip, and
 test_native_build.py covers that machine.
 """
@@ -86,13 +87,17 @@ def _args(stripes, kind, *, steps, batch, width, n_in=IN, seed=0,
           jnp.asarray(w_h, dtype))
 
 
-def _value_and_grads(layer_fn, args):
+def _value_and_grads(layer_fn, args, poison=None):
   """(ys, h, c) and every argument's gradient for fixed random cotangents
-  (no gradient path is zero or symmetric)."""
+  (no gradient path is zero or symmetric); poison (which, index, value)
+  puts one value into cotangent `which` (0: ys, 1: h, 2: c)."""
   outs, vjp = jax.vjp(layer_fn, *args)
   rng = np.random.default_rng(7)
-  cts = tuple(jnp.asarray(_normal(rng, o.shape), o.dtype) for o in outs)
-  return outs, vjp(cts)
+  cts = [jnp.asarray(_normal(rng, o.shape), o.dtype) for o in outs]
+  if poison is not None:
+    which, index, value = poison
+    cts[which] = cts[which].at[index].set(value)
+  return outs, vjp(tuple(cts))
 
 
 NAMES = ["ys", "h", "c", "d_inputs", "d_w_x", "d_bias", "d_h0", "d_c0",
@@ -103,14 +108,14 @@ NAMES = ["ys", "h", "c", "d_inputs", "d_w_x", "d_bias", "d_h0", "d_c0",
 SCALED_ATOL = 2.5e-6
 
 
-def _native(remat=False):
+def _native(remat=False, poison=None):
   return jax.jit(lambda *a: _value_and_grads(
-      lambda *x: native_recurrence.zebra_layer(*x, 1, remat), a))
+      lambda *x: native_recurrence.zebra_layer(*x, 1, remat), a, poison))
 
 
-def _scan(remat=False):
+def _scan(remat=False, poison=None):
   return jax.jit(lambda *a: _value_and_grads(
-      lambda *x: recurrence.zebra_layer(*x, 1, remat), a))
+      lambda *x: recurrence.zebra_layer(*x, 1, remat), a, poison))
 
 
 def _assert_close(got, want, names=NAMES):
@@ -193,19 +198,25 @@ def test_a_small_single_step_runs_as_the_scans_step(native):
   assert "zebra_native" in lowered(layer, large)
 
 
-@pytest.mark.parametrize("kind", ["dense", "grouped"])
-def test_empty_batch(native, kind):
-  """B = 0 (an empty shard): the scan's empty outputs; zero gradients for
-  the weights, nothing to read for an input (the scan's backward pass
-  cannot take an empty batch, so zeros are the reference)."""
-  args = _args(2, kind, steps=3, batch=0, width=16)
-  layer = lambda f: jax.jit(lambda *a: f(*a, 1, False))
-  _assert_close(layer(native_recurrence.zebra_layer)(*args),
-                layer(recurrence.zebra_layer)(*args), NAMES[:3])
-  outs, grads = _native()(*args)
-  for name, g, a in zip(NAMES[3:], grads, args):
+@pytest.mark.parametrize("stripes,kind,steps,batch,remat", [
+    (2, "dense", 3, 0, False),    # B = 0: an empty shard
+    (2, "grouped", 3, 0, True),
+    (2, "dense", 0, 4, False),    # T = 0: an empty window
+    (2, "grouped", 0, 4, True),
+    (0, "dense", 3, 4, False),    # S = 0: no stripes
+])
+def test_empty_windows_match_scan(native, stripes, kind, steps, batch, remat):
+  """Outputs and every gradient through the layer, forward and backward, on
+  both backends (the scan had failed at B = 0 and T = 0, the native layer's
+  gradient at T = 0 with a TypeError): the carry passes through, every
+  weight gradient is zero."""
+  args = _args(stripes, kind, steps=steps, batch=batch, width=16)
+  got, want = _native(remat)(*args), _scan(remat)(*args)
+  _assert_close(got, want)
+  for name, g, a in zip(NAMES[3:], got[1], args):
     assert g.shape == a.shape, name
-    np.testing.assert_array_equal(np.asarray(g), 0.0, err_msg=name)
+    if name in ("d_w_x", "d_bias", "d_w_h"):
+      np.testing.assert_array_equal(np.asarray(g), 0.0, err_msg=name)
 
 
 @pytest.mark.parametrize("threads", [2, 3, 7])
@@ -248,6 +259,7 @@ POISONS = {
     "nan_h0": ("h0", (0, 1, 2), NAN),
     "inf_c0": ("c0", (1, 2, 7), INF),     # a cell that is already infinite
     "nan_bias": ("bias", (0, 17), NAN),
+    "nan_w_x": ("w_x", (3, 1, 9), NAN),
 }
 _ARGS = ["inputs", "w_x", "bias", "h0", "c0", "w_h"]
 
@@ -265,6 +277,36 @@ def test_non_finite_values_propagate_as_in_the_scan(march, poison):
   _assert_close(got, want)
   # It did reach the results (an inf may saturate gates, a NaN spreads).
   assert not all(np.isfinite(a).all() for a in jax.tree.leaves(want))
+
+
+# (cotangent, index, value): a non-finite value in the incoming gradient of
+# ys [S, T, B, G], h or c [S, B, G]. Element 0 of ys's is the one the scan
+# orders its window-scale work by.
+COTANGENT_POISONS = {
+    "nan_d_ys_first": (0, (0, 0, 0, 0), NAN),
+    "inf_d_ys_first": (0, (0, 0, 0, 0), INF),
+    "nan_d_ys": (0, (1, 2, 3, 4), NAN),
+    "nan_d_h": (1, (0, 1, 2), NAN),
+    "-inf_d_c": (2, (1, 0, 5), -INF),
+}
+
+
+@pytest.mark.parametrize("poison,remat", [
+    *((p, False) for p in COTANGENT_POISONS), ("nan_d_ys_first", True)])
+def test_non_finite_cotangents_land_as_in_the_scan(native, poison, remat):
+  """One NaN or infinity in a cotangent: the same non-finite gradients on
+  both backends, and not every one of them (a NaN in d_ys's first element
+  had made all 16,428 of the scan's gradients NaN, against native's 148)."""
+  args = _args(2, "dense", steps=6, batch=4, width=16, seed=1)
+  which, index, value = COTANGENT_POISONS[poison]
+  got = _native(remat, (which, index, value))(*args)
+  want = _scan(remat, (which, index, value))(*args)
+  _assert_close(got, want)
+  grads = jax.tree.leaves(want[1])
+  assert not all(np.isfinite(g).all() for g in grads)
+  assert any(np.isfinite(g).any() for g in grads)
+  if poison == "nan_d_ys_first":  # spreads only backward from step 0
+    np.testing.assert_array_equal(np.isnan(want[1][0]).sum(), 8)
 
 
 def test_overflowing_pre_activation_is_the_scans(march):

@@ -134,12 +134,18 @@ def _scan_time(step, carry, xs, reverse=False, unroll=1, overwrite=None):
   num_steps = xs_leaves[0].shape[1]
   at = lambda leaves, t: xs_tree.unflatten(
       [jax.lax.dynamic_index_in_dim(a, t, 1, keepdims=False) for a in leaves])
+  # A step's shapes from its operands' shapes: a window of T = 0 has no
+  # step to index.
+  one_step = xs_tree.unflatten([jax.ShapeDtypeStruct(
+      (a.shape[0], *a.shape[2:]), a.dtype) for a in xs_leaves])
   out_shapes, out_tree = jax.tree.flatten(
-      jax.eval_shape(step, carry, at(xs_leaves, 0))[1])
+      jax.eval_shape(step, carry, one_step)[1])
   buffers = [xs_leaves[overwrite[i]] if i in overwrite else
              jnp.zeros((o.shape[0], num_steps, *o.shape[1:]), o.dtype)
              for i, o in enumerate(out_shapes)]
   read_from = {j: i for i, j in overwrite.items()}
+  if num_steps == 0:  # no step to trace: the carry as it came, empty outs
+    return carry, out_tree.unflatten(buffers)
 
   def body(state, t):
     carry, buffers = state
@@ -154,6 +160,22 @@ def _scan_time(step, carry, xs, reverse=False, unroll=1, overwrite=None):
       body, (carry, buffers), jnp.arange(num_steps), reverse=reverse,
       unroll=unroll)
   return carry, out_tree.unflatten(buffers)
+
+
+def previous_steps(first, window):
+  """What each step of a [S, T, ...] window starts from: `first` [S, ...]
+  at t = 0, then the window's step t - 1 ([S, T, ...], also for T = 0)."""
+  return jnp.concatenate([first[:, None], window[:, :-1]],
+                         axis=1)[:, :window.shape[1]]
+
+
+def _tie(d_ys):
+  """A float32 zero that depends on one cotangent element, whatever its
+  value (inf or NaN included: 0 x inf would be NaN); a constant zero for an
+  empty window, where there is no work to order."""
+  if d_ys.size == 0:
+    return jnp.zeros((), jnp.float32)
+  return 0.0 * jnp.nan_to_num(d_ys.reshape(-1)[0].astype(jnp.float32))
 
 
 def _forward(x_proj, h0, c0, w_h, unroll, keep):
@@ -196,12 +218,14 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
   d_ys, d_h_last, d_c_last = cotangents
   dt = w_h.dtype
   # Tie all window-scale work below to the incoming gradient with a real data
-  # dependency (0 * one cotangent element; XLA keeps float x * 0, which is
-  # NaN for x = inf). Otherwise XLA schedules it as soon as the forward pass
-  # has run, and its window-sized results stay alive through every later
-  # layer (optimization barriers are gone by the time the CPU backend
-  # schedules): a few % more memory without remat, and none saved with it.
-  tie = 0.0 * d_ys.reshape(-1)[0].astype(jnp.float32)
+  # dependency (0 * one cotangent element made finite; XLA keeps float
+  # x * 0, which it cannot prove finite). Otherwise XLA schedules it as soon
+  # as the forward pass has run, and its window-sized results stay alive
+  # through every later layer (optimization barriers are gone by the time
+  # the CPU backend schedules): a few % more memory without remat, and none
+  # saved with it. A NaN in that element must not reach every gradient: it
+  # lands where the native loops put it.
+  tie = _tie(d_ys)
   if remat:
     cs, h_prev = saved
     h_prev = h_prev + tie
@@ -209,7 +233,7 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
     gates = _activate(
         project_inputs(inputs, w_x + tie.astype(w_x.dtype), bias)
         + _matmul(h_prev.astype(dt).reshape(s, t * b, g), w_h, ((2,), (1,)),
-                  ((0,), (0,))).reshape(s, t, b, -1))
+                  ((0,), (0,))).reshape(s, t, b, 4 * g))
   else:
     cs, h_prev, gates = saved
     gates = gates + tie
@@ -218,7 +242,7 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
   # for the whole window at once: large, vectorised, multi-threaded passes.
   # The reverse loop is then only multiply-adds and one matmul per step.
   i, f, g, o = jnp.split(gates, 4, axis=-1)
-  c_prev = jnp.concatenate([c0[:, None], cs[:, :-1]], axis=1)
+  c_prev = previous_steps(c0, cs)
   tanh_c = jnp.tanh(cs)
   dc_dh = o * (1.0 - tanh_c * tanh_c)                # dc_t / dh_t
   dz_dcdh = jnp.concatenate([g * i * (1.0 - i),       # d pre-activation i
@@ -309,14 +333,14 @@ def kernel_layer(forward, backward):
     # h_{t-1} in the compute dtype is exactly the previous output: the scan
     # casts its float32 h_{t-1} to that dtype before every use in the
     # backward pass, so nothing else needs saving.
-    h_prev = jnp.concatenate([h0.astype(dt)[:, None], ys[:, :-1]], axis=1)
+    h_prev = previous_steps(h0.astype(dt), ys)
     if remat:  # recompute the gates with two large matmuls, as the scan does
       (cs,) = saved
       s, t, b, g = h_prev.shape
       gates = _activate(
           project_inputs(inputs, w_x, bias)
           + _matmul(h_prev.reshape(s, t * b, g), w_h, ((2,), (1,)),
-                    ((0,), (0,))).reshape(s, t, b, -1))
+                    ((0,), (0,))).reshape(s, t, b, 4 * g))
     else:
       cs, gates = saved
     dz, dh0, dc0 = backward(d_ys, gates, cs, c0, w_h,
