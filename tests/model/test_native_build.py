@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import native_check
 from zebra_jax.model.recurrence import scan as recurrence
 
 # Layer arguments (inputs, w_x, bias, h0, c0, w_h): S=1, T=2, B=3, G=4.
@@ -262,24 +263,39 @@ def test_build_command_errors_are_one_line(clean_env, capsys, march,
   assert re.search(message, err), err
 
 
-@pytest.mark.parametrize("compiler,march", [
-    ("aarch64-linux-gnu-g++", "armv8-a"),
-])
-def test_compiles_for_other_cpus(tmp_path, compiler, march):
-  """The source compiles for a CPU this machine is not: aarch64 (NEON
-  only) with a cross compiler where one is installed (Debian:
-  g++-aarch64-linux-gnu). x86-64 targets are built and run by
-  test_native.py."""
+# (compiler, -march, the ISA the build must report, a CPU feature it needs)
+OTHER_CPUS = [("aarch64-linux-gnu-g++", "armv8-a", "neon", "asimd"),
+              ("c++", "sandybridge", "avx", "avx")]  # AVX, no AVX2: not sse2
+
+
+@pytest.mark.parametrize("compiler,march,isa,needs", OTHER_CPUS)
+def test_compiles_for_other_cpus(tmp_path, compiler, march, isa, needs):
+  """The source compiles for a CPU this machine is not, and its build
+  record says what that CPU must have: aarch64 (NEON only) with a cross
+  compiler where one is installed (Debian: g++-aarch64-linux-gnu, which
+  .ci/run installs), and an x86-64 with AVX but not AVX2. The other x86-64
+  targets are built and run by test_native.py."""
   if shutil.which(compiler) is None:
     pytest.skip(f"{compiler} not installed")
+  if march == "sandybridge" and not _x86():
+    pytest.skip("an x86-64 target")
   out = tmp_path / "lib.so"
-  result = subprocess.run(
-      [compiler, *native_recurrence.flags(march),
-       f"-I{jax.ffi.include_dir()}", str(native_recurrence.SOURCE), "-o",
-       str(out)], capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, native_recurrence.first_error(
-      result.stderr)
-  assert out.stat().st_size > 0
+  try:
+    native_recurrence.build(compiler, march, out)
+  except native_recurrence.BuildError as e:
+    pytest.fail(str(e))
+  data = out.read_bytes()
+  assert native_check.damage(data, native_check.read_record(out)) == ""
+  source, built_isa, built_needs = native_check.build_info(data)
+  assert source == native_recurrence.source_digest()
+  assert built_isa == isa and needs in built_needs, (built_isa, built_needs)
+
+
+def test_ci_installs_the_cross_compiler():
+  """CI runs the aarch64 build above instead of skipping it."""
+  ci = (pathlib.Path(__file__).parents[2] / ".ci" / "run").read_text()
+  assert "g++-aarch64-linux-gnu" in ci
+  assert OTHER_CPUS[0][0] == "aarch64-linux-gnu-g++"
 
 
 # Direct calls into the kernels with buffers of the wrong size: an error

@@ -130,11 +130,14 @@ inline T Tanh(T a) {
   return Select(abs < 0.0004f, a, Select(abs >= kSaturated, one, x * p / q));
 }
 
+// Strides and row offsets are 64-bit: rows x 4G of a window may pass 2^31.
+using Index = int64_t;
+
 // C[R, V*kLanes] = X + A[R, K] W[K, V*kLanes] (X null: 0), in registers.
 // X may be C itself: a block is read whole before it is written.
 template <int R, int V>
-inline void Block(int k_size, const float* a, int lda, const float* w, int ldw,
-                  const float* x, int ldx, float* c, int ldc) {
+inline void Block(int k_size, const float* a, Index lda, const float* w,
+                  Index ldw, const float* x, Index ldx, float* c, Index ldc) {
   Vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v)
@@ -157,10 +160,10 @@ inline void Block(int k_size, const float* a, int lda, const float* w, int ldw,
 // Rows [r, rows) of a column block: kRows at a time, then the remainder
 // as one smaller block.
 template <int V, int R = kRows>
-inline void Columns(int rows, int k_size, const float* a, int lda,
-                    const float* w, int ldw, const float* x, int ldx, float* c,
-                    int ldc) {
-  int r = 0;
+inline void Columns(int rows, int k_size, const float* a, Index lda,
+                    const float* w, Index ldw, const float* x, Index ldx,
+                    float* c, Index ldc) {
+  Index r = 0;
   for (; r + R <= rows; r += R)
     Block<R, V>(k_size, a + r * lda, lda, w, ldw, x ? x + r * ldx : nullptr,
                 ldx, c + r * ldc, ldc);
@@ -205,8 +208,8 @@ void RowTimesMatrix(int n, int k_size, const float* a, const float* w,
 }
 
 // C[rows, n] = X + A[rows, k] W[k, n]; W row-major with row stride n.
-void Matmul(int rows, int n, int k_size, const float* a, int lda,
-            const float* w, const float* x, int ldx, float* c, int ldc) {
+void Matmul(int rows, int n, int k_size, const float* a, Index lda,
+            const float* w, const float* x, Index ldx, float* c, Index ldc) {
   int j = 0;
   for (; j + kVectors * kLanes <= n; j += kVectors * kLanes)
     Columns<kVectors>(rows, k_size, a, lda, w + j, n, x ? x + j : nullptr,
@@ -215,9 +218,9 @@ void Matmul(int rows, int n, int k_size, const float* a, int lda,
     Columns<1>(rows, k_size, a, lda, w + j, n, x ? x + j : nullptr, ldx, c + j,
                ldc);
   for (; j < n; ++j)
-    for (int r = 0; r < rows; ++r) {
+    for (Index r = 0; r < rows; ++r) {
       float sum = x ? x[r * ldx + j] : 0.0f;
-      for (int k = 0; k < k_size; ++k) sum += a[r * lda + k] * w[k * n + j];
+      for (Index k = 0; k < k_size; ++k) sum += a[r * lda + k] * w[k * n + j];
       c[r * ldc + j] = sum;
     }
 }
@@ -440,7 +443,7 @@ std::string WindowShape(const char* name,
     if (n < 0 || n > INT_MAX)
       return std::string(name) + ": a dimension out of range";
   *d = {dims[0], dims[1], dims[2], dims[3] / 4};
-  // Row offsets within a stripe's weights are int: G x 4G must fit.
+  // Lanes() and the column loops count within a row in int: 4G x G must fit.
   if (d->g * 4 * d->g > INT_MAX)
     return std::string(name) + ": stripe width " + std::to_string(d->g) +
            " too large";
@@ -538,19 +541,124 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> d_ys,
 // The vector instructions this library was compiled for: what
 // native.py reports and its tests check (an x86-64-v3 build must
 // not have used AVX-512).
-extern "C" const char* ZebraNativeTarget() {
 #if defined(__AVX512F__)
-  return "avx512f";
+#define ZEBRA_NATIVE_ISA "avx512f"
 #elif defined(__AVX2__)
-  return "avx2";
+#define ZEBRA_NATIVE_ISA "avx2"
+#elif defined(__AVX__)
+#define ZEBRA_NATIVE_ISA "avx"
 #elif defined(__SSE2__)
-  return "sse2";
+#define ZEBRA_NATIVE_ISA "sse2"
 #elif defined(__ARM_NEON)
-  return "neon";
+#define ZEBRA_NATIVE_ISA "neon"
 #else
-  return "generic";
+#define ZEBRA_NATIVE_ISA "generic"
 #endif
-}
+
+extern "C" const char* ZebraNativeTarget() { return ZEBRA_NATIVE_ISA; }
+
+// The build's record, read by native.py from the file before it loads the
+// library: the source it was built from (native.py passes its digest) and
+// the CPU features the compiler was allowed to use anywhere in the code, in
+// /proc/cpuinfo's names. A library built for features this CPU lacks would
+// die of SIGILL at its first call (or while loading); it is refused instead.
+#ifndef ZEBRA_NATIVE_SOURCE
+#define ZEBRA_NATIVE_SOURCE "unknown"
+#endif
+extern "C" __attribute__((used)) const char ZebraNativeBuild[] =
+    "zebra-native-build source=" ZEBRA_NATIVE_SOURCE " isa=" ZEBRA_NATIVE_ISA
+    " needs="
+#if defined(__x86_64__) || defined(__i386__)
+#ifdef __SSE2__
+    " sse2"
+#endif
+#ifdef __SSE3__
+    " pni"
+#endif
+#ifdef __SSSE3__
+    " ssse3"
+#endif
+#ifdef __SSE4_1__
+    " sse4_1"
+#endif
+#ifdef __SSE4_2__
+    " sse4_2"
+#endif
+#ifdef __POPCNT__
+    " popcnt"
+#endif
+#ifdef __AVX__
+    " avx"
+#endif
+#ifdef __AVX2__
+    " avx2"
+#endif
+#ifdef __FMA__
+    " fma"
+#endif
+#ifdef __F16C__
+    " f16c"
+#endif
+#ifdef __BMI__
+    " bmi1"
+#endif
+#ifdef __BMI2__
+    " bmi2"
+#endif
+#ifdef __MOVBE__
+    " movbe"
+#endif
+#ifdef __AVX512F__
+    " avx512f"
+#endif
+#ifdef __AVX512CD__
+    " avx512cd"
+#endif
+#ifdef __AVX512BW__
+    " avx512bw"
+#endif
+#ifdef __AVX512DQ__
+    " avx512dq"
+#endif
+#ifdef __AVX512VL__
+    " avx512vl"
+#endif
+#ifdef __AVX512IFMA__
+    " avx512ifma"
+#endif
+#ifdef __AVX512VBMI__
+    " avx512vbmi"
+#endif
+#ifdef __AVX512VNNI__
+    " avx512_vnni"
+#endif
+#ifdef __AVX512BF16__
+    " avx512_bf16"
+#endif
+#ifdef __AVX512FP16__
+    " avx512_fp16"
+#endif
+#ifdef __AVXVNNI__
+    " avx_vnni"
+#endif
+#elif defined(__aarch64__)
+#ifdef __ARM_NEON
+    " asimd"
+#endif
+#ifdef __ARM_FEATURE_FP16_VECTOR_ARITHMETIC
+    " asimdhp"
+#endif
+#ifdef __ARM_FEATURE_DOTPROD
+    " asimddp"
+#endif
+#ifdef __ARM_FEATURE_SVE
+    " sve"
+#endif
+#ifdef __ARM_FEATURE_SVE2
+    " sve2"
+#endif
+#endif
+    ";";
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraForward, ForwardImpl,
                               ffi::Ffi::Bind()

@@ -24,14 +24,22 @@ under $XDG_CACHE_HOME/zebra_jax/kernels (default ~/.cache; a private
 temporary folder where that cannot be written), keyed by the source, the
 compiler, jax's version, the flags and, for -march=native, the CPU's
 features. A failed build is remembered there under the same key, so other
-processes do not retry it. Ahead of time, on a machine with a compiler:
+processes do not retry it (not a compiler killed by a signal: out of
+memory is no verdict on the source). Ahead of time, on a machine with a
+compiler:
 
   python3 -m zebra_jax.model.recurrence.native --build [--march=M] [--out=F]
 
-and ZEBRA_JAX_NATIVE_LIB=F on a node without one loads that library. Where
-the kernels cannot run (not a CPU, a compute dtype other than float32, no
-compiler, a failed build), the layer runs the scan instead, with one
-warning line saying why (a failed build: the compiler's first error line).
+and ZEBRA_JAX_NATIVE_LIB=F on a node without one loads that library. A
+build writes a record of the library beside it (F.json: size, SHA-256);
+before a library is loaded, `native_check.py` checks it against that record,
+its ELF headers and the CPU features it was built for: a damaged cached
+library is rebuilt, a damaged or foreign prebuilt one, or one built for
+features this CPU lacks, is refused (loading it would kill the process).
+Where the kernels cannot run (not a CPU, a compute dtype other than
+float32, no compiler, a failed build, a refused library), the layer runs the
+scan instead, with one warning line saying why (a failed build: the
+compiler's first error line). Where they run, one line says which build.
 """
 
 import argparse
@@ -55,12 +63,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax.errors import UserError
-from zebra_jax.model.recurrence import scan
+from zebra_jax.model.recurrence import native_check, scan
 
 SOURCE = pathlib.Path(__file__).with_name("native.cc")
 MARCH_ENV, LIB_ENV = "ZEBRA_JAX_NATIVE_MARCH", "ZEBRA_JAX_NATIVE_LIB"
 _FORWARD, _BACKWARD = "zebra_native_forward", "zebra_native_backward"
 _COMPILE_TIMEOUT_S = 600
+_BUILD_COMMAND = "python3 -m zebra_jax.model.recurrence.native --build"
 
 
 def march() -> str:
@@ -69,13 +78,20 @@ def march() -> str:
   return os.environ.get(MARCH_ENV) or "native"
 
 
+def source_digest() -> str:
+  """The source's digest, compiled into the library: a prebuilt library
+  from another version of native.cc (other FFI signatures) is refused."""
+  return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
 def flags(target: str) -> tuple[str, ...]:
   """The compiler's flags for -march=target (checked: it goes into argv)."""
   if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", target):
     raise UserError(f"{MARCH_ENV}={target!r} is not a -march value: use e.g. "
                     "native, x86-64-v3, x86-64 or armv8-a")
   return ("-O3", f"-march={target}", "-ffp-contract=fast", "-std=c++17",
-          "-shared", "-fPIC", "-pthread", "-w")
+          "-shared", "-fPIC", "-pthread", "-w",
+          f'-DZEBRA_NATIVE_SOURCE="{source_digest()}"')
 
 
 def compiler() -> str | None:
@@ -133,13 +149,7 @@ def cache_dir() -> pathlib.Path:
 def _cpu_features() -> str:
   """The CPU's feature flags: -march=native code is only valid on a CPU
   that has them all (a cache shared between machines)."""
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith(("flags", "Features")):
-        return line
-  except OSError:
-    pass
-  return platform.processor()
+  return native_check.cpu_features_line() or platform.processor()
 
 
 def first_error(output: str) -> str:
@@ -154,12 +164,32 @@ class BuildError(Exception):
   """The library could not be built: the message is one line."""
 
 
+# What a compiler driver prints when the signal that ended the compile was
+# not its own verdict (g++: "Killed signal terminated program cc1plus";
+# older g++: "internal compiler error: Killed (program cc1plus)"; clang:
+# "unable to execute command: Killed", "... failed due to signal").
+_KILLED = re.compile(r"signal terminated program|\(program \w+\)|"
+                     r"unable to execute command|due to signal")
+
+
+def killed(returncode: int, output: str) -> bool:
+  """Whether a failed compile was ended by a signal (the OOM killer, a
+  timeout) rather than refused by the compiler: not worth remembering."""
+  return returncode < 0 or returncode >= 128 or bool(_KILLED.search(output))
+
+
 def build(cxx: str, target: str, out: pathlib.Path | None = None
           ) -> pathlib.Path:
   """Compiles SOURCE for -march=target unless a library for this source,
   compiler, jax, flags (and, for native, CPU) is cached, or a build of it
   failed before; returns its path (out: build there, no cache). cxx may hold
   words ("ccache g++"), as $CXX often does. Raises BuildError."""
+  return _build(cxx, target, out)[0]
+
+
+def _build(cxx: str, target: str, out: pathlib.Path | None = None
+           ) -> tuple[pathlib.Path, bool]:
+  """build(), and whether it compiled now (False: the cached library)."""
   command = shlex.split(cxx)
   try:
     version = subprocess.run([*command, "--version"], capture_output=True,
@@ -176,14 +206,20 @@ def build(cxx: str, target: str, out: pathlib.Path | None = None
   path = out or folder / f"native_recurrence_{key}.so"
   failed = folder / f"native_recurrence_{key}.failed"
   if out is None and path.exists():
-    return path
-  if out is None and failed.exists():
+    why = _cached_damage(path)
+    if not why:
+      return path, False
+    logging.warning("the cached %s is damaged (%s): compiling it again",
+                    path, why)
+  elif out is None and failed.exists():
     raise BuildError(f"{failed.read_text().strip()} (an earlier build; "
                      f"delete {failed} to retry)")
   folder.mkdir(parents=True, exist_ok=True)
-  logging.info("compiling %s for -march=%s (once)", SOURCE.name, target)
-  # Built beside its final name and renamed: processes that build at the
-  # same time each rename a complete library.
+  logging.warning("compiling %s for -march=%s (once: about 10 s)",
+                  SOURCE.name, target)
+  # Built beside its final name and renamed, its record first: processes
+  # that build at the same time each rename a complete library, and one cut
+  # short leaves only its temporary folder.
   with tempfile.TemporaryDirectory(dir=folder) as tmp:
     built = pathlib.Path(tmp) / path.name
     try:
@@ -191,63 +227,110 @@ def build(cxx: str, target: str, out: pathlib.Path | None = None
                       str(SOURCE), "-o", str(built)], capture_output=True,
                      text=True, check=True, timeout=_COMPILE_TIMEOUT_S)
     except subprocess.CalledProcessError as e:
+      output = e.stderr + e.stdout
       why = (f"compiling {SOURCE.name} for -march={target} failed: "
-             f"{first_error(e.stderr + e.stdout)}")
+             f"{first_error(output)}")
       # Remembered (atomically, as the library is) where the compiler
       # itself refused; not a compiler killed by a signal (out of memory).
-      if out is None and e.returncode > 0:
+      if out is None and not killed(e.returncode, output):
         note = pathlib.Path(tmp) / failed.name
         note.write_text(why + "\n")
         os.replace(note, failed)
       raise BuildError(why) from e
     except (OSError, subprocess.SubprocessError) as e:
       raise BuildError(f"running {cxx} failed: {e}") from e
+    data = built.read_bytes()
+    if why := native_check.damage(data, None):
+      raise BuildError(f"compiling {SOURCE.name} for -march={target} wrote "
+                       f"no usable library: {why}")
+    record = pathlib.Path(tmp) / native_check.record_path(path).name
+    record.write_text(native_check.record_of(data))
+    os.replace(record, native_check.record_path(path))
     os.replace(built, path)
-  return path
+  return path, True
 
 
-def library_path() -> pathlib.Path:
-  """The library this process loads: $ZEBRA_JAX_NATIVE_LIB, else one built
-  (or cached) for march(). Raises BuildError."""
+def _cached_damage(path: pathlib.Path) -> str:
+  """Why the cached library is not the one its build wrote ("" when it
+  is); a library without its build's record counts as damaged."""
+  try:
+    data = path.read_bytes()
+  except OSError as e:
+    return e.strerror or str(e)
+  record = native_check.read_record(path)
+  if record is None:
+    return "no record of its build beside it"
+  return native_check.damage(data, record)
+
+
+def library_path() -> tuple[pathlib.Path, str]:
+  """The library this process loads, and where it comes from:
+  $ZEBRA_JAX_NATIVE_LIB (made absolute), else one built now or cached for
+  march(). Raises BuildError."""
   if prebuilt := os.environ.get(LIB_ENV):
-    return pathlib.Path(prebuilt)
+    return pathlib.Path(prebuilt).expanduser().resolve(), LIB_ENV
   cxx = compiler()
   if cxx is None:
     raise BuildError("no C++ compiler found (install g++, set CXX, or point "
-                     f"{LIB_ENV} at a library built with `python3 -m "
-                     "zebra_jax.model.recurrence.native --build`)")
-  return build(cxx, march())
+                     f"{LIB_ENV} at a library built with `{_BUILD_COMMAND}`)")
+  path, compiled = _build(cxx, march())
+  return path, "compiled now" if compiled else "cached"
+
+
+def _refusal(path: pathlib.Path, origin: str, data: bytes) -> str:
+  """Why this library must not be loaded here, with the fix ("" when it
+  may be loaded)."""
+  if origin == LIB_ENV:
+    name = f"{LIB_ENV}={path}"
+    if why := native_check.damage(data, native_check.read_record(path)):
+      return (f"{name} is damaged ({why}): copy it again, or rebuild it "
+              f"with `{_BUILD_COMMAND} --out=F`")
+  else:
+    name = f"the library for -march={march()} ({path})"
+  why = native_check.unfit(data, source_digest(), native_check.cpu_flags())
+  if not why:
+    return ""
+  if origin == LIB_ENV:
+    fix = (f"build one for this CPU with `{_BUILD_COMMAND} --march=M "
+           f"--out=F` (M: native, or x86-64-v3 for any AVX2 CPU), or unset "
+           f"{LIB_ENV}")
+  else:
+    fix = f"set {MARCH_ENV} to a target this CPU runs, e.g. native"
+  return f"{name}: {why}; {fix}"
 
 
 @functools.cache
 def _load(target: str, prebuilt: str | None, cxx: str | None
           ) -> tuple[str, str]:
-  """Builds (or finds), loads and registers one library once per process:
-  ("", its FFI target suffix) when ready, else (why not, "")."""
+  """Builds (or finds), checks, loads and registers one library once per
+  process: ("", its FFI target suffix) when ready, else (why not, "")."""
   del target, prebuilt, cxx  # the cache key: library_path() reads them
   try:
-    path = library_path()
+    path, origin = library_path()
   except (BuildError, OSError, UserError) as e:
     return str(e), ""
   try:
-    library = ctypes.cdll.LoadLibrary(str(path))
+    data = path.read_bytes()
   except OSError as e:
+    return f"loading {path} failed: {e.strerror or e}", ""
+  if why := _refusal(path, origin, data):
+    return why, ""
+  try:
+    library = ctypes.CDLL(str(path))
+    forward, backward = library.ZebraForward, library.ZebraBackward
+  except (OSError, AttributeError) as e:
     return f"loading {path} failed: {e}", ""
   # One pair of FFI targets per library: tests load several (-march) side
   # by side in one process.
   suffix = "_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
-  jax.ffi.register_ffi_target(_FORWARD + suffix,
-                              jax.ffi.pycapsule(library.ZebraForward),
+  jax.ffi.register_ffi_target(_FORWARD + suffix, jax.ffi.pycapsule(forward),
                               platform="cpu")
-  jax.ffi.register_ffi_target(_BACKWARD + suffix,
-                              jax.ffi.pycapsule(library.ZebraBackward),
+  jax.ffi.register_ffi_target(_BACKWARD + suffix, jax.ffi.pycapsule(backward),
                               platform="cpu")
-  try:
-    isa = library.ZebraNativeTarget
-    isa.restype = ctypes.c_char_p
-    _TARGETS[suffix] = isa().decode()
-  except AttributeError:  # a library built from an older source
-    _TARGETS[suffix] = "unknown"
+  _TARGETS[suffix] = native_check.build_info(data)[1]
+  # The one line that says which loops run (the CLI shows warnings only).
+  logging.warning("model.recurrence=native: the C++ time loops, %s build "
+                  "(%s: %s)", _TARGETS[suffix], origin, path)
   return "", suffix
 
 
@@ -260,7 +343,7 @@ def _loaded() -> tuple[str, str]:
 
 def vector_isa() -> str:
   """The vector instructions the library in use was compiled for (avx512f,
-  avx2, sse2, neon or generic); "" when none is loaded."""
+  avx2, avx, sse2, neon or generic); "" when none is loaded."""
   why, suffix = _loaded()
   return "" if why else _TARGETS[suffix]
 
@@ -383,8 +466,9 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(path)
-  print(f"use it where there is no compiler: {LIB_ENV}={path}",
-        file=sys.stderr)
+  print(f"use it where there is no compiler: {LIB_ENV}={path} (copy "
+        f"{native_check.record_path(path).name} with it: the loader checks "
+        "the copy against it)", file=sys.stderr)
   return 0
 
 
