@@ -30,7 +30,7 @@ from lab.benchmarks.shapes import SHAPES, model_config
 from lab.benchmarks.steps import _create, core_runner
 from lab.benchmarks.table import print_rows, ratio_text
 from lab.benchmarks.timing import round_times
-from zebra_jax.inference import sampling
+from lab.benchmarks import sampling_loop as sampling
 from zebra_jax.model import lm
 from zebra_jax.model.recurrence import native as native_recurrence
 

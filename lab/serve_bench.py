@@ -343,6 +343,9 @@ def phase(url, key, text, clients, seconds, max_tokens, procs,
           # of one core, over the phase and its 2 s start (None: --url)
           "server_cpu_pct": (round(100 * cpu / (wall + 2.0))
                              if cpu is not None and wall else None),
+          # the server's CPU (all its threads) per answered request
+          "server_us_per_request": (round(1e6 * cpu / len(ok))
+                                    if cpu is not None and ok else None),
           "clients_cpu_pct": round(100 * clients_cpu / (wall + 2.0))
                              if wall else None}
 
@@ -376,15 +379,17 @@ def novelty(url, key, text, max_tokens, count=8) -> dict:
 
 def table(phases: list[dict]) -> str:
   head = ("| clients | requests | errors | tokens/s | vs 1 client | p50 ms "
-          "| p99 ms | first text p50 ms | server CPU | clients CPU |")
-  rows = [head, "|" + "---|" * 10]
+          "| p99 ms | first text p50 ms | server CPU | server CPU per request "
+          "| clients CPU |")
+  rows = [head, "|" + "---|" * 11]
   base = phases[0]["tokens_per_s"] if phases else 0
   for p in phases:
     rows.append(f"| {p['clients']} | {p['requests']} | {p['errors']} | "
                 f"{p['tokens_per_s']:,.0f} | "
                 f"{p['tokens_per_s'] / base if base else 0:.1f}x | "
                 f"{p['p50_ms']} | {p['p99_ms']} | {p['first_text_p50_ms']} | "
-                f"{p['server_cpu_pct']}% | {p['clients_cpu_pct']}% |")
+                f"{p['server_cpu_pct']}% | {p['server_us_per_request']} us | "
+                f"{p['clients_cpu_pct']}% |")
   return "\n".join(rows)
 
 

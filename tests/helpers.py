@@ -1,7 +1,7 @@
 """What several test modules share: the repository's root, small corpora and
 configs, train steps across device counts, checkpoint damage, a stand-in for
-Triton's Python backend, the abstract GPU Pallas kernels lower for and a
-Pallas layer's gradient to lower.
+Triton's Python backend, a live zebra_jax server, the abstract GPU Pallas
+kernels lower for and a Pallas layer's gradient to lower.
 Session fixtures live in conftest.py; the NumPy model references in
 references.py."""
 
@@ -11,15 +11,22 @@ import http.client
 import json
 import importlib.util
 import inspect
+import logging
 import os
+import shutil
 import sys
+import threading
 import types
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from zebra_jax.configs import wt103
+from zebra_jax.inference import serve
+from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import scan as scan_recurrence
 from zebra_jax.runtime import parallel
 from zebra_jax.training import loop, train_state
 
@@ -228,6 +235,73 @@ def assert_png(path):
   with open(path, "rb") as f:
     assert f.read(8) == _PNG_MAGIC
   assert os.path.getsize(path) > 5000  # axes, curves and legend, not a blank
+
+
+@contextlib.contextmanager
+def live_server(service, api_key="", **options):
+  """A zebra_jax server for `service` on a free loopback port, in a thread:
+  yields the Server (its .server_port); stopped and closed on exit."""
+  httpd = serve.make_server(service, "127.0.0.1", 0, api_key, **options)
+  thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+  thread.start()
+  try:
+    yield httpd
+  finally:
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=30)
+
+
+def http_call(port, method, path, body=None, headers=None):
+  """(status, headers, raw answer) of a request to 127.0.0.1; body: bytes,
+  or anything json.dumps takes."""
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+  try:
+    data = None if body is None else (
+        body if isinstance(body, bytes) else json.dumps(body).encode())
+    conn.request(method, path, body=data, headers=headers or {})
+    response = conn.getresponse()
+    return response.status, dict(response.getheaders()), response.read()
+  finally:
+    conn.close()
+
+
+# The native layer's arguments (inputs, w_x, bias, h0, c0, w_h): S=1, T=2,
+# B=3, G=4.
+NATIVE_SHAPES = ((2, 3, 8), (8, 1, 16), (1, 16), (1, 3, 4), (1, 3, 4),
+                 (1, 4, 16))
+
+
+def native_layer_args():
+  rng = np.random.default_rng(0)
+  return [jax.numpy.asarray(0.3 * rng.standard_normal(s), np.float32)
+          for s in NATIVE_SHAPES]
+
+
+needs_compiler = pytest.mark.skipif(
+    native_recurrence.compiler() is None
+    or shutil.which(native_recurrence.compiler().split()[0]) is None,
+    reason="no C++ compiler on this machine")
+
+
+def fallback_lines(caplog):
+  return [r.getMessage() for r in caplog.records
+          if "running the scan instead" in r.getMessage()]
+
+
+def runs_the_scan(caplog):
+  """Calls the native layer twice: the scan's results, and the one warning
+  line it logged."""
+  args = native_layer_args()
+  with caplog.at_level(logging.WARNING):
+    for _ in range(2):
+      got = native_recurrence.zebra_layer(*args, 1, False)
+  want = scan_recurrence.zebra_layer(*args, 1, False)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  lines = fallback_lines(caplog)
+  assert len(lines) == 1, lines
+  return lines[0]
 
 
 def http_post(port, path, body):

@@ -2,7 +2,10 @@
 and importing it changes nothing in the process but what a module declares.
 
 Floors, lowest first (as docs/architecture.md and the README draw them):
-errors; model and data (side by side, neither imports the other); config;
+errors and the serving engine (inference/engine/, a library that imports
+nothing from the package, so that an export copies it whole and config can
+read its sampling bounds); model and data (side by side, neither imports the
+other); config;
 configs (the shipped configs, data built on config/base.py); runtime;
 inference; training; cli (flag parsing and mode dispatch, shared by main
 and the lab's scripts); main. A module imports only from its own part and
@@ -29,7 +32,7 @@ PACKAGE = os.path.join(ROOT, "zebra_jax")
 LAB = os.path.join(ROOT, "lab")
 
 # Lowest first; the parts of one floor do not import each other.
-FLOORS = (("errors", "strict_json", "progress"), ("model", "data"),
+FLOORS = (("errors", "strict_json", "progress", "engine"), ("model", "data"),
           ("config",), ("configs",), ("runtime",), ("inference",),
           ("training",), ("cli",), ("main",))
 # What each part may import from the package (besides itself): the floors
@@ -75,9 +78,15 @@ def _graph(package: str = PACKAGE) -> dict[str, set[str]]:
   return {name: _imports(path, modules) for name, path in modules.items()}
 
 
+ENGINE = "zebra_jax.inference.engine"
+
+
 def _part(module: str) -> str:
   """The part a module belongs to: its subpackage, or the module itself for
-  zebra_jax.main and zebra_jax.errors."""
+  zebra_jax.main and zebra_jax.errors; the serving engine is a part of its
+  own."""
+  if module == ENGINE or module.startswith(ENGINE + "."):
+    return "engine"
   parts = module.split(".")
   if len(parts) == 1:
     return "package"
@@ -120,6 +129,20 @@ def test_imports_run_downward():
       if _part(dep) not in ALLOWED[part] | {part, "package"}:
         wrong.append(f"{module} imports {dep}")
   assert not wrong, "\n".join(wrong)
+
+
+def test_the_serving_engine_imports_nothing_from_the_package():
+  """inference/engine/ travels alone (the Triton model's copy): not even a
+  relative import may leave its folder."""
+  engine = os.path.join(PACKAGE, "inference", "engine")
+  files = [f for f in os.listdir(engine) if f.endswith(".py")]
+  assert "scheduler.py" in files
+  for name in files:
+    path = os.path.join(engine, name)
+    assert "zebra_jax" not in _top_level_imports(path), name
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    assert not [n for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and n.level > 1], name
 
 
 def test_no_two_parts_may_import_each_other():
@@ -173,7 +196,8 @@ def _documented_floors(path: str, start: str) -> list[str]:
   block = text[text.index(start):].split("```")[1]
   found = []
   for line in block.splitlines():
-    names = re.match(r"((?:(?:zebra_jax/)?\w+(?:/|\.py)\s+)*)", line)
+    names = re.match(r"((?:(?:zebra_jax/)?(?:\w+/)*\w+(?:/|\.py)\s+)*)",
+                     line)
     found += re.findall(r"(\w+)(?:/|\.py)\s", names.group(1))
   return found
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import sampling
+from lab.benchmarks import sampling_loop as sampling
 from zebra_jax import strict_json
 
 PERCENTILES = (50, 90, 95, 99)
@@ -36,7 +36,7 @@ def latency_stats(seconds) -> dict:
 def _request(generator, rows, new_tokens: int, key, token_times: list):
   """One timed request; appends per-token seconds; returns request seconds."""
   start = time.perf_counter()
-  state = generator.prime(rows)
+  state = sampling.prime(generator, rows)
   jax.block_until_ready(state)
   for i in range(new_tokens):
     t = time.perf_counter()

@@ -16,7 +16,7 @@ from flax import nnx
 
 from lab.benchmarks.shapes import model_config, zipf_probs
 from zebra_jax.config import base
-from zebra_jax.inference import sampling
+from lab.benchmarks import sampling_loop as sampling
 from zebra_jax.model import lm
 
 def _adam_step(loss_fn, tx):

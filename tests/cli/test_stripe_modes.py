@@ -7,7 +7,6 @@ devices (`loading.placement`); the reference is the same workdir with
 `--config.parallel.stripe_devices=1`, one device.
 """
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -83,8 +82,8 @@ def test_sampling_and_scoring_run_split_over_the_stripe_devices(tmp_path):
   w_h = generator.params["layers"][0]["w_h"][...]
   assert len(w_h.sharding.device_set) == 4
   assert w_h.addressable_shards[0].data.shape[0] == w_h.shape[0] // 4
-  options = dataclasses.replace(sample.Options.from_config(cfg.sample),
-                                temperature=0.7, max_new_tokens=24)
+  options = sample.sampling_params(cfg.sample, temperature=0.7,
+                                   max_new_tokens=24)
   prompts = ["The ", "A value", "Return", "If the"]  # 4 rows: split by rows
   split = generator.generate(prompts, options)
   split_scores = score.Scorer(loaded, 16).score_ids(np.arange(40) % 30)

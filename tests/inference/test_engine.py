@@ -2,13 +2,15 @@
 text independent of what runs beside it."""
 
 import concurrent.futures
+import dataclasses
 import threading
 
 import jax
 import numpy as np
 import pytest
 
-from zebra_jax.inference import engine, loading, sample, sampling
+from lab.benchmarks import sampling_loop as sampling
+from zebra_jax.inference import engine, loading, sample, score
 
 TEXT = "line 7: the quick brown fox jumps over the lazy dog. "
 
@@ -45,7 +47,7 @@ def test_compiled_programs_are_the_startup_set(gen):
     done = []
     for length in range(1, 31):
       for i, temperature in enumerate((0.0, 0.3, 0.7, 1.0, 1.7)):
-        done.append(e.submit(TEXT[:length], engine.Settings(
+        done.append(e.submit(TEXT[:length], engine.SamplingParams(
             max_new_tokens=1 + (length + i) % 5, temperature=temperature,
             top_k=(0, 3, 0, 50, 1)[i], top_p=(1.0, 1.0, 0.9, 0.5, 1.0)[i],
             repetition_penalty=(1.0, 1.3, 1.0, 0.8, 1.0)[i], seed=length,
@@ -61,7 +63,7 @@ def test_compiled_programs_are_the_startup_set(gen):
   assert {c.finish_reason for c in done} == {"length", "stop"}
 
 
-REQUESTS = [(TEXT[:n], engine.Settings(
+REQUESTS = [(TEXT[:n], engine.SamplingParams(
     max_new_tokens=5 + n % 7, temperature=t, top_k=k, top_p=p,
     repetition_penalty=r, seed=s))
             for n, t, k, p, r, s in [
@@ -101,19 +103,19 @@ def test_greedy_equals_the_model_level_loop(gen):
   for n in (1, 8, 9, 30):
     prompt = TEXT[:n]
     ids = gen.encode(prompt)
-    state = gen.prime([ids])
+    state = sampling.prime(gen, [ids])
     tokens, _ = sampling.generate(gen.step_fn, gen.params, state.carry,
                                   state.logits, jax.random.PRNGKey(0),
                                   num_new_tokens=12, temperature=0.0)
     expected = gen.tokenizer.decode(np.asarray(tokens[0]).tolist())
-    got = gen.engine.submit(prompt, engine.Settings(
+    got = gen.engine.submit(prompt, engine.SamplingParams(
         max_new_tokens=12, temperature=0.0)).result(timeout=300)
     assert got == expected
 
 
 def test_stop_strings_streaming_and_finish_reasons(gen):
   e = gen.engine
-  free = e.submit("the ", engine.Settings(max_new_tokens=30, seed=1))
+  free = e.submit("the ", engine.SamplingParams(max_new_tokens=30, seed=1))
   text = free.result(timeout=300)
   assert free.finish_reason == "length" and len(text) == 30
   assert free.completion_tokens == 30 and free.prompt_tokens == 4
@@ -122,14 +124,17 @@ def test_stop_strings_streaming_and_finish_reasons(gen):
   first, second = text[6:8], text[12:14]
   expected = text[:min(text.index(first), text.index(second))]
   pieces, reasons = [], []
-  stopped = e.submit("the ", engine.Settings(
+  stopped = e.submit("the ", engine.SamplingParams(
       max_new_tokens=30, seed=1, stop=(second, first)),
-                     on_text=pieces.append, on_done=reasons.append)
+                     on_text=lambda d, t: pieces.append(d),
+                     on_done=reasons.append)
   assert stopped.result(timeout=300) == expected == "".join(pieces)
   assert stopped.finish_reason == "stop" and reasons == ["stop"]
+  # Tokens past the stop string were generated but are not returned.
+  assert stopped.completion_tokens == len(expected) < len(stopped.tokens)
   pieces.clear()
-  streamed = e.submit("the ", engine.Settings(max_new_tokens=30, seed=1),
-                      on_text=pieces.append)
+  streamed = e.submit("the ", engine.SamplingParams(max_new_tokens=30, seed=1),
+                      on_text=lambda d, t: pieces.append(d))
   assert streamed.result(timeout=300) == text == "".join(pieces)
   assert len(pieces) >= 5  # as it grew, 3 tokens per decode call
 
@@ -139,29 +144,29 @@ def test_queue_full_and_cancel(gen):
                         prefill_chunk=8, prefill_rows=1, decode_block=1)
   try:
     started = threading.Event()
-    long = small.submit("the ", engine.Settings(max_new_tokens=1000),
-                        on_text=lambda d: started.set())
+    long = small.submit("the ", engine.SamplingParams(max_new_tokens=1000),
+                        on_text=lambda d, t: started.set())
     assert started.wait(300)  # it holds the only slot
-    waiting = small.submit("x", engine.Settings(max_new_tokens=3,
+    waiting = small.submit("x", engine.SamplingParams(max_new_tokens=3,
                                                 temperature=0.0))
     with pytest.raises(engine.QueueFull) as full:
-      small.submit("x", engine.Settings(max_new_tokens=3))
+      small.submit("x", engine.SamplingParams(max_new_tokens=3))
     assert full.value.retry_after > 0
     assert small.stats()["busy"] == 1 and small.stats()["queued"] == 1
     long.cancel()  # frees the slot at the next step
     assert len(waiting.result(timeout=300)) == 3
     assert long.finish_reason == "cancelled"
     assert len(long.text) < 1000
-    queued = small.submit("the ", engine.Settings(max_new_tokens=500))
-    gone = small.submit("x", engine.Settings(max_new_tokens=3))
+    queued = small.submit("the ", engine.SamplingParams(max_new_tokens=500))
+    gone = small.submit("x", engine.SamplingParams(max_new_tokens=3))
     gone.cancel()  # still queued: leaves without a slot
     assert gone.result(timeout=300) == "" and gone.finish_reason == "cancelled"
     queued.cancel()
     queued.result(timeout=300)
     with pytest.raises(engine.BadPrompt, match="empty"):
-      small.submit("", engine.Settings())
+      small.submit("", engine.SamplingParams())
     with pytest.raises(ValueError, match="top_p"):
-      small.submit("x", engine.Settings(top_p=0.0))
+      small.submit("x", engine.SamplingParams(top_p=0.0))
   finally:
     small.close()
 
@@ -169,12 +174,12 @@ def test_queue_full_and_cancel(gen):
 def test_a_failing_callback_cancels_only_its_request(gen):
   e = gen.engine
 
-  def hang_up(delta):
+  def hang_up(delta, tokens):
     raise BrokenPipeError("client gone")
 
-  broken = e.submit("the ", engine.Settings(max_new_tokens=200),
+  broken = e.submit("the ", engine.SamplingParams(max_new_tokens=200),
                     on_text=hang_up)
-  fine = e.submit("the ", engine.Settings(max_new_tokens=20,
+  fine = e.submit("the ", engine.SamplingParams(max_new_tokens=20,
                                           temperature=0.0))
   broken.result(timeout=300)
   assert broken.finish_reason == "cancelled"
@@ -228,8 +233,8 @@ def test_rows_filling_and_decoding_together_match_the_recurrence():
     rng = np.random.default_rng(0)
     prompts = ["".join(chr(97 + c) for c in rng.integers(0, 26, n))
                for n in (1, 27, 3, 13, 5, 26, 9, 2, 17, 4)]
-    busy = e.submit("q", engine.Settings(max_new_tokens=10**6, seed=3))
-    rows = [e.submit(p, engine.Settings(max_new_tokens=5 + i,
+    busy = e.submit("q", engine.SamplingParams(max_new_tokens=10**6, seed=3))
+    rows = [e.submit(p, engine.SamplingParams(max_new_tokens=5 + i,
                                         temperature=0.0))
             for i, p in enumerate(prompts)]
     for i, (p, r) in enumerate(zip(prompts, rows)):
@@ -266,35 +271,128 @@ def test_seed_keys_match_jax_for_32_bit_seeds():
   assert not np.array_equal(engine.seed_key(-1), engine.seed_key(2**32 - 1))
 
 
-def test_a_device_failure_fails_the_requests_and_closes_the_engine(gen):
-  broken = engine.Engine(gen.engine_model(), slots=2, queue=4,
-                         prefill_chunk=8, prefill_rows=2, decode_block=2)
+def test_a_failed_step_fails_its_batch_and_the_engine_serves_on(gen):
+  """A step that raises fails only the requests in the batch; queued ones
+  and later ones are served from a rebuilt state, token for token as
+  before the failure."""
+  e = engine.Engine(gen.engine_model(), slots=2, queue=4, prefill_chunk=8,
+                    prefill_rows=2, decode_block=2)
+  try:
+    greedy = engine.SamplingParams(max_new_tokens=6, temperature=0.0)
+    before = e.submit("the ", greedy).result(timeout=300)
+    decode, calls = e._decode, []
+
+    def fail_once(*args):
+      calls.append(1)
+      if len(calls) == 1:
+        raise RuntimeError("device lost")
+      return decode(*args)
+
+    e._decode = fail_once
+    reasons = []
+    hit = e.submit_many([engine.Row("the ", greedy, on_done=reasons.append),
+                         engine.Row("line", greedy, on_done=reasons.append)])
+    queued = e.submit("the ", greedy)  # waits: both slots are taken
+    for r in hit:
+      with pytest.raises(engine.StepFailed, match="device lost"):
+        r.result(timeout=300)
+      assert r.finish_reason == "error"
+    assert reasons == ["error", "error"]
+    assert queued.result(timeout=300) == before
+    assert e.submit("the ", greedy).result(timeout=300) == before
+    assert e.stats()["restarts"] == 1 and e.healthy
+  finally:
+    e.close()
+
+
+def test_an_engine_that_cannot_recover_stops_and_says_so(gen):
+  fatal = []
+  e = engine.Engine(gen.engine_model(), slots=2, queue=4, prefill_chunk=8,
+                    prefill_rows=2, decode_block=2, max_failures=1,
+                    on_fatal=fatal.append)
 
   def fail(*args):
     raise RuntimeError("device lost")
 
-  broken._decode = fail  # the next decode call fails
-  reasons = []
-  request = broken.submit("the ", engine.Settings(max_new_tokens=5),
-                          on_done=reasons.append)
-  with pytest.raises(RuntimeError, match="device lost"):
-    request.result(timeout=300)
-  assert request.finish_reason == "error" and reasons == ["error"]
-  with pytest.raises(RuntimeError, match="closed"):
-    broken.submit("the ", engine.Settings())
-  broken.close()
+  e._decode = fail
+  for _ in range(2):  # the first failure is recovered from, the second not
+    request = e.submit("the ", engine.SamplingParams(max_new_tokens=5))
+    with pytest.raises(engine.StepFailed):
+      request.result(timeout=300)
+  e._thread.join(timeout=300)
+  assert len(fatal) == 1 and not e.healthy and e.failure is fatal[0]
+  with pytest.raises(engine.EngineClosed, match="could not recover"):
+    e.submit("the ", engine.SamplingParams())
+  e.close()
+
+
+def test_a_request_is_admitted_whole_and_the_queue_counts_requests(gen):
+  e = engine.Engine(gen.engine_model(), slots=2, queue=1, prefill_chunk=8,
+                    prefill_rows=2, decode_block=1)
+  try:
+    long = engine.SamplingParams(max_new_tokens=10**6, temperature=0.0)
+    started = threading.Event()
+    busy = e.submit("the ", long, on_text=lambda d, t: started.set())
+    assert started.wait(300)
+    # Five rows wait as one request: the queue holds one request.
+    five = e.submit_many([engine.Row("x", engine.SamplingParams(
+        max_new_tokens=2, temperature=0.0)) for _ in range(5)])
+    assert e.stats()["queued"] == 5 and e.stats()["queued_requests"] == 1
+    with pytest.raises(engine.QueueFull):
+      e.submit_many([engine.Row("y", long), engine.Row("z", long)])
+    assert e.stats()["queued"] == 5  # nothing of the refused one entered
+    busy.cancel()
+    assert [r.result(timeout=300) for r in five] == [five[0].text] * 5
+  finally:
+    e.close()
+
+
+def test_no_seed_is_random_and_a_seed_reproduces(gen):
+  e = gen.engine
+  free = engine.SamplingParams(max_new_tokens=24, temperature=1.0)
+  unseeded = {e.submit("the ", free).result(timeout=300) for _ in range(3)}
+  assert len(unseeded) == 3
+  seeded = dataclasses.replace(free, seed=42)
+  rows = [engine.Row("the ", seeded, sample_index=i) for i in range(3)]
+  first = [r.result(timeout=300) for r in e.submit_many(rows)]
+  again = [r.result(timeout=300) for r in e.submit_many(
+      [dataclasses.replace(r, on_text=None) for r in rows])]
+  assert first == again and len(set(first)) == 3  # choice i: seed and i
+
+
+def test_prompt_and_token_logprobs_equal_the_scorer(gen, char_run):
+  """max_new_tokens=0 with prompt log-probabilities is --mode=score's
+  answer; a greedy token's log-probability is its top-1 entry."""
+  cfg, workdir = char_run
+  scorer = score.Scorer(loading.load_for_inference(cfg, workdir), 16)
+  ids = gen.encode(TEXT[:37])
+  scoring = gen.engine.submit(TEXT[:37], engine.SamplingParams(
+      max_new_tokens=0, prompt_logprobs=1))
+  assert scoring.result(timeout=300) == "" and scoring.tokens == []
+  assert scoring.prompt_logprobs[0] is None
+  np.testing.assert_allclose(scoring.prompt_logprobs[1:],
+                             scorer.score_ids(ids), atol=2e-5)
+  greedy = gen.engine.submit(TEXT[:37], engine.SamplingParams(
+      max_new_tokens=5, temperature=0.0, logprobs=3))
+  greedy.result(timeout=300)
+  assert len(greedy.token_logprobs) == 5
+  for token, lp, top in zip(greedy.tokens, greedy.token_logprobs,
+                            greedy.top_logprobs):
+    assert len(top) == 3 and top[0] == (token, lp)
+  whole = scorer.score_ids(np.concatenate([ids, greedy.tokens]))
+  np.testing.assert_allclose(greedy.token_logprobs, whole[-5:], atol=2e-5)
 
 
 def test_a_long_prompt_filling_while_others_decode_equals_it_alone(gen):
   """A prompt of 6 prefill chunks enters while another row decodes at every
   step between its chunks: its carry must only move with its own tokens."""
   e = gen.engine
-  requests = [engine.Settings(max_new_tokens=10, temperature=0.0),
-              engine.Settings(max_new_tokens=10, seed=4,
+  requests = [engine.SamplingParams(max_new_tokens=10, temperature=0.0),
+              engine.SamplingParams(max_new_tokens=10, seed=4,
                               repetition_penalty=1.5)]
   decoding = threading.Event()
-  busy = e.submit("x", engine.Settings(max_new_tokens=400, seed=1),
-                  on_text=lambda d: decoding.set())
+  busy = e.submit("x", engine.SamplingParams(max_new_tokens=400, seed=1),
+                  on_text=lambda d, t: decoding.set())
   assert decoding.wait(300)
   beside = [e.submit(TEXT[:45], s).result(timeout=300) for s in requests]
   assert not busy.done()  # it decoded all along
@@ -321,7 +419,7 @@ def test_prompts_are_consumed_oldest_first(gen):
     first, older, newer = "l", TEXT[:40], TEXT[1:41]
     # `first` takes slot 0 and leaves it after 2 tokens; `older` (5 chunks)
     # fills slot 1; `newer` then takes slot 0 while `older` still fills.
-    done = [e.submit(p, engine.Settings(max_new_tokens=2, temperature=0.0),
+    done = [e.submit(p, engine.SamplingParams(max_new_tokens=2, temperature=0.0),
                      block=True) for p in (first, older, newer)]
     for c in done:
       c.result(timeout=300)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import export, loading, sample
+from zebra_jax.inference import engine, export, loading, sample
 from zebra_jax.model import lm
 from tests.helpers import load_triton_model, triton_request
 
@@ -96,16 +96,17 @@ def test_triton_model_execute_with_stand_in_requests(exported, monkeypatch):
   bad = triton_request([""])
   responses = triton_model.execute([greedy, bad, sampled, sampled])
   assert len(responses) == 4
+  assert responses[0].error is None, responses[0].error
   texts = texts_of(responses[0])
   gen = sample.Generator(loaded)
   expected = gen.generate(
-      prompts, sample.Options(max_new_tokens=10, temperature=0.0))
+      prompts, engine.SamplingParams(max_new_tokens=10, temperature=0.0))
   assert responses[0].error is None and texts == expected
   assert responses[1].error and "non-empty" in responses[1].error
   assert responses[1].output_tensors == []
   first, again = (texts_of(r)[0] for r in responses[2:])
   assert first == again and first.startswith("the ")  # seeded
-  sampled_here = gen.generate(prompts[:1], sample.Options(
+  sampled_here = gen.generate(prompts[:1], engine.SamplingParams(
       max_new_tokens=10, temperature=1.0, top_p=loaded.cfg.sample.top_p,
       top_k=loaded.cfg.sample.top_k, seed=3))  # the model's defaults
   gen.close()
@@ -114,5 +115,5 @@ def test_triton_model_execute_with_stand_in_requests(exported, monkeypatch):
   rows = [r.output_tensors[2].as_numpy()[0, 0] for r in responses[::2]]
   assert rows == [4, 4]
   assert sorted(os.listdir(os.path.join(model_dir, "1"))) == [
-      "artifact", "engine.py", "model.py", "requirements.txt"]
+      "artifact", "engine", "model.py", "requirements.txt"]
   triton_model.finalize()

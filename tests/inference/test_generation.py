@@ -1,6 +1,7 @@
 """Generation: batched prompts of different lengths, chunks, stop, stream and
 the CLI."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -8,8 +9,11 @@ import numpy as np
 import pytest
 
 from zebra_jax.errors import UserError
+from lab.benchmarks import sampling_loop
 from zebra_jax.inference import engine, loading, sample
 from tests.helpers import REPO
+
+P = engine.SamplingParams
 
 PROMPTS = ["the ", "line 12: the quick", "x"]
 
@@ -25,15 +29,15 @@ def trained(char_run):
 def test_batched_prompts_of_different_lengths_match_each_alone(trained):
   _, _, gen = trained
   rows = [gen.encode(p) for p in PROMPTS]
-  together = gen.prime(rows)
+  together = sampling_loop.prime(gen, rows)
   for i, ids in enumerate(rows):
-    alone = gen.prime([ids])
+    alone = sampling_loop.prime(gen, [ids])
     np.testing.assert_allclose(together.logits[i], alone.logits[0], atol=1e-5)
     for (h, c), (h1, c1) in zip(together.carry, alone.carry):
       np.testing.assert_allclose(h[i], h1[0], atol=1e-5)
       np.testing.assert_allclose(c[i], c1[0], atol=1e-5)
     assert together.seen[i].sum() == len(set(ids.tolist()))
-  greedy = sample.Options(max_new_tokens=12, temperature=0.0)
+  greedy = P(max_new_tokens=12, temperature=0.0)
   texts = gen.generate(PROMPTS, greedy)
   assert texts == [gen.generate([p], greedy)[0] for p in PROMPTS]
   assert all(t.startswith(p) and len(t) == len(p) + 12
@@ -42,9 +46,8 @@ def test_batched_prompts_of_different_lengths_match_each_alone(trained):
 
 def test_chunks_and_seeds_reproduce(trained):
   cfg, workdir, gen = trained
-  options = sample.Options(max_new_tokens=20, temperature=1.0, top_p=0.95,
-                           num_samples=2, seed=7)
-  one_shot = gen.generate(PROMPTS[:2], options)
+  options = P(max_new_tokens=20, temperature=1.0, top_p=0.95, seed=7)
+  one_shot = gen.generate(PROMPTS[:2], options, num_samples=2)
   assert len(one_shot) == 4 and one_shot[0].startswith(PROMPTS[0])
   assert one_shot[2].startswith(PROMPTS[1])
   assert one_shot[0] != one_shot[1]  # each sample its own stream of the seed
@@ -54,18 +57,18 @@ def test_chunks_and_seeds_reproduce(trained):
                                   decode_block=3, prefill_chunk=5,
                                   prefill_rows=1, slots=2)
   try:
-    chunked = other_shapes.generate(PROMPTS[:2], options)
+    chunked = other_shapes.generate(PROMPTS[:2], options, num_samples=2)
   finally:
     other_shapes.close()
   assert chunked == one_shot  # token i always uses fold_in(key, i)
-  other = gen.generate(PROMPTS[:2], sample.Options(**{
-      **options.__dict__, "seed": 8}))
+  other = gen.generate(PROMPTS[:2], dataclasses.replace(options, seed=8),
+                       num_samples=2)
   assert other != one_shot
 
 
 def test_stop_string_and_streaming(trained):
   _, _, gen = trained
-  base = sample.Options(max_new_tokens=30, temperature=1.0, seed=1)
+  base = P(max_new_tokens=30, temperature=1.0, seed=1)
   free = gen.generate(["the "], base)[0][len("the "):]
   # A stop string that first appears after a few characters (sampled text
   # varies enough to have one).
@@ -73,8 +76,7 @@ def test_stop_string_and_streaming(trained):
               if free.find(free[i:i + 2]) == i)
   cut = free.split(stop, 1)[0]
   pieces = []
-  stopped = gen.generate(["the "], sample.Options(**{**base.__dict__,
-                                                     "stop": stop}),
+  stopped = gen.generate(["the "], dataclasses.replace(base, stop=(stop,)),
                          on_text=lambda row, text: pieces.append(text))
   assert stopped == ["the " + cut] and stop not in cut
   assert "".join(pieces) == cut and len(pieces) >= 2  # printed as it grew
@@ -85,9 +87,9 @@ def test_stop_string_and_streaming(trained):
 
 def test_repetition_penalty_changes_greedy_text(trained):
   _, _, gen = trained
-  plain = gen.generate(["the "], sample.Options(max_new_tokens=40,
+  plain = gen.generate(["the "], P(max_new_tokens=40,
                                                temperature=0.0))[0]
-  penalized = gen.generate(["the "], sample.Options(
+  penalized = gen.generate(["the "], P(
       max_new_tokens=40, temperature=0.0, repetition_penalty=50.0))[0]
   assert penalized != plain
   # A huge penalty pushes every seen character below every unseen one.
@@ -96,16 +98,16 @@ def test_repetition_penalty_changes_greedy_text(trained):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(repetition_penalty=0.0), "repetition_penalty=0.0"),
-    (dict(num_samples=0), "num_samples=0"),
-    (dict(max_new_tokens=0), "num_new_tokens=0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty=0.0 must be a number"),
+    (dict(max_new_tokens=-1), "max_new_tokens=-1 must be a whole number"),
+    (dict(top_k=2**40), "top_k=1099511627776 must be a whole number in"),
 ])
 def test_bad_options(trained, options, message):
   _, _, gen = trained
   with pytest.raises(UserError, match=message):
-    gen.generate(["the "], sample.Options(**options))
+    gen.generate(["the "], P(**options))
   with pytest.raises(UserError, match="no prompts"):
-    gen.generate([], sample.Options())
+    gen.generate([], P())
 
 
 def test_cli_prompt_file_and_stream(trained, tmp_path):
@@ -122,14 +124,14 @@ def test_cli_prompt_file_and_stream(trained, tmp_path):
   out = run(f"--prompt_file={prompts}",
             "--config.sample.repetition_penalty=1.2")
   assert out.returncode == 0, out.stderr
-  expected = gen.generate(["the ", "line 12: the quick"], sample.Options(
+  expected = gen.generate(["the ", "line 12: the quick"], P(
       max_new_tokens=16, temperature=0.0, repetition_penalty=1.2))
   assert "----- sample 2/2" in out.stdout
   assert all(t in out.stdout for t in expected)
   out = run("--prompt=the ", "--config.sample.stream",
             "--config.sample.chunk=4")
   assert out.returncode == 0, out.stderr
-  greedy = gen.generate(["the "], sample.Options(max_new_tokens=16,
+  greedy = gen.generate(["the "], P(max_new_tokens=16,
                                                  temperature=0.0))[0]
   assert greedy in out.stdout
   with pytest.raises(UserError, match="--config.sample.stream prints one"):

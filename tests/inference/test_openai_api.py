@@ -1,19 +1,23 @@
 """The OpenAI-compatible routes of --mode=serve, driven by the real `openai`
 client against a server on 127.0.0.1: greedy text equals --mode=sample's,
-streaming gives the same text in chunks, bad fields get 4xx naming them."""
+log-probabilities equal --mode=score's, seeds, n, token-id prompts, echo
+scoring, penalties, streams, chat, vLLM's tokenizer endpoints, and bad
+fields answered with errors that name them."""
 
-import http.client
 import json
-import threading
+import logging
 
+import numpy as np
 import pytest
 
 from zebra_jax.inference import loading, openai_api, sample, serve
+from tests.helpers import http_call, live_server
 
 openai = pytest.importorskip("openai", reason="pip install openai (.[test])")
-pytestmark = pytest.mark.timeout(120)  # every test talks to a live server
+pytestmark = pytest.mark.timeout(180)  # every test talks to a live server
 
 PROMPT = "line 7: the quick"
+M = openai_api.MODEL_ID
 
 
 @pytest.fixture(scope="module")
@@ -21,16 +25,11 @@ def server(char_run):
   cfg, workdir = char_run
   service = serve.Service(loading.load_for_inference(cfg, workdir),
                           serve.Limits(max_new_tokens=80, max_rows=4,
-                                       max_body_bytes=4096))
-  httpd = serve.make_server(service, "127.0.0.1", 0)
-  thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-  thread.start()
-  client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
-                         api_key="unused", max_retries=0, timeout=60)
-  yield cfg, workdir, httpd.server_port, client
-  httpd.shutdown()
-  httpd.server_close()
-  thread.join(timeout=10)
+                                       max_body_bytes=4096), slots=8)
+  with live_server(service) as httpd:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
+                           api_key="unused", max_retries=0, timeout=60)
+    yield cfg, workdir, httpd.server_port, client, service
   service.close()  # the engine's thread
 
 
@@ -43,89 +42,220 @@ def sample_mode(cfg, workdir, prompts, max_new_tokens, seed=0):
 
 
 def raw(port, method, path, body=None):
-  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-  try:
-    data = None if body is None else (
-        body if isinstance(body, bytes) else json.dumps(body).encode())
-    conn.request(method, path, body=data)
-    response = conn.getresponse()
-    return response.status, response.read()
-  finally:
-    conn.close()
+  status, _, answer = http_call(port, method, path, body)
+  return status, answer
 
 
 def test_greedy_completion_equals_sample_mode_and_generate(server):
-  cfg, workdir, port, client = server
+  cfg, workdir, port, client, _ = server
   prompts = [PROMPT, "line 3: "]
   expected = sample_mode(cfg, workdir, prompts, 24, seed=5)
-  out = client.completions.create(model=openai_api.MODEL_ID, prompt=prompts,
-                                  max_tokens=24, temperature=0, seed=5)
+  out = client.completions.create(model=M, prompt=prompts, max_tokens=24,
+                                  temperature=0, seed=5)
   assert [p + c.text for p, c in zip(prompts, out.choices)] == expected
   assert [c.index for c in out.choices] == [0, 1]
   assert {c.finish_reason for c in out.choices} == {"length"}
   assert out.usage.completion_tokens == 48
+  assert out.usage.prompt_tokens == len(PROMPT) + len("line 3: ")
   status, body = raw(port, "POST", "/generate", {
       "prompts": prompts, "max_new_tokens": 24, "temperature": 0, "seed": 5})
   assert status == 200 and json.loads(body)["texts"] == expected
-  assert [m.id for m in client.models.list().data] == [openai_api.MODEL_ID]
-  echoed = client.completions.create(model=openai_api.MODEL_ID, prompt=PROMPT,
-                                     max_tokens=24, temperature=0, seed=5,
-                                     echo=True, logprobs=0)
-  assert echoed.choices[0].text == expected[0]
-  lp = echoed.choices[0].logprobs
-  assert len(lp.tokens) == len(lp.token_logprobs) == 24
-  assert all(x <= 0 for x in lp.token_logprobs)
+  assert [m.id for m in client.models.list().data] == [M]
 
 
-def test_stream_gives_the_same_text_in_chunks(server):
-  cfg, workdir, port, client = server
+def test_echo_logprobs_are_the_scorers_and_the_top_holds_the_chosen(server):
+  """echo + logprobs: the prompt's log-probabilities (the first null), then
+  the completion's; the same numbers --mode=score computes."""
+  _, _, _, client, service = server
+  out = client.completions.create(model=M, prompt=PROMPT, max_tokens=6,
+                                  temperature=0, echo=True, logprobs=2)
+  choice = out.choices[0]
+  lp = choice.logprobs
+  assert choice.text.startswith(PROMPT)
+  assert len(lp.tokens) == len(PROMPT) + 6 and "".join(lp.tokens) == (
+      choice.text)
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  ids = service.encode(choice.text)
+  np.testing.assert_allclose(lp.token_logprobs[1:],
+                             service.scorer.score_ids(ids), atol=2e-5)
+  assert lp.text_offset == list(range(len(choice.text)))
+  for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
+                               lp.top_logprobs[1:]):
+    assert top[token] == value and len(top) in (2, 3)
+  # Greedy: every generated token is its position's most likely one.
+  for value, top in zip(lp.token_logprobs[-6:], lp.top_logprobs[-6:]):
+    assert value == max(top.values())
+
+
+def test_max_tokens_0_scores_the_prompt_alone(server):
+  _, _, _, client, service = server
+  ids = [int(i) for i in service.encode(PROMPT)]
+  out = client.completions.create(model=M, prompt=[ids, ids[:5]],
+                                  max_tokens=0, echo=True, logprobs=0)
+  assert [c.text for c in out.choices] == [PROMPT, PROMPT[:5]]
+  assert out.usage.completion_tokens == 0
+  assert out.usage.prompt_tokens == len(ids) + 5
+  scores = service.scorer.score_ids(np.array(ids))
+  np.testing.assert_allclose(out.choices[0].logprobs.token_logprobs[1:],
+                             scores, atol=2e-5)
+  np.testing.assert_allclose(out.choices[1].logprobs.token_logprobs[1:],
+                             scores[:4], atol=2e-5)
+
+
+def test_token_id_prompts_equal_text_prompts(server):
+  _, _, _, client, service = server
+  ids = [int(i) for i in service.encode(PROMPT)]
+  texts = [client.completions.create(
+      model=M, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+           for prompt in (PROMPT, ids, [ids])]
+  assert texts[0] == texts[1] == texts[2]
+
+
+def test_no_seed_is_random_a_seed_reproduces_and_n_draws_n(server):
+  _, _, _, client, _ = server
+  draw = lambda **kw: [c.text for c in client.completions.create(
+      model=M, prompt="the ", max_tokens=20, temperature=1.0, **kw).choices]
+  assert draw() != draw()  # a fresh seed per request
+  assert draw(seed=3) == draw(seed=3)
+  three = draw(seed=3, n=3)
+  assert len(set(three)) == 3 and three[0] == draw(seed=3)[0]
+  same_prompts = [c.text for c in client.completions.create(
+      model=M, prompt=["the ", "the "], max_tokens=20, temperature=1.0,
+      seed=9).choices]
+  assert same_prompts[0] != same_prompts[1]  # choice i: seed and i
+
+
+def test_penalties_and_logit_bias_are_honoured(server):
+  _, _, _, client, service = server
+  greedy = lambda **kw: client.completions.create(
+      model=M, prompt=PROMPT, max_tokens=20, temperature=0, **kw
+  ).choices[0].text
+  plain = greedy()
+  [first] = service.encode(plain[0])
+  banned = greedy(logit_bias={str(int(first)): -100})
+  assert banned[0] != plain[0]
+  [z] = service.encode("z")
+  assert greedy(logit_bias={str(int(z)): 100}) == "z" * 20
+  assert greedy(frequency_penalty=2.0) != plain
+  assert len(set(greedy(presence_penalty=2.0))) > len(set(plain))
+  assert greedy(frequency_penalty=0, presence_penalty=0, extra_body={
+      "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}) == plain
+
+
+def test_stream_gives_the_same_text_with_logprobs_and_usage(server):
+  cfg, workdir, port, client, _ = server
   [expected] = sample_mode(cfg, workdir, [PROMPT], 70)
   chunks = list(client.completions.create(
-      model=openai_api.MODEL_ID, prompt=PROMPT, max_tokens=70, temperature=0,
-      stream=True))
-  texts = [c.choices[0].text for c in chunks]
+      model=M, prompt=PROMPT, max_tokens=70, temperature=0, stream=True,
+      logprobs=1, stream_options={"include_usage": True}))
+  texts = [c.choices[0].text for c in chunks if c.choices]
   assert PROMPT + "".join(texts) == expected
-  assert len([t for t in texts if t]) >= 3  # chunks of 32 tokens as they come
-  assert chunks[-1].choices[0].finish_reason == "length"
+  assert len([t for t in texts if t]) >= 3  # chunks as they come
+  tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.tokens]
+  assert "".join(tokens) == expected[len(PROMPT):]
+  ends = [c.choices[0].finish_reason for c in chunks if c.choices]
+  assert ends[-1] == "length" and chunks[-1].usage.completion_tokens == 70
   status, body = raw(port, "POST", "/v1/completions", {
-      "model": openai_api.MODEL_ID, "prompt": PROMPT, "max_tokens": 4,
-      "stream": True})
+      "model": M, "prompt": PROMPT, "max_tokens": 4, "stream": True})
   events = body.decode().strip().split("\n\n")
   assert status == 200 and events[-1] == "data: [DONE]"
   assert all(e.startswith("data: {") for e in events[:-1])
 
 
-def test_stop_string_cuts_and_reports_stop(server):
-  cfg, workdir, _, client = server
+def test_stop_string_cuts_and_usage_counts_what_is_returned(server):
+  cfg, workdir, _, client, _ = server
   [full] = sample_mode(cfg, workdir, [PROMPT], 20)
   stop = full[len(PROMPT) + 2:len(PROMPT) + 4]
-  out = client.completions.create(model=openai_api.MODEL_ID, prompt=PROMPT,
-                                  max_tokens=20, temperature=0,
-                                  stop=[stop, "\u2603"])
+  out = client.completions.create(model=M, prompt=PROMPT, max_tokens=20,
+                                  temperature=0, stop=[stop, "\u2603"])
   want = full[len(PROMPT):].split(stop, 1)[0]
   assert out.choices[0].text == want
   assert out.choices[0].finish_reason == "stop"
+  assert out.usage.completion_tokens == len(want)  # one char a token
 
 
-GOOD = {"model": openai_api.MODEL_ID, "prompt": "the ", "max_tokens": 4}
+def test_chat_continues_the_transcript_streamed_or_not(server):
+  _, _, _, client, service = server
+  messages = [{"role": "system", "content": "the quick"},
+              {"role": "user", "content": "line 9: the"}]
+  out = client.chat.completions.create(model=M, messages=messages,
+                                       max_tokens=30, temperature=0)
+  transcript = "system: the quick\nuser: line 9: the\nassistant: "
+  assert service.api.transcript(messages) == transcript
+  plain = client.completions.create(model=M, prompt=transcript,
+                                    max_tokens=30, temperature=0,
+                                    stop=["\nuser:"]).choices[0]
+  assert out.choices[0].message.content == plain.text
+  assert out.choices[0].message.role == "assistant"
+  assert out.choices[0].finish_reason == plain.finish_reason
+  chunks = list(client.chat.completions.create(
+      model=M, messages=messages, max_tokens=30, temperature=0, stream=True,
+      logprobs=True, top_logprobs=2))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks) == (
+      plain.text)
+  content = [t for c in chunks if c.choices[0].logprobs
+             for t in c.choices[0].logprobs.content]
+  assert "".join(t.token for t in content) == plain.text
+  assert all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_tokenizer_endpoints_round_trip(server):
+  _, _, port, _, service = server
+  status, body = raw(port, "POST", "/tokenize", {"prompt": PROMPT,
+                                                 "add_special_tokens": False})
+  out = json.loads(body)
+  assert status == 200 and out["tokens"] == [int(i) for i in
+                                             service.encode(PROMPT)]
+  assert out["count"] == len(PROMPT) and out["max_model_len"] == 4096
+  status, body = raw(port, "POST", "/detokenize", {"tokens": out["tokens"]})
+  assert status == 200 and json.loads(body)["prompt"] == PROMPT
+  status, body = raw(port, "GET", "/tokenizer_info")
+  info = json.loads(body)
+  assert status == 200 and info["eos_token"] == "\n"
+  assert raw(port, "POST", "/detokenize", {"tokens": [10**6]})[0] == 400
+
+
+def test_unknown_fields_are_ignored_with_one_warning(server, caplog):
+  _, _, port, _, _ = server
+  caplog.set_level(logging.WARNING, logger="zebra_jax.serve")
+  status, body = raw(port, "POST", "/v1/completions", {
+      "model": M, "prompt": "the ", "max_tokens": 3, "colour": "red",
+      "user": "u1", "frequency_penalty": 0, "presence_penalty": 0, "n": 1,
+      "seed": None, "logprobs": None})
+  assert status == 200, body
+  warned = [r.getMessage() for r in caplog.records]
+  assert len(warned) == 1 and "colour" in warned[0]
+
+
+GOOD = {"model": M, "prompt": "the ", "max_tokens": 4}
 BAD_FIELDS = [
     # (field, value or None to drop it, status)
     ("model", None, 400), ("model", "gpt-4", 404), ("prompt", None, 400),
     ("prompt", 7, 400), ("prompt", [], 400), ("prompt", "ZEBRA", 400),
-    ("prompt", ["a", "b", "c", "d", "e"], 400), ("max_tokens", 0, 400),
+    ("prompt", ["a", "b", "c", "d", "e"], 400), ("prompt", [[1], "a"], 400),
+    ("prompt", [10**6], 400), ("max_tokens", -1, 400),
     ("max_tokens", 10_000, 400), ("max_tokens", "4", 400),
-    ("temperature", 3, 400), ("temperature", "hot", 400), ("top_p", 0, 400),
-    ("seed", 1.5, 400), ("stop", ["a", "b", "c", "d", "e"], 400),
-    ("stop", 3, 400), ("stream", "yes", 400), ("logprobs", 2, 400),
-    ("n", 2, 400), ("echo", 1, 400), ("colour", "red", 400),
+    ("temperature", 101, 400), ("temperature", "hot", 400),
+    ("top_p", 0, 400), ("top_k", 3_000_000_000, 400), ("min_p", 2, 400),
+    ("presence_penalty", 2.5, 400), ("frequency_penalty", -3, 400),
+    ("repetition_penalty", 0, 400), ("seed", 1.5, 400),
+    ("stop", ["a"] * 17, 400), ("stop", 3, 400), ("stream", "yes", 400),
+    ("logprobs", 21, 400), ("n", 9, 400), ("n", 3, 400),
+    ("best_of", 3, 400), ("echo", 1, 400), ("suffix", "x", 400),
+    ("logit_bias", {"x": 1}, 400), ("logit_bias", {"1": 101}, 400),
+    ("logit_bias", {"100000": 1}, 400),
 ]
 
 
 @pytest.mark.parametrize("field, value, status", BAD_FIELDS,
-                         ids=[f"{f}={v!r}" for f, v, _ in BAD_FIELDS])
+                         ids=[f"{f}={v!r}"[:40] for f, v, _ in BAD_FIELDS])
 def test_bad_field_gets_openai_error_naming_it(server, field, value, status):
-  _, _, port, _ = server
+  _, _, port, _, _ = server
   body = dict(GOOD)
+  if field == "n" and value == 3:  # 2 prompts x 3 > max_rows 4
+    body["prompt"] = ["a", "b"]
   if value is None:
     body.pop(field)
   else:
@@ -138,16 +268,23 @@ def test_bad_field_gets_openai_error_naming_it(server, field, value, status):
 
 
 def test_bad_requests_through_the_client_and_raw(server):
-  _, _, port, client = server
+  _, _, port, client, _ = server
   with pytest.raises(openai.BadRequestError) as raised:
-    client.completions.create(model=openai_api.MODEL_ID, prompt="the ", n=2)
+    client.completions.create(model=M, prompt="the ", n=9)
   assert raised.value.body["param"] == "n"
   with pytest.raises(openai.NotFoundError):
     client.completions.create(model="gpt-4", prompt="the ")
-  got, answer = raw(port, "POST", "/v1/completions", b"{not json")
-  assert got == 400 and "not valid JSON" in json.loads(answer)["error"][
-      "message"]
+  for body in (b"{not json",
+               b'{"model": "zebra_lstm", "prompt": "a", "temperature": NaN}',
+               b'{"model": "zebra_lstm", "prompt": "a", "top_p": Infinity}'):
+    got, answer = raw(port, "POST", "/v1/completions", body)
+    assert got == 400 and "not valid JSON" in json.loads(answer)["error"][
+        "message"], answer
   got, answer = raw(port, "POST", "/v1/completions", b"x" * 5000)
   assert got == 413 and json.loads(answer)["error"]["type"]
   got, answer = raw(port, "GET", "/v1/models/zebra_lstm")
   assert got == 200 and json.loads(answer)["id"] == "zebra_lstm"
+  got, answer = raw(port, "POST", "/generate", {"prompt": "the ",
+                                                "top_k": 3_000_000_000})
+  assert got == 400 and "top_k" in json.loads(answer)["error"]
+  assert raw(port, "GET", "/health")[0] == 200  # the engine lives on

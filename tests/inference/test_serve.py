@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from zebra_jax.inference import loading, sample, serve
+from zebra_jax.inference import engine, loading, serve
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,8 @@ def test_health_generate_and_score(server):
       "temperature": 0})
   assert status == 200, out
   expected = service.generator.generate(
-      ["the ", "line 3: "], sample.Options(max_new_tokens=8, temperature=0.0))
+      ["the ", "line 3: "],
+      engine.SamplingParams(max_new_tokens=8, temperature=0.0))
   assert out["texts"] == expected and out["step"] == health["step"]
   status, out = call(port, "POST", "/score", {"text": "the quick fox\n",
                                               "verbose": True})

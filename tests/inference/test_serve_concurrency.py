@@ -19,7 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from zebra_jax.inference import loading, openai_api, sampling, serve
+from lab.benchmarks import sampling_loop as sampling
+from zebra_jax.inference import loading, openai_api, serve
 
 openai = pytest.importorskip("openai", reason="pip install openai (.[test])")
 pytestmark = pytest.mark.timeout(300)  # live servers, bounded waits
@@ -89,7 +90,8 @@ def requests_mix(count, seed=0):
 def scan_greedy(generator, prompt, n) -> str:
   """Greedy continuation by sampling.generate_chunk (one jitted lax.scan
   over the decode step), outside the engine."""
-  state = generator.prime([generator.encode(prompt)], track_seen=False)
+  state = sampling.prime(generator, [generator.encode(prompt)],
+                         track_seen=False)
   tokens, _ = sampling.generate_chunk(
       generator.step_fn, generator.params, state, jax.random.PRNGKey(0), 0,
       num_new_tokens=n, temperature=0.0, top_k=0, top_p=1.0,

@@ -24,52 +24,8 @@ import pytest
 from zebra_jax.model.recurrence import native as native_recurrence
 from zebra_jax.model.recurrence import native_check
 from zebra_jax.model.recurrence import scan as recurrence
-
-# Layer arguments (inputs, w_x, bias, h0, c0, w_h): S=1, T=2, B=3, G=4.
-SHAPES = ((2, 3, 8), (8, 1, 16), (1, 16), (1, 3, 4), (1, 3, 4), (1, 4, 16))
-
-
-def _layer_args():
-  rng = np.random.default_rng(0)
-  return [jnp.asarray(0.3 * rng.standard_normal(s), jnp.float32)
-          for s in SHAPES]
-
-
-needs_compiler = pytest.mark.skipif(
-    native_recurrence.compiler() is None
-    or shutil.which(native_recurrence.compiler().split()[0]) is None,
-    reason="no C++ compiler on this machine")
-
-
-@pytest.fixture
-def clean_env(monkeypatch, tmp_path):
-  """A private cache, this CPU's target, no prebuilt library, nothing
-  loaded or warned about yet in this process."""
-  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-  monkeypatch.delenv(native_recurrence.MARCH_ENV, raising=False)
-  monkeypatch.delenv(native_recurrence.LIB_ENV, raising=False)
-  monkeypatch.setattr(recurrence, "_warned", set())
-  return tmp_path
-
-
-def _fallback_lines(caplog):
-  return [r.getMessage() for r in caplog.records
-          if "running the scan instead" in r.getMessage()]
-
-
-def _runs_the_scan(caplog):
-  """Calls the native layer twice: the scan's results, and the one warning
-  line it logged."""
-  args = _layer_args()
-  with caplog.at_level(logging.WARNING):
-    for _ in range(2):
-      got = native_recurrence.zebra_layer(*args, 1, False)
-  want = recurrence.zebra_layer(*args, 1, False)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-  lines = _fallback_lines(caplog)
-  assert len(lines) == 1, lines
-  return lines[0]
+from tests.helpers import (NATIVE_SHAPES, fallback_lines, native_layer_args,
+                           needs_compiler, runs_the_scan)
 
 
 def test_no_compiler_runs_the_scan_and_says_why(tmp_path):
@@ -78,7 +34,7 @@ def test_no_compiler_runs_the_scan_and_says_why(tmp_path):
   code = (
       "import jax.numpy as jnp, numpy as np\n"
       "from zebra_jax.model.recurrence import native as n, scan\n"
-      f"args = [jnp.ones(s, jnp.float32) * 0.1 for s in {SHAPES}]\n"
+      f"args = [jnp.ones(s, jnp.float32) * 0.1 for s in {NATIVE_SHAPES}]\n"
       "got = n.zebra_layer(*args, 1, False)\n"
       "want = scan.zebra_layer(*args, 1, False)\n"
       "assert all(np.array_equal(g, w) for g, w in zip(got, want))\n")
@@ -98,7 +54,7 @@ def test_no_compiler_on_the_path_says_how_to_get_one(clean_env, monkeypatch,
                                                      caplog):
   monkeypatch.delenv("CXX", raising=False)
   monkeypatch.setenv("PATH", str(clean_env))  # no c++, no g++
-  line = _runs_the_scan(caplog)
+  line = runs_the_scan(caplog)
   assert "no C++ compiler found" in line
   assert native_recurrence.LIB_ENV in line  # ... or a prebuilt library
 
@@ -128,7 +84,7 @@ def test_failed_build_shows_the_first_error_and_is_remembered(
   cxx, log = _logging_compiler(clean_env)
   monkeypatch.setenv("CXX", cxx)
   monkeypatch.setenv(native_recurrence.MARCH_ENV, "no-such-cpu")
-  line = _runs_the_scan(caplog)
+  line = runs_the_scan(caplog)
   assert "compiling native.cc for -march=no-such-cpu failed:" in line
   assert "error:" in line and "no-such-cpu" in line.split("failed:")[1]
   assert _compiles(log) == 1
@@ -231,21 +187,21 @@ def test_prebuilt_library_on_a_node_without_a_compiler(clean_env, monkeypatch,
   assert native_recurrence.unavailable(jnp.float32) == ""
   if _x86():
     assert native_recurrence.vector_isa() == "avx2"
-  args = _layer_args()
+  args = native_layer_args()
   with caplog.at_level(logging.WARNING):
     got = jax.jit(lambda *a: native_recurrence.zebra_layer(*a, 1, False))(
         *args)
-  assert not _fallback_lines(caplog)
+  assert not fallback_lines(caplog)
   want = recurrence.zebra_layer(*args, 1, False)
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0,
                                atol=1e-6)
 
 
-def test_a_missing_prebuilt_library_runs_the_scan(clean_env, monkeypatch,
+def test_a_missing_prebuilt_libraryruns_the_scan(clean_env, monkeypatch,
                                                   caplog):
   monkeypatch.setenv(native_recurrence.LIB_ENV, str(clean_env / "none.so"))
-  line = _runs_the_scan(caplog)
+  line = runs_the_scan(caplog)
   assert f"loading {clean_env / 'none.so'} failed" in line
 
 

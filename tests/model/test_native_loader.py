@@ -25,12 +25,10 @@ import pytest
 from zebra_jax.model.recurrence import native as native_recurrence
 from zebra_jax.model.recurrence import native_check
 from zebra_jax.model.recurrence import scan as recurrence
-from tests.model.test_native_build import (SHAPES, _fallback_lines,
-                                           _runs_the_scan, clean_env,
-                                           needs_compiler)
+from tests.helpers import (NATIVE_SHAPES as SHAPES, fallback_lines,
+                           needs_compiler, runs_the_scan)
 
 pytestmark = needs_compiler
-_ = clean_env  # a fixture, used by name
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +192,7 @@ def test_a_prebuilt_library_for_a_cpu_with_more_features_is_refused(
                      str(_prebuilt(clean_env, good_library)))
   monkeypatch.setattr(native_check, "cpu_flags",
                       lambda: frozenset({"fpu", "sse", "fp"}))
-  line = _runs_the_scan(caplog)
+  line = runs_the_scan(caplog)
   needs = native_check.build_info(good_library.read_bytes())[2]
   assert "built for CPU features this CPU lacks" in line
   assert all(f in line for f in needs), line
@@ -206,7 +204,7 @@ def test_a_prebuilt_library_from_another_source_is_refused(
   monkeypatch.setenv(native_recurrence.LIB_ENV,
                      str(_prebuilt(clean_env, good_library)))
   monkeypatch.setattr(native_recurrence, "source_digest", lambda: "0" * 16)
-  assert "another version of native.cc" in _runs_the_scan(caplog)
+  assert "another version of native.cc" in runs_the_scan(caplog)
 
 
 @pytest.mark.parametrize("size,record", [(4096, True), (4096, False),
@@ -222,7 +220,7 @@ def test_a_damaged_prebuilt_library_is_refused(clean_env, good_library,
   with open(copy, "r+b") as f:
     f.truncate(size)
   monkeypatch.setenv(native_recurrence.LIB_ENV, str(copy))
-  line = _runs_the_scan(caplog)
+  line = runs_the_scan(caplog)
   assert f"{native_recurrence.LIB_ENV}={copy} is damaged" in line
   assert "copy it again" in line
 
@@ -236,7 +234,7 @@ def test_a_library_without_the_entry_points_is_refused(clean_env,
   subprocess.run([*native_recurrence.compiler().split(), "-shared", "-fPIC",
                   str(source), "-o", str(lib)], check=True, timeout=120)
   monkeypatch.setenv(native_recurrence.LIB_ENV, str(lib))
-  assert "not a zebra_jax native library" in _runs_the_scan(caplog)
+  assert "not a zebra_jax native library" in runs_the_scan(caplog)
 
 
 def test_a_relative_prebuilt_path_loads(clean_env, good_library, monkeypatch,
@@ -250,7 +248,7 @@ def test_a_relative_prebuilt_path_loads(clean_env, good_library, monkeypatch,
     assert native_recurrence.unavailable(jnp.float32) == ""
     args = [jnp.full(s, 0.1, jnp.float32) for s in SHAPES]
     got = native_recurrence.zebra_layer(*args, 1, False)
-  assert not _fallback_lines(caplog)
+  assert not fallback_lines(caplog)
   for g, w in zip(got, recurrence.zebra_layer(*args, 1, False)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6)
 

@@ -27,7 +27,7 @@ POSITIVE_INTS = (
     "train.num_steps", "train.log_every",
     "train.eval_every", "train.grad_accum_steps", "train.max_consecutive_skips",
     "train.loss_scale.growth_interval", "eval.batch_size", "eval.seq_len",
-    "checkpoint.every_steps", "checkpoint.keep_latest", "sample.max_new_tokens",
+    "checkpoint.every_steps", "checkpoint.keep_latest",
     "sample.num_samples", "sample.chunk", "serve.max_body_bytes",
     "serve.max_new_tokens", "serve.max_prompt_tokens", "serve.max_rows",
     "serve.max_score_tokens", "serve.slots", "serve.prefill_chunk",
@@ -37,18 +37,19 @@ NON_NEGATIVE_INTS = (
     "data.min_freq", "data.max_vocab_size", "model.vocab_size",
     "model.adaptive_chunk_rows",
     "optim.warmup_steps", "train.eval_max_batches", "checkpoint.keep_best",
-    "profile.start_step", "profile.num_steps", "sample.top_k",
+    "profile.start_step", "profile.num_steps",
     "eval.max_tokens", "serve.queue", "export.triton_queue_delay_us")
 POSITIVE_NUMBERS = ("optim.learning_rate", "optim.eps",
                     "train.loss_scale.initial_scale",
-                    "train.loss_scale.min_scale", "sample.repetition_penalty")
+                    "train.loss_scale.min_scale")
 NON_NEGATIVE_NUMBERS = ("optim.weight_decay", "optim.clip_norm",
-                        "train.time_budget_minutes", "sample.temperature")
+                        "train.time_budget_minutes", "serve.drain_seconds")
 BOOLS = ("model.tie_embeddings", "model.adaptive_tie", "model.remat",
          "train.report_at_end", "train.sample_at_eval", "eval.accuracy",
-         "sample.stream")
+         "sample.stream", "serve.access_log")
 TEXTS = ("data.path", "data.hf_name", "data.hf_config", "data.hf_cache_dir",
-         "sample.prompt", "sample.stop", "serve.api_key", "export.triton_gpus")
+         "sample.prompt", "sample.stop", "serve.api_key", "serve.api_key_file",
+         "serve.chat_template", "serve.allowed_origins", "export.triton_gpus")
 
 # (field, bad value, what the one line says about it)
 CASES = (
@@ -72,7 +73,21 @@ CASES = (
        for v in (1.0, 0.5, NAN)]
     + [(f, v, "is outside (0, 0.5)") for f in (
         "data.valid_fraction", "data.test_fraction") for v in (0.0, 0.5, NAN)]
-    + [("sample.top_p", v, "is outside (0, 1]") for v in (0.0, 1.5, NAN)]
+    # The sampling parameters' bounds are the serving engine's.
+    + [("sample.max_new_tokens", v, "must be a whole number in [0, ")
+       for v in (-1, 2.5, NAN, "8", True)]
+    + [("sample.top_k", v, "must be a whole number in [-1, ")
+       for v in (-2, 1.5, NAN, "0", 2**40)]
+    + [("sample.temperature", v, "must be a number in [0, 100]")
+       for v in (-0.5, NAN, "1", 101)]
+    + [("sample.top_p", v, "must be a number in (0, 1]")
+       for v in (0.0, 1.5, NAN)]
+    + [("sample.min_p", v, "must be a number in [0, 1]") for v in (-0.1, 2)]
+    + [("sample.repetition_penalty", v, "must be a number in (0, 100]")
+       for v in (0, -1e-3, NAN, math.inf, "1e-3")]
+    + [(f, v, "must be a number in [-2, 2]") for f in (
+        "sample.presence_penalty", "sample.frequency_penalty")
+       for v in (2.5, NAN)]
     + [(f, v, "must be true or false") for f in BOOLS for v in (1, "yes")]
     + [(f, v, "must be text") for f in TEXTS for v in (0, None)]
     + [("data.source", "web", "is not one of"),
@@ -252,4 +267,4 @@ def test_cli_workdir_config_without_config_flag(tmp_path):
       json.dumps(demo.get_config("tiny").to_dict()))
   line = _one_error_line(_cli(tmp_path, "--mode=sample", "--workdir=run",
                               "--config.sample.top_p=0"))
-  assert "top_p=0" in line  # the override reached sample.Options.check
+  assert "top_p=0" in line  # the override reached the sampling bounds

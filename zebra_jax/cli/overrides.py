@@ -94,8 +94,9 @@ def _parse(dotted: str, text: str | None, current):
     raise UserError(f"{shown} must be {kind}, e.g. --config.{dotted}="
                     f"{current!r}") from None
   if isinstance(current, str):
-    # A shell passes "\n" as two characters; sample texts mean a newline.
-    if dotted.startswith("sample."):
+    # A shell passes "\n" as two characters; sample texts and the chat
+    # template mean a newline.
+    if dotted.startswith("sample.") or dotted == "serve.chat_template":
       text = text.replace("\\n", "\n").replace("\\t", "\t")
     return text
   if isinstance(current, (tuple, list)):

@@ -10,10 +10,16 @@ import ml_collections
 
 from zebra_jax.config.rules import (
     BOOL, CHECKED_WITH_OTHERS, FRACTION, GROWTH_FACTOR, INT, NON_NEGATIVE,
-    NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, PROBABILITY_MASS, RATE, RATIO,
-    SHRINK_FACTOR, TEXT, Field as F, one_of)
+    NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, RATE, RATIO, SHRINK_FACTOR,
+    TEXT, Checked, Field as F, one_of)
 from zebra_jax.data import batching, sources, tokenizers
+from zebra_jax.inference.engine import params as sampling
 from zebra_jax.model import config as model_config
+
+
+def _sampling(name: str) -> Checked:
+  return Checked(lambda value: sampling.problem(name, value))
+
 
 FIELDS = dict(
     seed=F(0, INT, "parameters, dropout and data order"),
@@ -159,16 +165,28 @@ FIELDS = dict(
                     "0 = off"),
     ),
     sample=dict(  # --mode=sample, the end-of-train sample, serve's defaults
+        # The sampling parameters' bounds are the serving engine's own
+        # (inference/engine/params.py), so a config and a request agree.
         prompt=F("The ", TEXT, "text to continue (--prompt)"),
-        max_new_tokens=F(200, POSITIVE_INT, "tokens generated"),
-        temperature=F(0.8, NON_NEGATIVE, "0 = greedy"),
-        top_k=F(0, NON_NEGATIVE_INT, "keep the k most likely tokens; 0 = off"),
-        top_p=F(0.95, PROBABILITY_MASS, "nucleus mass kept; 1 = off"),
+        max_new_tokens=F(200, _sampling("max_new_tokens"), "tokens generated"),
+        temperature=F(0.8, _sampling("temperature"), "0 = greedy"),
+        top_k=F(0, _sampling("top_k"), "keep the k most likely tokens; 0 = "
+                "off"),
+        top_p=F(0.95, _sampling("top_p"), "nucleus mass kept; 1 = off"),
+        min_p=F(0.0, _sampling("min_p"), "drop tokens less likely than this "
+                "times the most likely one; 0 = off"),
         num_samples=F(1, POSITIVE_INT, "continuations per prompt"),
-        seed=F(0, INT, "token i is drawn with fold_in(seed, i): the same seed "
-               "gives the same text"),
-        repetition_penalty=F(1.0, POSITIVE, "> 1 discourages tokens already "
-                             "in the text; 1 = off"),
+        seed=F(0, INT, "row i's token j is drawn with fold_in(fold_in(seed, "
+               "i), j): the same seed gives the same text (the server draws "
+               "a fresh seed for a request that sends none)"),
+        repetition_penalty=F(1.0, _sampling("repetition_penalty"), "> 1 "
+                             "discourages tokens already in the text; 1 = "
+                             "off"),
+        presence_penalty=F(0.0, _sampling("presence_penalty"), "subtracted "
+                           "from the logit of a token already generated; 0 "
+                           "= off"),
+        frequency_penalty=F(0.0, _sampling("frequency_penalty"), "subtracted "
+                            "per time a token was generated; 0 = off"),
         stop=F("", TEXT, "end each text before this string ('' = off); in a "
                "--config.sample.* override, \\n and \\t mean newline and tab"),
         stream=F(False, BOOL, "print tokens as they are generated"),
@@ -192,8 +210,20 @@ FIELDS = dict(
         decode_block=F(4, POSITIVE_INT, "tokens per decode call: fewer "
                        "dispatches against a request joining or stopping up "
                        "to this many steps late"),
-        api_key=F("", TEXT, "'' = none; else every route but /health needs "
-                  "'Authorization: Bearer KEY' (or set $ZEBRA_JAX_API_KEY)"),
+        api_key=F("", TEXT, "'' = none; else every route but /health and "
+                  "/metrics needs 'Authorization: Bearer KEY' (or set "
+                  "$ZEBRA_JAX_API_KEY)"),
+        api_key_file=F("", TEXT, "a file holding the API key (when api_key "
+                       "is ''): keeps the key out of the command line"),
+        chat_template=F("", TEXT, "how /v1/chat/completions writes a "
+                        "message: {role} and {content}; '' = '{role}: "
+                        "{content}\\n' (a role-prefixed transcript)"),
+        allowed_origins=F("", TEXT, "CORS: '' = off; '*' or comma-separated "
+                          "origins a browser page may call from"),
+        drain_seconds=F(30.0, NON_NEGATIVE, "after SIGTERM/SIGINT: how long "
+                        "requests in flight may take to finish"),
+        access_log=F(True, BOOL, "one stderr line per request: method, path, "
+                     "status, tokens, milliseconds"),
     ),
     export=dict(  # --mode=export: the Triton model's config.pbtxt
         triton_instance=F("auto", one_of(("auto", "cpu", "gpu")), "auto (GPU "

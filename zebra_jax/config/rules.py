@@ -37,10 +37,21 @@ class OneOf:
 
 
 @dataclasses.dataclass(frozen=True)
+class Checked:
+  """A value judged by a check defined elsewhere (`problem(value)` -> what
+  is wrong, or None): the sampling parameters' bounds live with them."""
+  problem: Callable[[Any], str | None]
+
+  def error(self, name: str, value) -> str | None:
+    message = self.problem(value)
+    return None if message is None else f"--config.{name}={value!r} {message}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Field:
   """A config field: its default, what it may hold, and what it means."""
   default: Any
-  rule: Rule | OneOf
+  rule: Rule | OneOf | Checked
   doc: str
 
 

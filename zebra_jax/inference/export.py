@@ -22,7 +22,7 @@ a big model's weights do not hit protobuf's 2 GB limit. `carry` is one
     triton/zebra_lstm/config.pbtxt   Triton Python backend; export.triton_instance
                                      picks CPU or GPU (auto: GPU if jax sees one)
     triton/zebra_lstm/1/model.py     loads ./artifact (copied to 1/artifact)
-    triton/zebra_lstm/1/engine.py    the serving engine model.py runs
+    triton/zebra_lstm/1/engine/      the serving engine model.py runs
     triton/zebra_lstm/1/requirements.txt   what model.py's Python needs
 """
 
@@ -105,7 +105,9 @@ def write_artifact(loaded: loading.Loaded, folder: str,
       "outputs": ("log-probabilities" if m.head == "adaptive"
                   else "logits"),
       "sample": {k: loaded.cfg.sample[k] for k in
-                 ("max_new_tokens", "temperature", "top_k", "top_p")},
+                 ("max_new_tokens", "temperature", "top_k", "top_p",
+                  "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")},
       "engine": sample.engine_options(loaded.cfg),  # serve.slots, ...
       "functions": {
           "prompt.jax": "(params, carry, tokens int32 [b, t]) -> "
@@ -212,7 +214,10 @@ def write_triton_repository(artifact: str, repository: str,
     f.write(config)
   shutil.copy(os.path.join(_TRITON_TEMPLATES, "model.py"),
               os.path.join(version_dir, "model.py"))
-  shutil.copy(engines.__file__, os.path.join(version_dir, "engine.py"))
+  engine_dir = os.path.join(version_dir, "engine")
+  shutil.rmtree(engine_dir, ignore_errors=True)
+  shutil.copytree(os.path.dirname(engines.__file__), engine_dir,
+                  ignore=shutil.ignore_patterns("__pycache__"))
   with open(os.path.join(artifact, "manifest.json")) as f:
     kind = json.load(f)["tokenizer"]
   with open(os.path.join(version_dir, "requirements.txt"), "w") as f:

@@ -1,34 +1,52 @@
-"""OpenAI-compatible routes of --mode=serve: clients built for OpenAI's
-completions API (the `openai` Python package, LangChain, curl scripts) talk
-to a zebra_jax model unchanged.
+"""OpenAI's completions and chat completions, as vLLM serves a base model.
 
-  GET  /v1/models               -> {"object": "list", "data": [{"id": ...}]}
-  POST /v1/completions          model, prompt (string or list of strings),
-                                max_tokens (16), temperature (1), top_p (1),
-                                seed (0), stop (string or list of up to 4),
-                                stream (server-sent events, then
-                                "data: [DONE]"), logprobs (0), echo, n (1),
-                                user (ignored)
+Clients built for an OpenAI-compatible server (the `openai` package,
+LangChain's `OpenAI` and `ChatOpenAI`, lm-evaluation-harness's
+`local-completions`, curl scripts) talk to a zebra_jax model unchanged:
 
-`logprobs: 0` returns each completion token's log-probability under the
-model (temperature 1), scored after generation on the prompt + completion as
-the tokenizer reads it back; alternatives (`logprobs` > 0) are not served.
-Bad requests get 4xx answers in OpenAI's error shape:
-{"error": {"message", "type", "param", "code"}}, `param` naming the field.
-The limits are the server's (serve.max_new_tokens, max_rows, ...).
+  GET  /v1/models, /v1/models/{id}
+  POST /v1/completions       prompt: a string, a list of strings, a list of
+                             token ids or a list of lists; n; echo with the
+                             prompt's log-probabilities; max_tokens 0 scores
+  POST /v1/chat/completions  messages through a chat template (a base model
+                             continues a role-prefixed transcript)
+
+Sampling fields map to the engine's SamplingParams by name (`max_tokens`
+and chat's `max_completion_tokens` are its `max_new_tokens`): temperature,
+top_p, top_k, min_p, presence_penalty, frequency_penalty,
+repetition_penalty, logit_bias, seed, stop; so a knob added there is taken
+here without an edit. Defaults are OpenAI's (temperature 1, top_p 1), not
+the config's. A field the server does not know is ignored with one warning
+naming it, as vLLM does; a known field with a value it cannot honour is a
+400 in OpenAI's error shape whose `param` names the field. Log-probabilities
+are the model's own (temperature 1, before penalties and filters), as
+--mode=score computes them.
 """
 
 import dataclasses
 import json
+import logging
 import time
 import uuid
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import sample
-from zebra_jax import strict_json
+from zebra_jax.inference.engine import MAX_LOGPROBS, ParamError
+from zebra_jax.inference.engine import SamplingParams
 
 MODEL_ID = "zebra_lstm"
-MAX_STOPS = 4
+DEFAULT_CHAT_TEMPLATE = "{role}: {content}\n"
+
+log = logging.getLogger("zebra_jax.serve")
+
+_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+# Request fields that are not sampling parameters by the same name.
+_COMMON = {"model", "n", "best_of", "stream", "stream_options", "user",
+           "max_tokens", "logit_bias", "stop", "logprobs", "seed"}
+COMPLETION_FIELDS = (_PARAM_NAMES | _COMMON | {"prompt", "echo", "suffix"}) - {
+    "max_new_tokens", "prompt_logprobs"}
+CHAT_FIELDS = (_PARAM_NAMES | _COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs"}) - {
+        "max_new_tokens", "prompt_logprobs"}
 
 
 class ApiError(Exception):
@@ -47,62 +65,106 @@ class ApiError(Exception):
                       "param": self.param, "code": self.code}}
 
 
-_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed",
-           "stop", "stream", "logprobs", "echo", "n", "user"}
-
-
-def _number(body, name, default, low, high, integer=False, low_open=False):
-  value = body.get(name, default)
-  if value is None:
-    return default
-  kinds = int if integer else (int, float)
-  if isinstance(value, bool) or not isinstance(value, kinds):
-    raise ApiError(f"{name} must be {'an integer' if integer else 'a number'}"
-                   f", got {json.dumps(value)}", name)
-  if (value <= low if low_open else value < low) or value > high:
-    lower = f"> {low}" if low_open else f">= {low}"
-    raise ApiError(f"{name}={value} is outside the range: need {lower} and "
-                   f"<= {high}", name)
-  return value
-
-
-def _strings(value, name, max_items, what):
-  if isinstance(value, str):
-    value = [value]
-  if (not isinstance(value, list) or not value or len(value) > max_items
-      or not all(isinstance(v, str) and v for v in value)):
-    raise ApiError(f"{name} must be {what}", name)
-  return value
+@dataclasses.dataclass
+class Prompt:
+  """One prompt: its text and its tokens."""
+  text: str
+  ids: list
 
 
 @dataclasses.dataclass
 class Request:
-  """A checked /v1/completions request."""
-  prompts: list
-  ids: list       # each prompt's tokens, encoded once
-  options: sample.Options
-  stops: list
-  stream: bool
-  logprobs: bool
-  echo: bool
+  """A checked completions or chat request."""
   model: str
+  prompts: list          # Prompt per prompt
+  params: SamplingParams
+  n: int
+  stream: bool
+  include_usage: bool
+  echo: bool = False
+  chat: bool = False
+  logprobs: int | None = None   # alternatives per token; None = off
+
+  def rows(self):
+    """(prompt index, choice index) per generated row: prompt-major, so
+    choice i of a request draws from stream i of its seed."""
+    return [(p, p * self.n + j) for p in range(len(self.prompts))
+            for j in range(self.n)]
+
+
+def _ignore_unknown(body: dict, known: set, path: str) -> None:
+  unknown = sorted(set(body) - known)
+  if unknown:
+    log.warning("%s: ignored unknown field(s) %s", path, ", ".join(unknown))
+
+
+def _int(body, name, default, low, high):
+  value = body.get(name)
+  if value is None:
+    return default
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise ApiError(f"{name} must be an integer, got {json.dumps(value)}",
+                   name)
+  if not low <= value <= high:
+    raise ApiError(f"{name}={value} is outside [{low}, {high}]", name)
+  return value
+
+
+def _flag(body, name) -> bool:
+  value = body.get(name)
+  if value is None:
+    return False
+  if not isinstance(value, bool):
+    raise ApiError(f"{name} must be true or false", name)
+  return value
+
+
+def _stops(value) -> tuple:
+  if value is None:
+    return ()
+  stops = [value] if isinstance(value, str) else value
+  if not isinstance(stops, list) or not all(
+      isinstance(s, str) for s in stops):
+    raise ApiError("stop must be a string or a list of strings", "stop")
+  return tuple(s for s in stops if s)
+
+
+def _logit_bias(value) -> tuple:
+  if value is None:
+    return ()
+  if not isinstance(value, dict):
+    raise ApiError("logit_bias must map token ids to numbers, e.g. "
+                   "{\"50\": -100}", "logit_bias")
+  pairs = []
+  for token, bias in value.items():
+    try:
+      token = int(token)
+    except ValueError:
+      raise ApiError(f"logit_bias key {token!r} is not a token id",
+                     "logit_bias") from None
+    pairs.append((token, bias))
+  return tuple(sorted(pairs))
 
 
 class Api:
   """What the OpenAI routes accept and answer, over a serve.Service (its
-  tokenizer, defaults and limits); serve.App runs the requests."""
+  tokenizer, limits and chat template); serve.App runs the requests."""
 
-  def __init__(self, service):
+  def __init__(self, service, chat_template: str = ""):
     self.service = service
+    self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
+    check_chat_template(self.chat_template)
     self.created = int(time.time())
 
-  def models(self, body=None) -> dict:
-    del body
+  # --- models ---
+
+  def models(self) -> dict:
     return {"object": "list", "data": [self._model()]}
 
   def _model(self) -> dict:
     return {"id": MODEL_ID, "object": "model", "created": self.created,
-            "owned_by": "zebra_jax"}
+            "owned_by": "zebra_jax",
+            "max_model_len": self.service.limits.max_prompt_tokens}
 
   def model(self, name: str) -> dict:
     if name != MODEL_ID:
@@ -110,127 +172,378 @@ class Api:
                      f"{MODEL_ID!r}", "model", 404, "model_not_found")
     return self._model()
 
-  def check(self, body) -> Request:
-    """The request, or ApiError naming the field at fault."""
+  # --- requests ---
+
+  def _common(self, body, path, known) -> tuple[str, dict]:
     if not isinstance(body, dict):
       raise ApiError("the body must be a JSON object, e.g. {\"model\": "
                      f"\"{MODEL_ID}\", \"prompt\": \"The \"}}")
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-      raise ApiError(f"unknown field(s) {', '.join(unknown)}: this server "
-                     f"takes {', '.join(sorted(_FIELDS))}", unknown[0])
+    _ignore_unknown(body, known, path)
     model = body.get("model")
     if not isinstance(model, str):
       raise ApiError("model is required: a string, e.g. "
                      f"\"{MODEL_ID}\" (GET /v1/models lists it)", "model")
     self.model(model)
-    if "prompt" not in body:
-      raise ApiError("prompt is required: a string or a list of strings",
-                     "prompt")
-    prompts = _strings(body["prompt"], "prompt", 1 << 30,
-                       "a non-empty string or a list of non-empty strings")
+    return model, body
+
+  def _params(self, body, max_tokens_name, logprobs) -> SamplingParams:
+    """The sampling parameters a request names; ApiError naming the field
+    for a value out of bounds."""
     lim = self.service.limits
-    max_tokens = _number(body, "max_tokens", 16, 1, 1 << 30, integer=True)
-    if max_tokens > lim.max_new_tokens:
-      raise ApiError(f"max_tokens={max_tokens} is too many tokens: this "
-                     f"server generates at most {lim.max_new_tokens}",
-                     "max_tokens")
-    if len(prompts) > lim.max_rows:
-      raise ApiError(f"{len(prompts)} prompts is more than {lim.max_rows}",
-                     "prompt")
-    temperature = _number(body, "temperature", 1.0, 0, 2)
-    top_p = _number(body, "top_p", 1.0, 0, 1, low_open=True)
-    seed = _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True)
-    n = _number(body, "n", 1, 1, 1 << 30, integer=True)
-    if n != 1:
-      raise ApiError(f"n={n}: this server returns one completion per prompt "
-                     "(n=1); send the prompt several times with other seeds",
-                     "n")
-    stops = []
-    if body.get("stop") is not None:
-      stops = _strings(body["stop"], "stop", MAX_STOPS,
-                       f"a non-empty string or a list of up to {MAX_STOPS}")
-    flags = {}
-    for name in ("stream", "echo"):
-      flags[name] = body.get(name) or False
-      if not isinstance(flags[name], bool):
-        raise ApiError(f"{name} must be true or false", name)
-    logprobs = body.get("logprobs")
-    if logprobs is not None:
-      if isinstance(logprobs, bool) or not isinstance(logprobs, int):
-        raise ApiError("logprobs must be an integer (0) or null", "logprobs")
-      if logprobs != 0:
-        raise ApiError(f"logprobs={logprobs}: this server returns the "
-                       "chosen tokens' log-probabilities (logprobs=0), not "
-                       "alternatives", "logprobs")
-    options = dataclasses.replace(
-        self.service.defaults, max_new_tokens=max_tokens,
-        temperature=float(temperature), top_p=float(top_p), top_k=0,
-        repetition_penalty=1.0, num_samples=1, seed=seed,
-        stop="")  # the stops travel apart: up to MAX_STOPS of them
-    generator, ids = self.service.generator, []
-    for p in prompts:
-      try:
-        ids.append(generator.encode(p))
-      except UserError as e:
-        raise ApiError(str(e), "prompt") from None
-      if len(ids[-1]) > lim.max_prompt_tokens:
-        raise ApiError(f"a prompt of {len(ids[-1])} tokens is too many "
-                       f"tokens: at most {lim.max_prompt_tokens}", "prompt")
-    return Request(prompts, ids, options, stops, flags["stream"],
-                   logprobs is not None, flags["echo"], model)
+    values = {k: body[k] for k in _PARAM_NAMES & set(body)
+              if body[k] is not None and k not in (
+                  "stop", "logit_bias", "logprobs", "max_new_tokens")}
+    max_tokens = body.get(max_tokens_name)
+    if max_tokens is None and max_tokens_name != "max_tokens":
+      max_tokens = body.get("max_tokens")  # chat's older name
+    values["max_new_tokens"] = 16 if max_tokens is None else max_tokens
+    values["stop"] = _stops(body.get("stop"))
+    values["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    values["logprobs"] = logprobs
+    names = {"max_new_tokens": max_tokens_name}
+    try:
+      params = SamplingParams(**values)
+      params.check(self.service.vocab_size)
+    except ParamError as e:
+      raise ApiError(f"{names.get(e.field, e.field)}: {e.reason}",
+                     names.get(e.field, e.field)) from None
+    except TypeError as e:  # e.g. a list where a number belongs
+      raise ApiError(str(e)) from None
+    if params.max_new_tokens > lim.max_new_tokens:
+      raise ApiError(f"{max_tokens_name}={params.max_new_tokens} is too many "
+                     f"tokens: this server generates at most "
+                     f"{lim.max_new_tokens}", max_tokens_name)
+    return params
 
-  def response(self, req: Request, rows, logprobs=None) -> dict:
-    """The completion object for finished rows (serve.Row: prompt, text,
-    reason, completion), `logprobs` per row when asked for."""
-    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-    for i, row in enumerate(rows):
-      choices.append({
-          "text": (row.prompt if req.echo else "") + row.text, "index": i,
-          "logprobs": logprobs[i] if logprobs else None,
-          "finish_reason": row.reason})
-      usage["prompt_tokens"] += row.completion.prompt_tokens
-      usage["completion_tokens"] += row.completion.completion_tokens
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": req.model,
-            "choices": choices, "usage": usage}
+  def _n(self, body, rows_per_choice: int) -> int:
+    lim, slots = self.service.limits, self.service.engine.slots
+    n = _int(body, "n", 1, 1, slots)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+      raise ApiError(f"best_of={json.dumps(best_of)}: this server returns "
+                     "every completion it draws, so best_of must equal n",
+                     "best_of")
+    if rows_per_choice * n > lim.max_rows:
+      raise ApiError(f"{rows_per_choice} prompt(s) x n={n} is more than "
+                     f"{lim.max_rows} rows", "n" if n > 1 else "prompt")
+    return n
 
-  def events(self, req: Request) -> "Events":
-    return Events(req)
+  def _stream(self, body) -> tuple[bool, bool]:
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+      raise ApiError("stream_options must be an object", "stream_options")
+    usage = bool((options or {}).get("include_usage"))
+    return stream, usage and stream
+
+  def completions(self, body) -> Request:
+    """A /v1/completions request, or ApiError naming the field at fault."""
+    model, body = self._common(body, "/v1/completions", COMPLETION_FIELDS)
+    if body.get("suffix"):
+      raise ApiError("suffix: this server completes text at its end only",
+                     "suffix")
+    if "prompt" not in body:
+      raise ApiError("prompt is required: a string, a list of strings, a "
+                     "list of token ids or a list of lists", "prompt")
+    prompts = self._prompts(body["prompt"])
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    echo = _flag(body, "echo")
+    params = self._params(body, "max_tokens", logprobs)
+    if echo and logprobs is not None:
+      params = dataclasses.replace(params, prompt_logprobs=logprobs)
+    n = self._n(body, len(prompts))
+    stream, usage = self._stream(body)
+    return Request(model, prompts, params, n, stream, usage, echo=echo,
+                   logprobs=logprobs)
+
+  def chat(self, body) -> Request:
+    """A /v1/chat/completions request."""
+    model, body = self._common(body, "/v1/chat/completions", CHAT_FIELDS)
+    prompt = self._prompt_text(self.transcript(body.get("messages")),
+                               "messages")
+    want = _flag(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    params = self._params(body, "max_completion_tokens", top if want else None)
+    params = dataclasses.replace(
+        params, stop=params.stop + self.chat_stops())
+    n = self._n(body, 1)
+    stream, usage = self._stream(body)
+    return Request(model, [prompt], params, n, stream, usage, chat=True,
+                   logprobs=top if want else None)
+
+  def _prompt_text(self, text: str, field: str) -> Prompt:
+    if not text:
+      raise ApiError(f"{field}: a prompt is empty: send some text", field)
+    try:
+      ids = self.service.encode(text)
+    except (UserError, ValueError) as e:  # characters the model never saw
+      raise ApiError(f"{field}: {e}", field) from None
+    return self._check_length(Prompt(text, ids), field)
+
+  def _check_length(self, prompt: Prompt, field: str) -> Prompt:
+    limit = self.service.limits.max_prompt_tokens
+    if len(prompt.ids) > limit:
+      raise ApiError(f"a prompt of {len(prompt.ids)} tokens is too many "
+                     f"tokens: at most {limit}", field)
+    return prompt
+
+  def _prompts(self, value) -> list[Prompt]:
+    """Prompts from a string, strings, token ids or lists of token ids."""
+    what = ("prompt must be a string, a list of strings, a list of token "
+            "ids or a list of lists of token ids")
+    if isinstance(value, str):
+      return [self._prompt_text(value, "prompt")]
+    if not isinstance(value, list) or not value:
+      raise ApiError(what, "prompt")
+    if all(_is_id(v) for v in value):
+      return [self._token_prompt(value)]
+    if all(isinstance(v, str) for v in value):
+      return [self._prompt_text(v, "prompt") for v in value]
+    if all(isinstance(v, list) and all(_is_id(t) for t in v) for v in value):
+      return [self._token_prompt(v) for v in value]
+    raise ApiError(what, "prompt")
+
+  def _token_prompt(self, ids: list) -> Prompt:
+    vocab = self.service.vocab_size
+    if not ids:
+      raise ApiError("prompt: a prompt of token ids is empty", "prompt")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+      raise ApiError(f"prompt: token id {bad[0]} is outside the vocabulary "
+                     f"[0, {vocab})", "prompt")
+    return self._check_length(
+        Prompt(self.service.tokenizer.decode(ids), list(ids)), "prompt")
+
+  # --- chat ---
+
+  def transcript(self, messages) -> str:
+    """The prompt a chat becomes: each message through the template, then
+    the template's opening for the assistant's turn."""
+    if not isinstance(messages, list) or not messages:
+      raise ApiError("messages must be a non-empty list of {role, content}",
+                     "messages")
+    parts = []
+    for m in messages:
+      if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+        raise ApiError("every message needs a role and a content",
+                       "messages")
+      parts.append(self.chat_template.format(role=m["role"],
+                                             content=_content(m)))
+    return "".join(parts) + self.opening("assistant")
+
+  def opening(self, role: str) -> str:
+    """The template's text before a message of `role`."""
+    return self.chat_template.split("{content}")[0].format(role=role)
+
+  def chat_stops(self) -> tuple:
+    """Stop strings that end the assistant's turn: the next user turn."""
+    after = self.chat_template.split("{content}")[1]
+    return (after + self.opening("user").rstrip(),) if after else ()
+
+  # --- answers ---
+
+  def logprobs(self, tokens, logprobs, tops, n, offsets) -> dict:
+    """OpenAI's completions `logprobs` object; tops[i]: [(id, logprob)]
+    (None for a prompt's first token), the chosen token added to them."""
+    text = self.service.tokenizer.token_text
+    words = [text(t) for t in tokens]
+    top_dicts = []
+    for word, lp, top in zip(words, logprobs, tops):
+      if top is None:
+        top_dicts.append(None)
+        continue
+      entry = {text(i): v for i, v in top[:n]}
+      entry.setdefault(word, lp)
+      top_dicts.append(entry)
+    return {"tokens": words, "token_logprobs": list(logprobs),
+            "top_logprobs": top_dicts, "text_offset": list(offsets)}
+
+  def chat_logprobs(self, tokens, logprobs, tops, n) -> dict:
+    """Chat's `logprobs` object: {"content": [{token, logprob, bytes,
+    top_logprobs}]}."""
+    text = self.service.tokenizer.token_text
+    entry = lambda t, v: {"token": text(t), "logprob": v,
+                          "bytes": list(text(t).encode("utf-8"))}
+    return {"content": [
+        {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top[:n]]}
+        for t, lp, top in zip(tokens, logprobs, tops)]}
 
 
-class Events:
-  """A stream's server-sent events: text as it is generated, every prompt
-  at once (choice `index`), a last chunk per prompt with its finish_reason,
-  then [DONE]."""
+def _is_id(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
 
-  def __init__(self, req: Request):
-    self.req = req
-    self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-  def _event(self, index: int, text: str, reason=None) -> bytes:
-    chunk = {"id": self.id, "object": "text_completion",
-             "created": self.created, "model": self.req.model,
-             "choices": [{"text": text, "index": index, "logprobs": None,
-                          "finish_reason": reason}]}
-    return f"data: {strict_json.dumps(chunk)}\n\n".encode("utf-8")
+def _content(message) -> str:
+  content = message.get("content")
+  if content is None:
+    return ""
+  if isinstance(content, str):
+    return content
+  if isinstance(content, list) and all(
+      isinstance(p, dict) and p.get("type") == "text"
+      and isinstance(p.get("text"), str) for p in content):
+    return "".join(p["text"] for p in content)
+  raise ApiError("a message's content must be a string or a list of text "
+                 "parts: this model reads text only", "messages")
 
-  def echo(self) -> bytes:
-    return b"".join(self._event(i, p) for i, p in enumerate(self.req.prompts))
 
-  def chunk(self, updates) -> bytes:
-    """Events for [(index, new text, finish_reason or None)]: one event per
-    row's new text (a burst of tokens travels together), then its end."""
+def check_chat_template(template: str) -> None:
+  """ValueError unless the template formats {role} and {content} once."""
+  if template.count("{content}") != 1:
+    raise ValueError("serve.chat_template must hold {content} once, e.g. "
+                     f"{DEFAULT_CHAT_TEMPLATE!r}")
+  try:
+    template.format(role="user", content="x")
+  except (KeyError, IndexError, ValueError) as e:
+    raise ValueError(f"serve.chat_template does not format ({e}): use "
+                     "{role} and {content} only, braces doubled elsewhere"
+                     ) from None
+
+
+def completion_id(chat: bool) -> str:
+  return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def prompt_starts(tokenizer, ids) -> list[int]:
+  """Where each prompt token starts in the prompt's text (word tokens are
+  joined by a space)."""
+  gap = 0 if tokenizer.spaces_in_tokens else 1
+  starts, at = [], 0
+  for i in ids:
+    starts.append(at)
+    at += len(tokenizer.token_text(int(i))) + gap
+  return starts
+
+
+class Answers:
+  """Completion and chat objects, whole or as server-sent events, for one
+  request's rows (engine Requests, in choice order)."""
+
+  def __init__(self, api: Api, req: Request):
+    self.api, self.req = api, req
+    self.tokenizer = api.service.tokenizer
+    self.id, self.created = completion_id(req.chat), int(time.time())
+    kind = "chat.completion.chunk" if req.chat else "text_completion"
+    # Every event of a stream shares this head: only the choice is encoded
+    # per event.
+    self._head = (f'data: {{"id":"{self.id}","object":"{kind}",'
+                  f'"created":{self.created},"model":{json.dumps(req.model)},'
+                  '"choices":[')
+
+  def _echo_text(self, row) -> str:
+    return row.prompt if self.req.echo else ""
+
+  def _logprobs(self, row, tokens: range, echo: bool) -> dict:
+    """The logprobs object for generated `tokens` (and the prompt's first
+    when echo)."""
+    n, ids, lps, tops, offsets = self.req.logprobs, [], [], [], []
+    if echo:
+      ids += list(row.ids)
+      lps += row.prompt_logprobs
+      tops += row.prompt_top
+      offsets += prompt_starts(self.tokenizer, row.ids)
+    if len(tokens):
+      base = len(self._echo_text(row))
+      ends = row.offsets(self.tokenizer)
+      ids += row.tokens[tokens.start:tokens.stop]
+      lps += row.token_logprobs[tokens.start:tokens.stop]
+      tops += row.top_logprobs[tokens.start:tokens.stop]
+      offsets += [base + ends.start(k) for k in tokens]
+    if self.req.chat:
+      return self.api.chat_logprobs(ids, lps, tops, n)
+    return self.api.logprobs(ids, lps, tops, n, offsets)
+
+  def usage(self, rows) -> dict:
+    prompts = {}
+    for (p, _), row in zip(self.req.rows(), rows):
+      prompts[p] = row.prompt_tokens  # a prompt counts once, whatever n
+    prompt = sum(prompts.values())
+    completion = sum(r.completion_tokens for r in rows)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+  def whole(self, rows) -> dict:
+    """The response object once every row is done."""
+    choices = []
+    for (_, i), row in zip(self.req.rows(), rows):
+      lp = None
+      if self.req.logprobs is not None:
+        lp = self._logprobs(row, range(row.completion_tokens),
+                            self.req.echo and not self.req.chat)
+      if self.req.chat:
+        choices.append({"index": i, "message": {
+            "role": "assistant", "content": row.text}, "logprobs": lp,
+                        "finish_reason": row.finish_reason})
+      else:
+        choices.append({"text": self._echo_text(row) + row.text, "index": i,
+                        "logprobs": lp, "finish_reason": row.finish_reason})
+    return {"id": self.id,
+            "object": "chat.completion" if self.req.chat else
+                      "text_completion",
+            "created": self.created, "model": self.req.model,
+            "choices": choices, "usage": self.usage(rows)}
+
+  # --- server-sent events ---
+
+  def _event(self, choice: str) -> bytes:
+    return (self._head + choice + "]}\n\n").encode("utf-8")
+
+  def _choice(self, index: int, text: str, logprobs=None, reason=None
+              ) -> str:
+    lp = "null" if logprobs is None else json.dumps(logprobs)
+    end = "null" if reason is None else f'"{reason}"'
+    if self.req.chat:
+      delta = ("{}" if reason is not None and not text
+               else '{"content":' + json.dumps(text) + "}")
+      return (f'{{"index":{index},"delta":{delta},"logprobs":{lp},'
+              f'"finish_reason":{end}}}')
+    return (f'{{"text":{json.dumps(text)},"index":{index},"logprobs":{lp},'
+            f'"finish_reason":{end}}}')
+
+  def start(self, rows) -> bytes:
+    """The first events: chat's assistant role, or completions' echoed
+    prompts (with their log-probabilities when asked)."""
+    out = []
+    for (_, i), row in zip(self.req.rows(), rows):
+      if self.req.chat:
+        out.append(self._event(
+            f'{{"index":{i},"delta":{{"role":"assistant","content":""}},'
+            '"logprobs":null,"finish_reason":null}'))
+      elif self.req.echo:
+        lp = (self._logprobs(row, range(0), True)
+              if self.req.logprobs is not None else None)
+        out.append(self._event(self._choice(i, row.prompt, lp)))
+    return b"".join(out)
+
+  def chunk(self, rows, updates) -> bytes:
+    """Events for [(row, new text, generated tokens it completes,
+    finish_reason or None)]: one event per row's new text (a burst of
+    tokens travels together), then its end."""
     texts, ends = {}, []
-    for index, text, reason in updates:
-      if text:
-        texts[index] = texts.get(index, "") + text
+    for r, text, tokens, reason in updates:
+      t, first, last = texts.get(r, ("", None, None))
+      if len(tokens):
+        first = tokens.start if first is None else first
+        last = tokens.stop
+      texts[r] = (t + text, first, last)
       if reason is not None:
-        ends.append((index, reason))
-    return b"".join([self._event(i, t) for i, t in texts.items()]
-                    + [self._event(i, "", r) for i, r in ends])
+        ends.append((r, reason))
+    index = [i for _, i in self.req.rows()]
+    out = []
+    for r, (text, first, last) in texts.items():
+      lp = None
+      if self.req.logprobs is not None and first is not None:
+        lp = self._logprobs(rows[r], range(first, last), False)
+      if text or lp is not None:
+        out.append(self._event(self._choice(index[r], text, lp)))
+    for r, reason in ends:
+      out.append(self._event(self._choice(index[r], "", None, reason)))
+    return b"".join(out)
 
-  @staticmethod
-  def done() -> bytes:
-    return b"data: [DONE]\n\n"
+  def end(self, rows) -> bytes:
+    """The usage event (stream_options.include_usage), then [DONE]."""
+    tail = b"data: [DONE]\n\n"
+    if not self.req.include_usage:
+      return tail
+    usage = json.dumps(self.usage(rows))
+    return (self._head + '],"usage":' + usage + "}\n\n").encode() + tail

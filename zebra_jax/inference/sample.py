@@ -3,9 +3,10 @@
 Every row (prompt x num_samples) is one request to the serving engine
 (zebra_jax.inference.engine), the same one `--mode=serve` and the Triton
 model run: prompts enter in fixed-size chunks, then every decode call
-advances every row, each with its own settings and random stream (row j of
-a prompt draws from its own stream of the seed). So a prompt's text is the
-same here, through the server and alone, whatever ran beside it. The cost
+advances every row, each with its own parameters (one SamplingParams, the
+server's type) and random stream (row i draws from stream i of the seed).
+So a row's text is the same here and through the server, whatever ran
+beside it. The cost
 per token does not grow with the length of the text: each new token is one
 step of the recurrence with the (h, c) carry.
 """
@@ -15,42 +16,33 @@ import functools
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference import engine as engines
-from zebra_jax.inference import loading, sampling
+from zebra_jax.inference import loading
 from zebra_jax.model import lm
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """Everything that shapes one generation request."""
-  max_new_tokens: int = 100
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  repetition_penalty: float = 1.0
-  stop: str = ""          # cut each row before this text; "" = off
-  num_samples: int = 1    # rows per prompt
-  seed: int = 0
-  chunk: int = 32         # --mode=sample's tokens per decode call
 
-  @classmethod
-  def from_config(cls, sample_cfg) -> "Options":
-    """config.sample's values (config/base.py defines every field)."""
-    return cls(**{f.name: sample_cfg[f.name] for f in dataclasses.fields(cls)})
+def sampling_params(sample_cfg, **overrides) -> engines.SamplingParams:
+  """config.sample's sampling parameters (config/base.py defines and bounds
+  every field), overridden; `stop` is one string there, a tuple here."""
+  names = {f.name for f in dataclasses.fields(engines.SamplingParams)}
+  values = {k: sample_cfg[k] for k in names if k in sample_cfg}
+  values["stop"] = (values["stop"],) if values.get("stop") else ()
+  values.update(overrides)
+  return engines.SamplingParams(**values)
 
-  def check(self) -> None:
-    """UserError for a value no request can honour (host side, cheap)."""
-    sampling.check_options(
-        temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-        num_new_tokens=self.max_new_tokens,
-        repetition_penalty=self.repetition_penalty)
-    for name in ("num_samples", "chunk"):
-      value = getattr(self, name)
-      if not (isinstance(value, int) and value >= 1):
-        raise UserError(f"{name}={value} is not a whole number >= 1: use e.g. 1")
+
+def check_params(params: engines.SamplingParams) -> None:
+  """UserError naming the config field for a value no request can honour
+  (host side, cheap: before a checkpoint loads)."""
+  try:
+    params.check()
+  except engines.ParamError as e:
+    value = getattr(params, e.field)
+    raise UserError(f"--config.sample.{e.field}={value!r} {e.reason}"
+                    ) from None
 
 
 def _consume_prompt(params, tokens, carry, *, graphdef, mesh=None):
@@ -134,78 +126,38 @@ class Generator:
       raise UserError("a prompt is empty: pass some text, e.g. --prompt='The '")
     return np.asarray(self.tokenizer.encode_prompt(prompt), np.int32)
 
-  def prime(self, rows: list[np.ndarray],
-            track_seen: bool = True) -> sampling.DecodeState:
-    """Consumes every row's prompt as one window: the DecodeState to run
-    `sampling.generate_chunk` from (the generation benchmark times that
-    model-level loop; requests go through the engine).
-
-    Rows of equal length are consumed as one batch [n, T]; the results are
-    put back in row order. One compile per distinct (n, T).
-    """
-    by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(rows):
-      by_length.setdefault(len(ids), []).append(i)
-    order, parts = [], []
-    for length, members in by_length.items():
-      tokens = np.stack([rows[i] for i in members])            # [n, T]
-      carry = lm.init_carry(self.loaded.cfg.model, len(members))
-      parts.append(self._consume(self.params, tokens, carry))
-      order.extend(members)
-    inverse = np.argsort(np.asarray(order))                    # row -> place
-    join = lambda *xs: jnp.concatenate(xs, axis=0)[inverse]
-    last_logits, carry = jax.tree.map(join, *parts)
-    # The [rows, vocab] mask only matters to the repetition penalty.
-    seen = (sampling.seen_tokens(rows, self.tokenizer.vocab_size)
-            if track_seen else None)
-    return sampling.start_state(carry, last_logits, seen)
-
-  def generate(self, prompts: list[str], options: Options,
-               on_text=None) -> list[str]:
+  def generate(self, prompts: list[str], params: engines.SamplingParams,
+               num_samples: int = 1, on_text=None) -> list[str]:
     """Continuations (prompt included) for every prompt x num_samples.
 
     Args:
-      prompts: texts; rows are prompt-major (p0 s0, p0 s1, ..., p1 s0, ...).
-      options: sampling settings; checked here.
+      prompts: texts; rows are prompt-major (p0 s0, p0 s1, ..., p1 s0, ...),
+        row i drawing from stream i of the seed.
+      params: sampling parameters; checked here.
       on_text: optional callback(row, new_text), called as row 0's text
         grows (for streaming; from the engine's thread).
 
     Returns:
-      one string per row: prompt + generated text, cut before `stop`.
+      one string per row: prompt + generated text, cut before a stop string.
     """
-    options.check()
+    check_params(params)
     if not prompts:
       raise UserError("no prompts given: pass --prompt or --prompt_file")
     # A UserError for text the model cannot read, before any row runs.
     ids = {p: self.encode(p) for p in prompts}
-    settings = to_settings(options)
-    rows = [(p, j) for p in prompts for j in range(options.num_samples)]
-    engine = self.engine
-    done = []
+    order = [p for p in prompts for _ in range(num_samples)]
+    rows = [engines.Row(p, params, ids[p], i) for i, p in enumerate(order)]
+    if on_text is not None:
+      rows[0].on_text = lambda text, tokens: on_text(0, text)
     try:
-      for i, (prompt, j) in enumerate(rows):
-        stream = (lambda text: on_text(0, text)) if (
-            on_text is not None and i == 0) else None
-        done.append(engine.submit(
-            prompt, dataclasses.replace(settings, sample_index=j),
-            on_text=stream, block=True, ids=ids[prompt]))
-      return [p + c.result() for (p, _), c in zip(rows, done)]
+      done = self.engine.submit_many(rows, block=True)
     except engines.BadPrompt as e:
       raise UserError(f"{e}") from None
+    try:
+      return [p + r.result() for p, r in zip(order, done)]
     finally:
-      for c in done:
-        c.cancel()  # a no-op once finished; frees the rest after an error
-
-
-def to_settings(options: Options, stops=()) -> engines.Settings:
-  """An engine request's settings from sample Options (plus stop strings)."""
-  return engines.Settings(
-      max_new_tokens=int(options.max_new_tokens),
-      temperature=float(options.temperature), top_k=int(options.top_k),
-      top_p=float(options.top_p),
-      repetition_penalty=float(options.repetition_penalty),
-      seed=int(options.seed),
-      stop=tuple(stops) or ((options.stop,) if options.stop else ()))
+      for r in done:
+        r.cancel()  # a no-op once finished; frees the rest after an error
 
 
 def read_prompt_file(path: str) -> list[str]:
@@ -234,28 +186,30 @@ def run(cfg, workdir: str, prompts: list[str] | None = None, *,
   row's token cost 24x more at 64 slots than at 1 (376 ms against 15.7 ms,
   hidden 512, 2 CPU cores).
   """
-  options = Options.from_config(cfg.sample)
-  options.check()  # before loading a checkpoint
+  params = sampling_params(cfg.sample)
+  check_params(params)  # before loading a checkpoint
+  num_samples = int(cfg.sample.num_samples)
   prompts = prompts or [cfg.sample.prompt]
   stream = bool(cfg.sample.stream)
-  if stream and len(prompts) * options.num_samples > 1:
+  if stream and len(prompts) * num_samples > 1:
     raise UserError("--config.sample.stream prints one text as it grows: use "
                     "one prompt and --config.sample.num_samples=1, or drop "
                     "--config.sample.stream")
   loaded = loading.load_for_inference(cfg, workdir)
   slots = engine_options(loaded.cfg)["slots"]
   if preview:
-    slots = min(slots, len(prompts) * options.num_samples)
-  generator = Generator(loaded, decode_block=options.chunk, slots=slots)
+    slots = min(slots, len(prompts) * num_samples)
+  generator = Generator(loaded, decode_block=int(cfg.sample.chunk),
+                        slots=slots)
   show = jax.process_index() == 0
   header = lambda i, n: (f"----- sample {i + 1}/{n} (step {loaded.step}, "
-                         f"temperature {options.temperature}) -----")
+                         f"temperature {params.temperature}) -----")
   on_text = None
   if stream and show:
     print(header(0, 1) + "\n" + prompts[0], end="", flush=True)
     on_text = lambda row, text: print(text, end="", flush=True)
   try:
-    texts = generator.generate(prompts, options, on_text=on_text)
+    texts = generator.generate(prompts, params, num_samples, on_text=on_text)
   finally:
     generator.close()
   if show and stream:

@@ -389,21 +389,20 @@ def _make_eval_sampler(cfg, model, tokenizer, graphdef):
   """
   if not cfg.train.sample_at_eval or jax.process_count() > 1:
     return None
-  options = dataclasses.replace(
-      sample.Options.from_config(cfg.sample), num_samples=1,
-      max_new_tokens=min(cfg.sample.max_new_tokens, 200))
+  params = sample.sampling_params(
+      cfg.sample, max_new_tokens=min(cfg.sample.max_new_tokens, 200))
   generator = None
 
-  def draw(params) -> str:
+  def draw(weights) -> str:
     nonlocal generator
     if generator is None:  # (config, tokenizer, params): no data needed
       generator = sample.Generator.from_parts(
-          _with_model(cfg, model), tokenizer, graphdef, params, slots=1,
-          decode_block=options.chunk)
+          _with_model(cfg, model), tokenizer, graphdef, weights, slots=1,
+          decode_block=int(cfg.sample.chunk))
     else:  # same compiled code, new weights, laid out as the old ones (one
       # device, or split over the stripe devices: loading.placement)
-      generator.set_params(params)
-    return generator.generate([cfg.sample.prompt], options)[0]
+      generator.set_params(weights)
+    return generator.generate([cfg.sample.prompt], params)[0]
 
   def close() -> None:  # the engine's thread ends with the run
     if generator is not None:

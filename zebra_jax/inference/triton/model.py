@@ -4,7 +4,7 @@ Needs numpy, jax (with jaxlib for the serving platform) and flatbuffers (jax
 reads the serialized functions with it), plus the HF `tokenizers` package for
 a BPE model: `requirements.txt` next to this file lists them. Also the
 `artifact/` folder next to this file (two `jax.export` functions, the
-weights, the tokenizer files) and `engine.py`, zebra_jax's serving engine,
+weights, the tokenizer files) and `engine/`, zebra_jax's serving engine,
 which imports jax and numpy only. No zebra_jax, Flax or config code runs here,
 and that is deliberate: a Triton deployment copies the model repository into
 the server's own Python environment, where installing the training package
@@ -22,13 +22,14 @@ not as BYTES (TYPE_STRING): the Python backend stub of Triton 2.51 mis-reads
 BYTES inputs when the model's Python has numpy 2, which every supported jax
 needs, while numeric tensors pass intact.
 
-Generation goes through the serving engine (engine.py, the one --mode=sample
+Generation goes through the serving engine (engine/, the one --mode=sample
 and --mode=serve run), over the exported step function: every row of every
 request Triton hands to one execute() call (the dynamic batcher merges
 concurrent requests) joins the engine's running batch, whatever its
-settings: temperature, top-k, top-p and the seed are per-row data, so
-nothing recompiles, and row j of a request draws from its own stream of the
-request's SEED, so its text does not depend on what it was batched with and
+settings (one SamplingParams, checked by the engine): temperature, top-k,
+top-p and the seed are per-row data, so nothing recompiles, and row j of a
+request draws from its own stream of the request's SEED (a fresh seed when
+none is sent), so its text does not depend on what it was batched with and
 equals what zebra_jax generates for the same settings. BATCH_ROWS returns
 how many rows ran together.
 """
@@ -51,19 +52,21 @@ RECORD = "tokenizer.zebra.json"
 
 
 def _load_engine():
-  """engine.py: next to this file in an exported repository, or beside the
-  triton/ folder in the zebra_jax sources."""
+  """The engine/ package: next to this file in an exported repository, or
+  beside the triton/ folder in the zebra_jax sources."""
   here = os.path.dirname(os.path.abspath(__file__))
-  for path in (os.path.join(here, "engine.py"),
-               os.path.join(here, os.pardir, "engine.py")):
-    if os.path.exists(path):
+  for path in (os.path.join(here, "engine"),
+               os.path.join(here, os.pardir, "engine")):
+    init = os.path.join(path, "__init__.py")
+    if os.path.exists(init):
       name = "zebra_serving_engine"
-      spec = importlib.util.spec_from_file_location(name, path)
+      spec = importlib.util.spec_from_file_location(
+          name, init, submodule_search_locations=[path])
       module = importlib.util.module_from_spec(spec)
-      sys.modules[name] = module  # dataclasses look their module up
+      sys.modules[name] = module  # its modules import each other by it
       spec.loader.exec_module(module)
       return module
-  raise ImportError(f"engine.py is missing next to {__file__}: export again")
+  raise ImportError(f"engine/ is missing next to {__file__}: export again")
 
 
 engines = _load_engine()
@@ -210,40 +213,41 @@ class Artifact:
       self._engine = engines.Engine(model, **options)
     return self._engine
 
-  def submit(self, prompt: str, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             sample_index: int = 0):
-    """One row into the engine; its Completion (.result() is the text
-    after the prompt)."""
-    check([prompt], max_new_tokens, temperature, top_k, top_p)
-    settings = engines.Settings(
+  def sampling_params(self, max_new_tokens: int, temperature: float = 1.0,
+                      top_k: int = 0, top_p: float = 1.0,
+                      seed: int | None = None):
+    """The engine's SamplingParams; ValueError naming a value out of
+    bounds."""
+    params = engines.SamplingParams(
         max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-        top_k=int(top_k), top_p=float(top_p), seed=int(seed),
-        sample_index=int(sample_index))
-    return self.engine().submit(prompt, settings, block=True)
+        top_k=int(top_k), top_p=float(top_p),
+        seed=None if seed is None else int(seed))
+    params.check(int(self.manifest["vocab_size"]))
+    return params
+
+  def submit(self, prompts: list[str], params):
+    """A request's rows into the engine, all or none; row j draws from
+    stream j of the seed. Their Requests (.result() is the text after the
+    prompt)."""
+    if not prompts or any(not p for p in prompts):
+      raise ValueError("every PROMPT must be a non-empty string")
+    return self.engine().submit_many(
+        [engines.Row(p, params, sample_index=j) for j, p in
+         enumerate(prompts)], block=True)
 
   def generate(self, prompts: list[str], max_new_tokens: int,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int = 0) -> list[str]:
+               seed: int | None = None) -> list[str]:
     """prompt + continuation for every prompt; row j draws from stream j of
     `seed`."""
-    rows = [self.submit(p, max_new_tokens, temperature, top_k, top_p, seed,
-                        j) for j, p in enumerate(prompts)]
+    rows = self.submit(prompts, self.sampling_params(
+        max_new_tokens, temperature, top_k, top_p, seed))
     return [p + r.result() for p, r in zip(prompts, rows)]
 
   def close(self) -> None:
     if self._engine is not None:
       self._engine.close()
       self._engine = None
-
-
-def check(prompts, max_new_tokens, temperature, top_k, top_p) -> None:
-  """ValueError for settings no request can honour."""
-  if not prompts or any(not p for p in prompts):
-    raise ValueError("every PROMPT must be a non-empty string")
-  if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-    raise ValueError("need MAX_NEW_TOKENS >= 1, TEMPERATURE >= 0, "
-                     "TOP_K >= 0 and 0 < TOP_P <= 1")
 
 
 def encode_texts(texts: list[str]):
@@ -326,22 +330,22 @@ class TritonPythonModel:
     return default if tensor is None else cast(_numpy(tensor).reshape(-1)[0])
 
   def _read(self, request):
-    """(prompts, settings, seed) of one request; ValueError if malformed."""
+    """(prompts, SamplingParams) of one request; ValueError if malformed."""
     tensor = lambda name: pb_utils.get_input_tensor_by_name(request, name)
     if tensor("PROMPT") is None or tensor("PROMPT_LENGTH") is None:
       raise ValueError("send PROMPT (uint8 UTF-8 bytes [batch, n]) and "
                        "PROMPT_LENGTH (int32 [batch, 1])")
     prompts = decode_texts(_numpy(tensor("PROMPT")),
                            _numpy(tensor("PROMPT_LENGTH")))
-    settings = (
+    params = self.artifact.sampling_params(
         self._scalar(request, "MAX_NEW_TOKENS",
                      self.defaults["max_new_tokens"], int),
         self._scalar(request, "TEMPERATURE", self.defaults["temperature"],
                      float),
         self._scalar(request, "TOP_K", self.defaults["top_k"], int),
-        self._scalar(request, "TOP_P", self.defaults["top_p"], float))
-    check(prompts, *settings)
-    return prompts, settings, self._scalar(request, "SEED", 0, int)
+        self._scalar(request, "TOP_P", self.defaults["top_p"], float),
+        self._scalar(request, "SEED", None, int))
+    return prompts, params
 
   def execute(self, requests):
     """Every row of every request joins the engine's running batch at once,
@@ -349,16 +353,10 @@ class TritonPythonModel:
     responses = [None] * len(requests)
     running = []                              # (request index, prompts, rows)
     for i, request in enumerate(requests):
-      rows = []
       try:
-        prompts, settings, seed = self._read(request)
-        for j, p in enumerate(prompts):
-          rows.append(self.artifact.submit(p, *settings, seed=seed,
-                                           sample_index=j))
-        running.append((i, prompts, rows))
+        prompts, params = self._read(request)
+        running.append((i, prompts, self.artifact.submit(prompts, params)))
       except Exception as e:  # one bad request must not fail the batch
-        for row in rows:
-          row.cancel()
         responses[i] = self._error(e)
     together = sum(len(rows) for _, _, rows in running)
     for i, prompts, rows in running:

@@ -1,7 +1,8 @@
-"""Sampling against fake models with a known next token.
+"""The model-level sampling loop (lab/sampling_loop.py) against fake models
+with a known next token.
 
 Modelled on flax temperature_sampler_test. Expected values come from plain
-numpy, never from zebra_jax.inference.sampling itself.
+numpy, never from the loop itself.
 """
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import engine, sampling
+from lab.benchmarks import sampling_loop as sampling
 
 VOCAB = 11
 
@@ -256,82 +257,3 @@ def test_chunks_continue_where_the_last_one_stopped():
         num_new_tokens=3)
     pieces.append(np.asarray(tokens))
   np.testing.assert_array_equal(np.concatenate(pieces, 1), whole)
-
-
-def _rows(logits, temperature, top_k, top_p):
-  return np.asarray(engine.filter_rows(
-      jnp.asarray(logits), jnp.asarray(temperature, jnp.float32),
-      jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32)))
-
-
-def test_per_row_filters_match_numpy_row_by_row():
-  """The engine's filters take one temperature, top-k and top-p per row;
-  each row must equal numpy's filter with that row's settings."""
-  rows, vocab = 300, 40
-  rng = np.random.default_rng(11)
-  logits = _random_logits(8, (rows, vocab))
-  temperature = rng.choice([0.5, 1.0, 1.7], rows).astype(np.float32)
-  top_k = rng.choice([0, 1, 5, 17, vocab, vocab + 3], rows)
-  top_p = rng.choice([1.0, 0.9, 0.5, 0.1], rows).astype(np.float32)
-  got = _rows(logits, temperature, top_k, top_p)
-  for r in range(rows):
-    x = logits[r].astype(np.float64) / temperature[r]
-    if 0 < top_k[r] < vocab:
-      x = np.where(x < np.sort(x)[-top_k[r]], -np.inf, x)
-    if top_p[r] < 1:
-      x = np.where(_numpy_nucleus(x[None], top_p[r])[0], x, -np.inf)
-    np.testing.assert_array_equal(np.isfinite(got[r]), np.isfinite(x))
-    kept = np.isfinite(x)
-    np.testing.assert_allclose(got[r][kept], x[kept], rtol=1e-6)
-  assert len({int(np.isfinite(g).sum()) for g in got}) > 5  # not vacuous
-
-
-def test_per_row_top_k_keeps_ties_with_the_kth():
-  logits = np.round(_random_logits(9, (64, 500), scale=3.0) * 2) / 2
-  logits[:, ::4] = -np.inf
-  k = np.arange(64) % 9 + 1
-  got = np.isfinite(_rows(logits, np.ones(64), k, np.ones(64)))
-  kth = -np.sort(-logits, -1)[np.arange(64), k - 1]
-  np.testing.assert_array_equal(got, logits >= kth[:, None])
-  assert (got.sum(-1) > k).any()  # ties at the k-th were kept
-
-
-def test_per_row_draws_do_not_depend_on_the_other_rows():
-  """Row r draws with its own key: the same token in any batch, and
-  greedy rows (temperature 0) take the first argmax."""
-  rows, vocab = 16, 30
-  logits = _random_logits(10, (rows, vocab))
-  logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # a tie: first wins
-  temperature = np.where(np.arange(rows) % 4 == 3, 0.0, 1.3).astype(
-      np.float32)
-  top_k = (np.arange(rows) % 3 * 4).astype(np.int32)
-  top_p = np.where(np.arange(rows) % 2, 0.8, 1.0).astype(np.float32)
-  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.PRNGKey(5),
-                                                 jnp.arange(rows))
-  draw = lambda idx: np.asarray(engine.draw_rows(
-      keys[idx], jnp.asarray(logits[idx]), jnp.asarray(temperature[idx]),
-      jnp.asarray(top_k[idx]), jnp.asarray(top_p[idx])))
-  together = draw(np.arange(rows))
-  alone = np.concatenate([draw(np.array([r])) for r in range(rows)])
-  np.testing.assert_array_equal(together, alone)
-  shuffled = np.random.default_rng(0).permutation(rows)
-  np.testing.assert_array_equal(draw(shuffled), together[shuffled])
-  greedy = temperature == 0
-  np.testing.assert_array_equal(together[greedy],
-                                logits[greedy].argmax(-1))
-  assert together[3] == 7
-
-
-def test_per_row_repetition_penalty_matches_numpy():
-  logits = _random_logits(12, (4, VOCAB))
-  seen = np.zeros((4, VOCAB), bool)
-  seen[:, ::3] = True
-  penalty = np.array([1.0, 2.0, 0.5, 1.3], np.float32)
-  got = np.asarray(engine.penalize_rows(jnp.asarray(logits),
-                                        jnp.asarray(seen),
-                                        jnp.asarray(penalty)))
-  pen = penalty[:, None]
-  expected = np.where(seen, np.where(logits > 0, logits / pen, logits * pen),
-                      logits)
-  np.testing.assert_allclose(got, expected, rtol=1e-6)
-  np.testing.assert_array_equal(got[0], logits[0])

@@ -1,4 +1,9 @@
-"""Token sampling for a recurrent LM: filter logits, draw, loop in one jit.
+"""The model-level sampling loop: filter logits, draw, loop in one jit.
+
+The generation benchmarks time this loop, and tests hold the serving
+engine's greedy text against it (an independent path: the whole prompt in
+one window, then one scan). Requests go through the engine
+(zebra_jax.inference.engine), where the options are per-row data.
 
 The LM is recurrent, so generation never re-reads the prompt: the caller runs
 the prompt once to get `(carry, last_logits)`, and `generate` then alternates
@@ -11,9 +16,7 @@ and carry any pytree (the LSTM (h, c) per layer, in zebra_jax).
 
 Sampling options (temperature, top_k, top_p, repetition_penalty) are Python
 values, static under jit: each combination compiles once, and unused filters
-cost nothing. This is the model-level loop (the generation benchmark times
-it); requests go through the serving engine (zebra_jax.inference.engine),
-where the same options are per-row data.
+cost nothing.
 
 Long or streamed generations run in chunks (`generate_chunk`): a `DecodeState`
 (carry, next logits, seen tokens) passes from one jitted chunk to the next, and
@@ -29,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import engine
-from zebra_jax.model import metrics
+from zebra_jax.inference.engine import sampler
+from zebra_jax.model import lm, metrics
 
 
 class DecodeState(NamedTuple):
@@ -114,8 +117,8 @@ def filter_logits(logits, *, temperature, top_k, top_p):
 def _nucleus(logits, top_p):
   """Keeps the most likely tokens until their probability reaches top_p
   (ties with the last kept one too): the serving engine's bisection on the
-  float's bits, no sort (engine.nucleus)."""
-  return engine.nucleus(logits, top_p)
+  float's bits, no sort (engine/sampler.py's nucleus)."""
+  return sampler.nucleus(logits, top_p)
 
 
 def penalize_repeats(logits, seen, penalty):
@@ -265,3 +268,32 @@ def _generate_loop(params, state, key, start, *, step_fn, num_new_tokens,
   state, tokens = jax.lax.scan(
       step, state, jnp.arange(num_new_tokens))                  # [time, batch]
   return tokens.T, state
+
+
+def prime(generator, rows: list[np.ndarray],
+          track_seen: bool = True) -> DecodeState:
+  """Consumes every row's prompt as one window with a
+  zebra_jax.inference.sample.Generator's model: the DecodeState to run
+  `generate_chunk` from.
+
+  Rows of equal length are consumed as one batch [n, T]; the results are
+  put back in row order. One compile per distinct (n, T).
+  """
+  cfg = generator.loaded.cfg.model
+  by_length: dict[int, list[int]] = {}
+  for i, ids in enumerate(rows):
+    by_length.setdefault(len(ids), []).append(i)
+  order, parts = [], []
+  for length, members in by_length.items():
+    del length
+    tokens = np.stack([rows[i] for i in members])            # [n, T]
+    carry = lm.init_carry(cfg, len(members))
+    parts.append(generator._consume(generator.params, tokens, carry))  # pylint: disable=protected-access
+    order.extend(members)
+  inverse = np.argsort(np.asarray(order))                    # row -> place
+  join = lambda *xs: jnp.concatenate(xs, axis=0)[inverse]
+  last_logits, carry = jax.tree.map(join, *parts)
+  # The [rows, vocab] mask only matters to the repetition penalty.
+  seen = (seen_tokens(rows, generator.tokenizer.vocab_size)
+          if track_seen else None)
+  return start_state(carry, last_logits, seen)

@@ -1,0 +1,141 @@
+"""The engine's two compiled programs: prefill (prompt chunks into slots) and
+decode (a block of tokens for every slot), over one running batch.
+
+Both are pure functions of the batch's device state; the scheduler jits them
+once each and calls them with the same shapes whatever the traffic.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import params as params_lib
+from . import sampler
+
+
+class State(NamedTuple):
+  """The running batch, all on the device; row r is slot r."""
+  carry: Any          # the model state after every consumed token
+  logits: jax.Array   # float32 [S, V]: the next token's logits
+  seen: jax.Array     # bool [S, V]: tokens in prompt + output
+  counts: jax.Array   # int32 [S, V]: each token's count in the output
+  key: jax.Array      # uint32 [S, 2]: the row's PRNG key
+  step: jax.Array     # int32 [S]: tokens the row has drawn
+  row: dict           # the rows' parameters (params.ROW_FIELDS), [S, ...]
+
+
+def initial_state(init_carry, slots: int, vocab_size: int) -> State:
+  """Host arrays of an empty batch."""
+  carry = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
+                       jax.eval_shape(lambda: init_carry(slots)))
+  return State(carry=carry, logits=np.zeros((slots, vocab_size), np.float32),
+               seen=np.zeros((slots, vocab_size), bool),
+               counts=np.zeros((slots, vocab_size), np.int32),
+               key=np.zeros((slots, 2), np.uint32),
+               step=np.zeros(slots, np.int32),
+               row=params_lib.neutral_rows(slots))
+
+
+def _neutral(row: dict, on) -> dict:
+  """Rows where `on` is False hold the neutral parameters: a filter no busy
+  row uses is then skipped for the whole batch."""
+  out = {}
+  for name, value in row.items():
+    mask = on.reshape(on.shape + (1,) * (value.ndim - 1))
+    out[name] = jnp.where(mask, value,
+                          params_lib.ROW_FIELDS[name].neutral)
+  return out
+
+
+def decode(params, state: State, active, *, step_fn, block):
+  """`block` tokens for every slot.
+
+  Rows not decoding (free, or between two chunks of their prompt) keep their
+  state and decode greedily without filters; their tokens are never read.
+
+  Returns:
+    (state, tokens int32 [S, block], (logprobs float32 [S, block], top ids
+    int32 [S, block, K], top logprobs float32 [S, block, K])).
+  """
+  rows = jnp.arange(state.step.shape[0])
+  row = _neutral(state.row, active)
+  on = active[:, None]
+
+  def one(state, _):
+    logits = sampler.penalize_rows(state.logits, state.seen, state.counts,
+                                   row)
+    keys = jax.vmap(jax.random.fold_in)(state.key, state.step)
+    tokens = sampler.draw_rows(keys, logits, row)
+    logprobs = sampler.logprob_rows(state.logits, tokens, row["logprobs"])
+    new_logits, new_carry = step_fn(params, state.carry, tokens)
+    # Only busy rows move: a row between two prefill chunks keeps its carry.
+    new_carry = jax.tree.map(
+        lambda n, o: jnp.where(on, n.astype(o.dtype), o), new_carry,
+        state.carry)
+    return state._replace(
+        carry=new_carry,
+        logits=jnp.where(on, new_logits.astype(jnp.float32), state.logits),
+        seen=state.seen.at[rows, tokens].max(active),
+        counts=state.counts.at[rows, tokens].add(active.astype(jnp.int32)),
+        step=state.step + active), (tokens, logprobs)
+
+  state, (tokens, logprobs) = jax.lax.scan(one, state, None, length=block)
+  return state, tokens.T, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1),
+                                       logprobs)
+
+
+def prefill(params, state: State, tokens, lengths, slots, fresh, key, index,
+            row, *, step_fn, init_carry):
+  """Consumes up to C prompt tokens for each of P rows into their slots.
+
+  Args:
+    tokens: int32 [P, C]; row i's first lengths[i] are consumed.
+    lengths: int32 [P]; 0 for an unused row.
+    slots: int32 [P]; the slot row i lives in; S (out of range) = unused.
+    fresh: bool [P]; True: the row's first chunk (zero carry, nothing seen).
+    key: uint32 [P, 2], the rows' seeds' keys; index: int32 [P], the row's
+      sample index (its key is fold_in(key, index) unless index is 0).
+    row: the rows' parameters (params.ROW_FIELDS), [P, ...].
+
+  Returns:
+    (state, (logprobs float32 [P, C], top ids int32 [P, C, K], top logprobs
+    float32 [P, C, K])): each consumed token's log-probability given what
+    precedes it (a fresh row's first is meaningless), for rows that want
+    their prompt's.
+  """
+  num_slots = state.step.shape[0]
+  take = jnp.minimum(slots, num_slots - 1)
+  fresh2 = fresh[:, None]
+  carry = jax.tree.map(lambda z, c: jnp.where(fresh2, z, c[take]),
+                       init_carry(tokens.shape[0]), state.carry)
+  seen = jnp.where(fresh2, False, state.seen[take])
+  counts = jnp.where(fresh2, 0, state.counts[take])
+  logits = state.logits[take]
+  rows = jnp.arange(tokens.shape[0])
+  want = jnp.where(lengths > 0, row["prompt_logprobs"], -1)
+
+  def one(c, t):
+    carry, logits, seen = c
+    valid = (t < lengths)[:, None]
+    logprobs = sampler.logprob_rows(logits, tokens[:, t], want)
+    new_logits, new_carry = step_fn(params, carry, tokens[:, t])
+    carry = jax.tree.map(lambda n, o: jnp.where(valid, n.astype(o.dtype), o),
+                         new_carry, carry)
+    logits = jnp.where(valid, new_logits.astype(jnp.float32), logits)
+    seen = seen.at[rows, tokens[:, t]].max(valid[:, 0])
+    return (carry, logits, seen), logprobs
+
+  (carry, logits, seen), logprobs = jax.lax.scan(
+      one, (carry, logits, seen), jnp.arange(tokens.shape[1]))
+  key = jax.vmap(lambda k, j: jnp.where(j == 0, k, jax.random.fold_in(k, j)))(
+      key, index)
+  put = lambda dst, src: dst.at[slots].set(src, mode="drop")
+  state = State(
+      carry=jax.tree.map(put, state.carry, carry),
+      logits=put(state.logits, logits), seen=put(state.seen, seen),
+      counts=put(state.counts, counts), key=put(state.key, key),
+      step=put(state.step, jnp.zeros_like(slots)),
+      row=jax.tree.map(put, state.row, row))
+  return state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), logprobs)

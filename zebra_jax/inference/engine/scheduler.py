@@ -1,0 +1,599 @@
+"""The scheduler: requests in, a thread that steps the running batch, text out.
+
+A request moves QUEUED -> PREFILLING -> DECODING -> DONE, each move made by a
+`Request` method the engine's thread calls. A request's rows are admitted all
+together or not at all, and the queue bound counts requests. An exception in
+a step fails the requests in the batch (they end "error"), the device state
+is rebuilt from zeros and the engine serves on; after `max_failures` failed
+steps in a row, or a failed rebuild, it stops for good: `failure` holds the
+cause and `on_fatal` is told, so a server can report unhealthy and exit.
+"""
+
+import collections
+import dataclasses
+import enum
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from . import params as params_lib
+from . import programs, text as text_lib
+from .params import SamplingParams
+from .sampler import seed_key
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+  """Every slot is busy and `queue` requests already wait."""
+
+  def __init__(self, message: str, retry_after: float):
+    super().__init__(message)
+    self.retry_after = retry_after
+
+
+class BadPrompt(ValueError):
+  """A prompt the engine cannot take: empty, no tokens, unknown token ids,
+  or too long (`too_long`)."""
+
+  def __init__(self, message: str, too_long: bool = False):
+    super().__init__(message)
+    self.too_long = too_long
+
+
+class EngineClosed(RuntimeError):
+  """The engine stopped: closed, or failed beyond repair (`failure`)."""
+
+
+class StepFailed(RuntimeError):
+  """A request's step raised on the device; the engine carried on."""
+
+
+@dataclasses.dataclass
+class Model:
+  """What the engine runs; nothing else about the model is needed.
+
+  step_fn: pure `(params, carry, tokens int32 [b]) -> (logits [b, V],
+    carry)`, traceable inside jit at any batch b.
+  init_carry: `batch -> carry` of zeros (traceable).
+  tokenizer: `encode_prompt(str) -> ids`, `decode(ids) -> str` and
+    `spaces_in_tokens` (False for word tokens, which need a space after the
+    prompt).
+  """
+  step_fn: Callable
+  params: Any
+  init_carry: Callable[[int], Any]
+  vocab_size: int
+  tokenizer: Any
+
+
+class Phase(enum.Enum):
+  QUEUED = "queued"
+  PREFILLING = "prefilling"
+  DECODING = "decoding"
+  DONE = "done"
+
+
+@dataclasses.dataclass
+class Row:
+  """One row to generate: a prompt (text, and its tokens if known) and its
+  parameters. on_text(delta, tokens) gets released text and the range of
+  generated tokens it completes; on_done(finish_reason) once at the end;
+  both run on the engine's thread."""
+  prompt: str
+  params: SamplingParams
+  ids: Any = None
+  sample_index: int = 0
+  on_text: Callable | None = None
+  on_done: Callable | None = None
+
+
+class Request:
+  """One row's progress, its tokens, log-probabilities and text."""
+
+  def __init__(self, row: Row, ids: np.ndarray, group: int):
+    self.prompt, self.ids, self.params = row.prompt, ids, row.params
+    self.sample_index, self.group = row.sample_index, group
+    self.on_text, self.on_done = row.on_text, row.on_done
+    self.phase = Phase.QUEUED
+    self.slot: int | None = None
+    self.order = 0                 # admissions before this one
+    self.fed = 0                   # prompt tokens consumed
+    self.tokens: list[int] = []    # generated token ids
+    self.token_logprobs: list[float] = []
+    self.top_logprobs: list[list] = []     # [(id, logprob)] per token
+    self.prompt_logprobs: list = []        # None for the first token
+    self.prompt_top: list = []
+    self.text = ""                 # released completion text
+    self.released = 0              # generated tokens released with it
+    self.finish_reason: str | None = None
+    self.error: BaseException | None = None
+    self.cancelled = False
+    self._offsets: text_lib.Offsets | None = None
+    self._finished = threading.Event()
+    self.created = time.monotonic()
+    self.first_token_at: float | None = None
+
+  @property
+  def prompt_tokens(self) -> int:
+    return len(self.ids)
+
+  @property
+  def completion_tokens(self) -> int:
+    """Generated tokens returned (none past a stop string)."""
+    return self.released if self.finish_reason else len(self.tokens)
+
+  def cancel(self) -> None:
+    """Frees the slot at the next step (or leaves the queue)."""
+    self.cancelled = True
+
+  def done(self) -> bool:
+    return self._finished.is_set()
+
+  def result(self, timeout=None) -> str:
+    """The completion text (the prompt not included), once finished."""
+    if not self._finished.wait(timeout):
+      raise TimeoutError("the completion did not finish in time")
+    if self.error is not None:
+      raise StepFailed(f"generation failed: {self.error}") from self.error
+    return self.text
+
+  # --- moves, made by the engine's thread ---
+
+  def admit(self, slot: int, order: int) -> None:
+    self.phase, self.slot, self.order = Phase.PREFILLING, slot, order
+
+  def next_chunk(self, size: int) -> np.ndarray:
+    return self.ids[self.fed:self.fed + size]
+
+  def consumed(self, count: int, logprobs=None) -> None:
+    """`count` more prompt tokens are in the carry; logprobs: their
+    (logprob, top ids, top logprobs) when the row asked for them."""
+    if logprobs is not None:
+      for t in range(count):
+        if self.fed + t == 0:
+          self.prompt_logprobs.append(None)
+          self.prompt_top.append(None)
+        else:
+          lp, ids, lps = (x[t] for x in logprobs)
+          self.prompt_logprobs.append(float(lp))
+          self.prompt_top.append(_top(ids, lps, self.params.prompt_logprobs))
+    self.fed += count
+    if self.fed == len(self.ids):
+      self.phase = Phase.DECODING
+
+  def generated(self, tokens: np.ndarray, logprobs=None) -> int:
+    """Takes a block of new tokens (those past max_new_tokens dropped);
+    returns how many it kept."""
+    take = tokens[:self.params.max_new_tokens - len(self.tokens)]
+    if len(take) and self.first_token_at is None:
+      self.first_token_at = time.monotonic()
+    self.tokens.extend(int(t) for t in take)
+    if logprobs is not None:
+      for t in range(len(take)):
+        lp, ids, lps = (x[t] for x in logprobs)
+        self.token_logprobs.append(float(lp))
+        self.top_logprobs.append(_top(ids, lps, self.params.logprobs))
+    return len(take)
+
+  def offsets(self, tokenizer) -> text_lib.Offsets:
+    if self._offsets is None:
+      self._offsets = text_lib.Offsets(tokenizer, self.prompt)
+    self._offsets.extend(self.tokens)
+    return self._offsets
+
+  def emit(self, text: str, released: int) -> None:
+    """Releases text (a longer prefix than before) and the tokens it
+    completes."""
+    if len(text) > len(self.text) or released > self.released:
+      delta, self.text = text[len(self.text):], text
+      tokens = range(self.released, max(released, self.released))
+      self.released = max(released, self.released)
+      if self.on_text is not None:
+        self.on_text(delta, tokens)
+
+  def finish(self, reason: str, final_text: str | None = None,
+             released: int | None = None, error=None) -> None:
+    if final_text is not None:
+      self.emit(final_text, len(self.tokens) if released is None
+                else released)
+    self.finish_reason, self.error, self.phase = reason, error, Phase.DONE
+    self._finished.set()
+    if self.on_done is not None:
+      self.on_done(reason)
+
+
+def _top(ids, lps, n) -> list:
+  return [(int(i), float(v)) for i, v in zip(ids[:n], lps[:n])]
+
+
+class Engine:
+  """Owns the running batch and the thread that steps it."""
+
+  def __init__(self, model: Model, *, slots: int = 64, queue: int = 256,
+               prefill_chunk: int = 16, prefill_rows: int = 16,
+               decode_block: int = 4, max_prompt_tokens: int | None = None,
+               max_failures: int = 3, on_fatal: Callable | None = None,
+               on_step: Callable | None = None, name: str = "engine"):
+    for label, value in (("slots", slots), ("queue", queue),
+                         ("prefill_chunk", prefill_chunk),
+                         ("prefill_rows", prefill_rows),
+                         ("decode_block", decode_block)):
+      if not (isinstance(value, int) and value >= (0 if label == "queue"
+                                                   else 1)):
+        raise ValueError(f"{label}={value} is not a whole number >= 1")
+    self.model, self.tokenizer = model, model.tokenizer
+    self.slots, self.queue_limit = slots, queue
+    self.chunk, self.prefill_rows = prefill_chunk, min(prefill_rows, slots)
+    self.block, self.max_prompt_tokens = decode_block, max_prompt_tokens
+    self.max_failures, self.on_fatal, self.on_step = (max_failures, on_fatal,
+                                                      on_step)
+    self._traces = 0  # each trace is a new program: a jit cache miss
+
+    def decode(params, state, active):
+      self._traces += 1
+      return programs.decode(params, state, active, step_fn=model.step_fn,
+                             block=decode_block)
+
+    def prefill(params, state, *args):
+      self._traces += 1
+      return programs.prefill(params, state, *args, step_fn=model.step_fn,
+                              init_carry=model.init_carry)
+
+    self._decode = jax.jit(decode, donate_argnums=1)
+    self._prefill = jax.jit(prefill, donate_argnums=1)
+    self._state = self._device_state()
+    self._warm_up()
+    self.startup_programs = self.compiled_programs()
+    self._pending: collections.deque = collections.deque()
+    self._waiting_groups: collections.Counter = collections.Counter()
+    self._groups = itertools.count()
+    self._rows: list[Request | None] = [None] * slots
+    self._cond = threading.Condition()
+    self._closed = False
+    self.failure: BaseException | None = None
+    self._steps = self._tokens = self._admitted = self._restarts = 0
+    self._prompt_tokens = 0
+    self._finish_times: collections.deque = collections.deque(maxlen=64)
+    self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+    self._thread.start()
+
+  # --- device ---
+
+  def _device_state(self) -> programs.State:
+    state = programs.initial_state(self.model.init_carry, self.slots,
+                                   self.model.vocab_size)
+    # Beside the params: one device, or replicated over their mesh.
+    leaf = jax.tree.leaves(self.model.params)[0]
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = jax.sharding.NamedSharding(sharding.mesh,
+                                            jax.sharding.PartitionSpec())
+    elif sharding is not None:
+      sharding = jax.sharding.SingleDeviceSharding(
+          next(iter(sharding.device_set)))
+    return jax.device_put(state, sharding)
+
+  def _prefill_args(self, batch: list[Request]):
+    """Host arrays for one prefill call over `batch`."""
+    p, c = self.prefill_rows, self.chunk
+    tokens = np.zeros((p, c), np.int32)
+    lengths = np.zeros(p, np.int32)
+    slots = np.full(p, self.slots, np.int32)
+    fresh = np.zeros(p, bool)
+    key = np.zeros((p, 2), np.uint32)
+    index = np.zeros(p, np.int32)
+    row = params_lib.neutral_rows(p)
+    for i, req in enumerate(batch):
+      part = req.next_chunk(c)
+      tokens[i, :len(part)] = part
+      lengths[i], slots[i], fresh[i] = len(part), req.slot, req.fed == 0
+      key[i], index[i] = seed_key(req.params.seed), req.sample_index
+      params_lib.fill_row(row, i, req.params)
+    return tokens, lengths, slots, fresh, key, index, row
+
+  def _warm_up(self) -> None:
+    """Compiles both programs (twice each: a state that came out of a
+    program may be laid out differently from the first, hand-made one)."""
+    for _ in range(2):
+      self._state, _ = self._prefill(self.model.params, self._state,
+                                     *self._prefill_args([]))
+      self._state, tokens, _ = self._decode(self.model.params, self._state,
+                                            np.zeros(self.slots, bool))
+      jax.block_until_ready(tokens)
+
+  def compiled_programs(self) -> int:
+    """Programs the engine has traced, each compiled once (or read from the
+    persistent compilation cache): a jit cache miss is a trace."""
+    return self._traces
+
+  # --- requests ---
+
+  def encode(self, prompt: str, ids=None) -> np.ndarray:
+    """The prompt's tokens (`ids` when the caller has them already, checked
+    against the vocabulary); BadPrompt for none or too many."""
+    if ids is None:
+      if not isinstance(prompt, str) or not prompt:
+        raise BadPrompt("a prompt is empty: send some text, e.g. 'The '")
+      ids = self.tokenizer.encode_prompt(prompt)
+    ids = np.asarray(ids, np.int64)
+    if ids.ndim != 1 or len(ids) == 0:
+      raise BadPrompt("a prompt has no tokens: send some text")
+    if ids.min() < 0 or ids.max() >= self.model.vocab_size:
+      raise BadPrompt(f"a prompt holds token ids outside the vocabulary "
+                      f"[0, {self.model.vocab_size})")
+    if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
+      raise BadPrompt(f"a prompt of {len(ids)} tokens is too many tokens: at "
+                      f"most {self.max_prompt_tokens}", too_long=True)
+    return ids.astype(np.int32)
+
+  def submit(self, prompt: str, params: SamplingParams, on_text=None,
+             on_done=None, block: bool = False, ids=None,
+             sample_index: int = 0) -> Request:
+    """One row; see submit_many."""
+    return self.submit_many([Row(prompt, params, ids, sample_index, on_text,
+                                 on_done)], block=block)[0]
+
+  def submit_many(self, rows: list[Row], block: bool = False
+                  ) -> list[Request]:
+    """Queues one request's rows, all or none; thread-safe. Rows without a
+    seed share one fresh seed (each draws from its own sample_index).
+    QueueFull when the queue holds `queue` requests already (block=True
+    waits for room instead); ValueError for bad parameters or prompts."""
+    fresh_seed = SamplingParams().with_seed().seed
+    requests = []
+    group = next(self._groups)
+    for row in rows:
+      row.params.check(self.model.vocab_size)
+      if row.params.seed is None:
+        row = dataclasses.replace(row, params=dataclasses.replace(
+            row.params, seed=fresh_seed))
+      requests.append(Request(row, self.encode(row.prompt, row.ids), group))
+    with self._cond:
+      while True:
+        if self._closed:
+          raise EngineClosed(self._closed_reason())
+        fits, waiting = self._room(len(requests))
+        if fits or waiting < self.queue_limit:
+          break
+        if not block:
+          raise QueueFull(f"all {self.slots} slots are busy and {waiting} "
+                          "requests wait: retry later",
+                          retry_after=self._retry_after())
+        self._cond.wait()
+      self._pending.extend(requests)
+      self._waiting_groups[group] += len(requests)
+      self._cond.notify_all()
+    return requests
+
+  def _room(self, rows: int) -> tuple[bool, int]:
+    """(whether `rows` would find free slots at the next step, requests
+    that would still wait): queued requests take the free slots first, in
+    order of arrival; a finished row's slot counts as free."""
+    free = sum(r is None or r.done() for r in self._rows)
+    waiting = 0
+    for count in self._waiting_groups.values():  # in order of arrival
+      if count <= free:
+        free -= count
+      else:
+        free, waiting = 0, waiting + 1
+    return rows <= free and not waiting, waiting
+
+  def _closed_reason(self) -> str:
+    if self.failure is not None:
+      return (f"the engine stopped after a failure it could not recover "
+              f"from: {type(self.failure).__name__}: {self.failure}")
+    return "the engine is closed"
+
+  def _retry_after(self) -> float:
+    """Seconds until the queue has likely moved by one place: the queue's
+    length over the rate requests finished lately (1 s with no history)."""
+    done = self._finish_times
+    if len(done) < 2 or done[-1] <= done[0]:
+      return 1.0
+    rate = (len(done) - 1) / (done[-1] - done[0])
+    return float(min(60.0, max(0.05, (len(self._pending) + 1) / rate)))
+
+  @property
+  def healthy(self) -> bool:
+    return self.failure is None and self._thread.is_alive()
+
+  def stats(self) -> dict:
+    with self._cond:
+      # A finished row frees its slot at the end of the step.
+      busy = sum(r is not None and not r.done() for r in self._rows)
+      queued, waiting = len(self._pending), self._room(0)[1]
+    return {"slots": self.slots, "busy": busy, "queued": queued,
+            "queued_requests": waiting,
+            "compiled_programs": self.compiled_programs(),
+            "startup_programs": self.startup_programs,
+            "steps": self._steps, "tokens": self._tokens,
+            "prompt_tokens": self._prompt_tokens,
+            "restarts": self._restarts, "healthy": self.healthy}
+
+  def close(self) -> None:
+    """Stops the thread; unfinished requests end "cancelled"."""
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+    self._thread.join()
+
+  # --- the engine's thread ---
+
+  def _loop(self) -> None:
+    failures = 0
+    while True:
+      try:
+        if not self._step():
+          break
+        failures = 0
+      except Exception as e:  # pylint: disable=broad-except
+        failures += 1
+        self._restarts += 1
+        batch = self._fail_batch(e)
+        log.exception("an engine step failed: %d request(s) in the batch "
+                      "failed; the engine rebuilds its state", batch)
+        try:
+          if failures > self.max_failures:
+            raise RuntimeError(f"{failures} steps in a row failed") from e
+          self._state = self._device_state()
+        except Exception as fatal:  # pylint: disable=broad-except
+          self._die(fatal)
+          return
+    self._end_all("cancelled")
+
+  def _fail_batch(self, error) -> int:
+    """Fails every request in a slot (they were in the failed step)."""
+    with self._cond:
+      failed = [r for r in self._rows if r is not None]
+      self._rows = [None] * self.slots
+      self._cond.notify_all()
+    for req in failed:
+      self._safe(req.finish, "error", None, None, error)
+    return len(failed)
+
+  def _die(self, error) -> None:
+    log.error("the serving engine stopped: %s: %s", type(error).__name__,
+              error)
+    with self._cond:
+      self.failure, self._closed = error, True
+      self._cond.notify_all()
+    self._end_all("error", error)
+    if self.on_fatal is not None:
+      self._safe(self.on_fatal, error)
+
+  def _end_all(self, reason: str, error=None) -> None:
+    with self._cond:
+      left = [r for r in self._rows if r is not None] + list(self._pending)
+      self._rows = [None] * self.slots
+      self._pending.clear()
+      self._waiting_groups.clear()
+      self._cond.notify_all()
+    for req in left:
+      self._safe(req.finish, reason, None, None, error)
+
+  def _safe(self, fn, *args) -> bool:
+    """Runs a request's callback; one that raises (a client gone) cancels
+    that request and nothing else."""
+    try:
+      fn(*args)
+      return True
+    except Exception:  # pylint: disable=broad-except
+      return False
+
+  def _admit(self) -> list[Request] | None:
+    """Moves queued requests into free slots; returns those to drop."""
+    dropped = []
+    with self._cond:
+      while not self._closed and not self._pending and not any(
+          r is not None for r in self._rows):
+        self._cond.wait()
+      if self._closed:
+        return None
+      for slot, req in enumerate(self._rows):
+        if req is not None and req.cancelled:
+          self._rows[slot] = None
+          dropped.append(req)
+      while self._pending and None in self._rows:
+        req = self._pending.popleft()
+        self._left_queue(req)
+        if req.cancelled:
+          dropped.append(req)
+          continue
+        req.admit(self._rows.index(None), self._admitted)
+        self._admitted += 1
+        self._rows[req.slot] = req
+      self._cond.notify_all()  # blocked submitters: room may have appeared
+    return dropped
+
+  def _left_queue(self, req: Request) -> None:
+    self._waiting_groups[req.group] -= 1
+    if self._waiting_groups[req.group] <= 0:
+      del self._waiting_groups[req.group]
+
+  def _step(self) -> bool:
+    dropped = self._admit()
+    if dropped is None:
+      return False
+    start = time.perf_counter()
+    for req in dropped:
+      self._safe(req.finish, "cancelled")
+    rows = [r for r in self._rows if r is not None]
+    # Oldest first: by slot, a row in a high slot could wait behind ever
+    # new prompts in the low ones.
+    filling = sorted((r for r in rows if r.phase is Phase.PREFILLING),
+                     key=lambda r: r.order)[:self.prefill_rows]
+    if filling:
+      self._prefill_batch(filling)
+    done = [r for r in rows if r.phase is Phase.DONE]
+    decoding = [r for r in rows if r.phase is Phase.DECODING]
+    if decoding:
+      self._decode_batch(decoding)
+      done += [r for r in decoding if r.phase is Phase.DONE]
+    if done:
+      now = time.monotonic()
+      with self._cond:
+        for req in done:
+          self._rows[req.slot] = None
+          self._finish_times.append(now)
+        self._cond.notify_all()
+    if (filling or decoding) and self.on_step is not None:
+      self._safe(self.on_step, time.perf_counter() - start)
+    return True
+
+  def _prefill_batch(self, filling: list[Request]) -> None:
+    args = self._prefill_args(filling)
+    self._state, logprobs = self._prefill(self.model.params, self._state,
+                                          *args)
+    want = any(r.params.prompt_logprobs is not None for r in filling)
+    logprobs = jax.device_get(logprobs) if want else None
+    for i, req in enumerate(filling):
+      mine = (tuple(x[i] for x in logprobs)
+              if want and req.params.prompt_logprobs is not None else None)
+      req.consumed(int(args[1][i]), mine)
+      self._prompt_tokens += int(args[1][i])
+      if req.phase is Phase.DECODING and req.params.max_new_tokens == 0:
+        self._safe(req.finish, "length", "", 0)  # the prompt alone: scoring
+
+  def _decode_batch(self, decoding: list[Request]) -> None:
+    active = np.zeros(self.slots, bool)
+    active[[r.slot for r in decoding]] = True
+    self._state, tokens, logprobs = self._decode(self.model.params,
+                                                 self._state, active)
+    tokens = np.asarray(tokens)                         # [S, block]
+    want = any(r.params.logprobs is not None for r in decoding)
+    logprobs = jax.device_get(logprobs) if want else None
+    self._steps += 1
+    for req in decoding:
+      mine = (tuple(x[req.slot] for x in logprobs)
+              if want and req.params.logprobs is not None else None)
+      self._tokens += req.generated(tokens[req.slot], mine)
+      if not self._safe(self._advance, req):
+        req.cancel()
+
+  def _advance(self, req: Request) -> None:
+    """Stop strings, the end, and streamed text after new tokens."""
+    p = req.params
+    at_end = len(req.tokens) >= p.max_new_tokens
+    track = p.logprobs is not None
+    if not (p.stop or req.on_text is not None or at_end):
+      return  # nothing to look at before the end
+    text = text_lib.continuation(self.tokenizer, req.prompt, req.tokens)
+    if p.stop:
+      cut, found = text_lib.cut_at_stop(text, p.stop)
+      if found:
+        kept = req.offsets(self.tokenizer).touching(len(cut))
+        req.finish("stop", cut, kept)
+        return
+    if at_end:
+      req.finish("length", text)
+      return
+    safe = text_lib.stream_safe(text, p.stop, final=False)
+    released = (req.offsets(self.tokenizer).covered(len(safe)) if track
+                else 0)
+    req.emit(safe, released)
