@@ -1,8 +1,8 @@
 """Independent references for the model tests.
 
 A float64 NumPy LSTM with per-step loops and PyTorch's dense gate layout
-(rows [i | f | g | o], each H wide), its cross-entropy, and the random
-models, carries and tokens the comparisons run on. Nothing here calls the
+(rows [i | f | g | o], each H wide), its cross-entropy, the random models,
+carries, tokens and logits the comparisons run on, and NumPy's nucleus. Nothing here calls the
 code under test except `lm.abstract` (shapes only) and `lm.apply` (the side
 being checked).
 """
@@ -94,3 +94,20 @@ def assert_carry_close(got, want, atol):
     assert h.dtype == c.dtype == jnp.float32
     np.testing.assert_allclose(h, h_ref, atol=atol, rtol=0)
     np.testing.assert_allclose(c, c_ref, atol=atol, rtol=0)
+
+
+def random_logits(seed, shape, scale=2.0):
+  rng = np.random.default_rng(seed)
+  return rng.normal(size=shape).astype(np.float32) * scale
+
+
+def numpy_nucleus(logits, top_p):
+  """bool [rows, vocab]: smallest most-likely set with mass >= top_p."""
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  keep = np.zeros(logits.shape, bool)
+  for row, p in enumerate(probs):
+    order = np.argsort(-p)
+    num_kept = int(np.argmax(np.cumsum(p[order]) >= top_p)) + 1
+    keep[row, order[:num_kept]] = True
+  return keep

@@ -10,23 +10,7 @@ import pytest
 from zebra_jax.inference.engine import params as params_lib
 from zebra_jax.inference.engine import sampler
 from zebra_jax.inference.engine import SamplingParams
-
-
-def _random_logits(seed, shape, scale=2.0):
-  rng = np.random.default_rng(seed)
-  return rng.normal(size=shape).astype(np.float32) * scale
-
-
-def _numpy_nucleus(logits, top_p):
-  """bool [rows, vocab]: smallest most-likely set with mass >= top_p."""
-  probs = np.exp(logits - logits.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
-  keep = np.zeros(logits.shape, bool)
-  for row, p in enumerate(probs):
-    order = np.argsort(-p)
-    num_kept = int(np.argmax(np.cumsum(p[order]) >= top_p)) + 1
-    keep[row, order[:num_kept]] = True
-  return keep
+from tests.references import numpy_nucleus, random_logits
 
 
 def _rows(params: list[SamplingParams]) -> dict:
@@ -40,7 +24,7 @@ def test_per_row_filters_match_numpy_row_by_row():
   """Temperature, top-k, top-p and min-p, one of each per row."""
   rows, vocab = 300, 40
   rng = np.random.default_rng(11)
-  logits = _random_logits(8, (rows, vocab))
+  logits = random_logits(8, (rows, vocab))
   params = [SamplingParams(
       temperature=float(rng.choice([0.5, 1.0, 1.7])),
       top_k=int(rng.choice([0, -1, 1, 5, 17, vocab, vocab + 3])),
@@ -52,7 +36,7 @@ def test_per_row_filters_match_numpy_row_by_row():
     if 0 < p.top_k < vocab:
       x = np.where(x < np.sort(x)[-p.top_k], -np.inf, x)
     if p.top_p < 1:
-      x = np.where(_numpy_nucleus(x[None], p.top_p)[0], x, -np.inf)
+      x = np.where(numpy_nucleus(x[None], p.top_p)[0], x, -np.inf)
     if p.min_p > 0:
       probs = np.exp(x - x.max())
       x = np.where(probs < p.min_p, -np.inf, x)
@@ -63,7 +47,7 @@ def test_per_row_filters_match_numpy_row_by_row():
 
 
 def test_per_row_top_k_keeps_ties_with_the_kth():
-  logits = np.round(_random_logits(9, (64, 500), scale=3.0) * 2) / 2
+  logits = np.round(random_logits(9, (64, 500), scale=3.0) * 2) / 2
   logits[:, ::4] = -np.inf
   k = np.arange(64) % 9 + 1
   got = np.isfinite(np.asarray(sampler.filter_rows(
@@ -77,7 +61,7 @@ def test_per_row_draws_do_not_depend_on_the_other_rows():
   """Row r draws with its own key: the same token in any batch, and
   greedy rows (temperature 0) take the first argmax."""
   rows, vocab = 16, 30
-  logits = _random_logits(10, (rows, vocab))
+  logits = random_logits(10, (rows, vocab))
   logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # a tie: first wins
   params = [SamplingParams(temperature=0.0 if r % 4 == 3 else 1.3,
                            top_k=r % 3 * 4, top_p=0.8 if r % 2 else 1.0,
@@ -102,7 +86,7 @@ def test_penalties_and_logit_bias_match_numpy():
   """CTRL's repetition penalty over prompt + output, OpenAI's presence and
   frequency penalties over the output's counts, and logit bias, per row."""
   rows, vocab = 6, 13
-  logits = _random_logits(12, (rows, vocab))
+  logits = random_logits(12, (rows, vocab))
   rng = np.random.default_rng(3)
   seen = rng.random((rows, vocab)) < 0.4
   counts = rng.integers(0, 4, (rows, vocab)) * seen
@@ -130,7 +114,7 @@ def test_penalties_and_logit_bias_match_numpy():
 
 def test_logprobs_are_the_models_own_with_the_top_n():
   rows, vocab = 5, 50
-  logits = _random_logits(13, (rows, vocab), scale=3.0)
+  logits = random_logits(13, (rows, vocab), scale=3.0)
   tokens = np.array([0, 7, 49, 3, 3], np.int32)
   want = np.array([-1, 0, 5, 20, 1], np.int32)
   chosen, top_ids, top_lp = (np.asarray(x) for x in sampler.logprob_rows(

@@ -12,6 +12,7 @@ import pytest
 
 from zebra_jax.errors import UserError
 from lab.benchmarks import sampling_loop as sampling
+from tests.references import numpy_nucleus, random_logits
 
 VOCAB = 11
 
@@ -31,23 +32,6 @@ def _bigram_step(params, carry, tokens):
 def _flat_step(params, carry, tokens):
   del params
   return jnp.zeros((tokens.shape[0], VOCAB)), carry
-
-
-def _random_logits(seed, shape, scale=2.0):
-  rng = np.random.default_rng(seed)
-  return rng.normal(size=shape).astype(np.float32) * scale
-
-
-def _numpy_nucleus(logits, top_p):
-  """bool [rows, vocab]: smallest most-likely set with mass >= top_p."""
-  probs = np.exp(logits - logits.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
-  keep = np.zeros(logits.shape, bool)
-  for row, p in enumerate(probs):
-    order = np.argsort(-p)
-    num_kept = int(np.argmax(np.cumsum(p[order]) >= top_p)) + 1
-    keep[row, order[:num_kept]] = True
-  return keep
 
 
 def _filter(logits, **options):
@@ -82,7 +66,7 @@ def test_fixed_key_reproduces_and_different_keys_differ():
 
 
 def test_tiny_temperature_equals_greedy_on_random_bigrams():
-  table = _random_logits(0, (VOCAB, VOCAB))
+  table = random_logits(0, (VOCAB, VOCAB))
   start = np.array([0, 4, 9])
   expected = np.zeros((3, 8), int)
   row = start
@@ -93,14 +77,14 @@ def test_tiny_temperature_equals_greedy_on_random_bigrams():
       _bigram_step, {"table": jnp.asarray(table)}, (), table[start],
       jax.random.key(3), num_new_tokens=8, temperature=1e-4)
   np.testing.assert_array_equal(tokens, expected)
-  logits = _random_logits(1, (64, 50))
+  logits = random_logits(1, (64, 50))
   tokens = sampling.sample_next(
       jax.random.key(0), logits, temperature=1e-4, top_k=0, top_p=1.0)
   np.testing.assert_array_equal(tokens, logits.argmax(-1))
 
 
 def test_top_k_samples_stay_in_each_rows_top_k():
-  logits = _random_logits(2, (2000, 30))
+  logits = random_logits(2, (2000, 30))
   tokens = np.asarray(sampling.sample_next(
       jax.random.key(0), logits, temperature=1.0, top_k=5, top_p=1.0))
   top5 = np.argsort(-logits, axis=-1)[:, :5]
@@ -112,9 +96,9 @@ def test_top_k_samples_stay_in_each_rows_top_k():
   assert set(np.asarray(tokens).tolist()) == set(top5[0].tolist())
 
 
-def test_top_p_matches_numpy_nucleus():
-  logits = _random_logits(3, (2000, 30))
-  nucleus = _numpy_nucleus(logits, 0.7)
+def test_top_p_matchesnumpy_nucleus():
+  logits = random_logits(3, (2000, 30))
+  nucleus = numpy_nucleus(logits, 0.7)
   filtered = _filter(logits, temperature=1.0, top_k=0, top_p=0.7)
   np.testing.assert_array_equal(np.isfinite(filtered), nucleus)
   tokens = np.asarray(sampling.sample_next(
@@ -128,7 +112,7 @@ def test_top_p_keeps_ties_and_skips_masked_tokens_in_a_large_vocab():
   # (-inf, as top-k or a caller leaves them). Reference in float64: sort,
   # keep tokens while the mass before them is below top_p, and every token
   # tied with the last one kept.
-  logits = np.round(_random_logits(7, (64, 5000), scale=3.0) * 2) / 2
+  logits = np.round(random_logits(7, (64, 5000), scale=3.0) * 2) / 2
   logits[:, ::3] = -np.inf
   for top_p in (0.3, 0.6, 0.9):
     x = logits.astype(np.float64)
@@ -148,22 +132,22 @@ def test_top_p_keeps_ties_and_skips_masked_tokens_in_a_large_vocab():
 
 
 def test_top_p_after_top_k_uses_the_renormalised_top_k():
-  logits = _random_logits(4, (200, 30))
+  logits = random_logits(4, (200, 30))
   fifth = np.sort(logits, -1)[:, -5:-4]
   top5 = np.where(logits >= fifth, logits, -np.inf)
   filtered = _filter(logits, temperature=1.0, top_k=5, top_p=0.8)
   np.testing.assert_array_equal(
-      np.isfinite(filtered), _numpy_nucleus(top5, 0.8))
+      np.isfinite(filtered), numpy_nucleus(top5, 0.8))
 
 
 def test_no_filters_only_scale_by_temperature():
-  logits = _random_logits(5, (8, 30))
+  logits = random_logits(5, (8, 30))
   filtered = _filter(logits, temperature=0.5, top_k=0, top_p=1.0)
   np.testing.assert_allclose(filtered, logits / 0.5, rtol=1e-6)
 
 
 def test_tiny_top_p_and_zero_temperature_keep_exactly_the_argmax():
-  logits = _random_logits(6, (64, 30))
+  logits = random_logits(6, (64, 30))
   expected = np.full_like(logits, -np.inf)
   expected[np.arange(64), logits.argmax(-1)] = logits.max(-1)
   filtered = _filter(logits, temperature=1.0, top_k=0, top_p=1e-6)
@@ -211,7 +195,7 @@ def test_invalid_options_raise_user_error(options, bad):
 
 
 def test_repetition_penalty_matches_numpy_and_skips_unseen():
-  logits = _random_logits(7, (4, VOCAB))
+  logits = random_logits(7, (4, VOCAB))
   seen = np.zeros((4, VOCAB), bool)
   seen[:, ::3] = True
   got = np.asarray(sampling.penalize_repeats(jnp.asarray(logits),
@@ -245,7 +229,7 @@ def test_huge_repetition_penalty_never_repeats_under_greedy():
 
 
 def test_chunks_continue_where_the_last_one_stopped():
-  table = _random_logits(8, (VOCAB, VOCAB))
+  table = random_logits(8, (VOCAB, VOCAB))
   params, start = {"table": jnp.asarray(table)}, np.array([1, 5])
   whole, _ = sampling.generate(_bigram_step, params, (), table[start],
                                jax.random.key(4), num_new_tokens=9)

@@ -18,16 +18,14 @@ repetition_penalty, logit_bias, seed, stop; so a knob added there is taken
 here without an edit. Defaults are OpenAI's (temperature 1, top_p 1), not
 the config's. A field the server does not know is ignored with one warning
 naming it, as vLLM does; a known field with a value it cannot honour is a
-400 in OpenAI's error shape whose `param` names the field. Log-probabilities
-are the model's own (temperature 1, before penalties and filters), as
---mode=score computes them.
+400 in OpenAI's error shape whose `param` names the field. This module
+reads requests; openai_answers.py writes the answers.
 """
 
 import dataclasses
 import json
 import logging
 import time
-import uuid
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference.engine import MAX_LOGPROBS, ParamError
@@ -119,7 +117,7 @@ def _flag(body, name) -> bool:
   return value
 
 
-def _stops(value) -> tuple:
+def parse_stops(value) -> tuple:
   if value is None:
     return ()
   stops = [value] if isinstance(value, str) else value
@@ -129,7 +127,7 @@ def _stops(value) -> tuple:
   return tuple(s for s in stops if s)
 
 
-def _logit_bias(value) -> tuple:
+def parse_logit_bias(value) -> tuple:
   if value is None:
     return ()
   if not isinstance(value, dict):
@@ -197,8 +195,8 @@ class Api:
     if max_tokens is None and max_tokens_name != "max_tokens":
       max_tokens = body.get("max_tokens")  # chat's older name
     values["max_new_tokens"] = 16 if max_tokens is None else max_tokens
-    values["stop"] = _stops(body.get("stop"))
-    values["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    values["stop"] = parse_stops(body.get("stop"))
+    values["logit_bias"] = parse_logit_bias(body.get("logit_bias"))
     values["logprobs"] = logprobs
     names = {"max_new_tokens": max_tokens_name}
     try:
@@ -340,34 +338,6 @@ class Api:
     after = self.chat_template.split("{content}")[1]
     return (after + self.opening("user").rstrip(),) if after else ()
 
-  # --- answers ---
-
-  def logprobs(self, tokens, logprobs, tops, n, offsets) -> dict:
-    """OpenAI's completions `logprobs` object; tops[i]: [(id, logprob)]
-    (None for a prompt's first token), the chosen token added to them."""
-    text = self.service.tokenizer.token_text
-    words = [text(t) for t in tokens]
-    top_dicts = []
-    for word, lp, top in zip(words, logprobs, tops):
-      if top is None:
-        top_dicts.append(None)
-        continue
-      entry = {text(i): v for i, v in top[:n]}
-      entry.setdefault(word, lp)
-      top_dicts.append(entry)
-    return {"tokens": words, "token_logprobs": list(logprobs),
-            "top_logprobs": top_dicts, "text_offset": list(offsets)}
-
-  def chat_logprobs(self, tokens, logprobs, tops, n) -> dict:
-    """Chat's `logprobs` object: {"content": [{token, logprob, bytes,
-    top_logprobs}]}."""
-    text = self.service.tokenizer.token_text
-    entry = lambda t, v: {"token": text(t), "logprob": v,
-                          "bytes": list(text(t).encode("utf-8"))}
-    return {"content": [
-        {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top[:n]]}
-        for t, lp, top in zip(tokens, logprobs, tops)]}
-
 
 def _is_id(v) -> bool:
   return isinstance(v, int) and not isinstance(v, bool)
@@ -400,150 +370,3 @@ def check_chat_template(template: str) -> None:
                      ) from None
 
 
-def completion_id(chat: bool) -> str:
-  return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-
-
-def prompt_starts(tokenizer, ids) -> list[int]:
-  """Where each prompt token starts in the prompt's text (word tokens are
-  joined by a space)."""
-  gap = 0 if tokenizer.spaces_in_tokens else 1
-  starts, at = [], 0
-  for i in ids:
-    starts.append(at)
-    at += len(tokenizer.token_text(int(i))) + gap
-  return starts
-
-
-class Answers:
-  """Completion and chat objects, whole or as server-sent events, for one
-  request's rows (engine Requests, in choice order)."""
-
-  def __init__(self, api: Api, req: Request):
-    self.api, self.req = api, req
-    self.tokenizer = api.service.tokenizer
-    self.id, self.created = completion_id(req.chat), int(time.time())
-    kind = "chat.completion.chunk" if req.chat else "text_completion"
-    # Every event of a stream shares this head: only the choice is encoded
-    # per event.
-    self._head = (f'data: {{"id":"{self.id}","object":"{kind}",'
-                  f'"created":{self.created},"model":{json.dumps(req.model)},'
-                  '"choices":[')
-
-  def _echo_text(self, row) -> str:
-    return row.prompt if self.req.echo else ""
-
-  def _logprobs(self, row, tokens: range, echo: bool) -> dict:
-    """The logprobs object for generated `tokens` (and the prompt's first
-    when echo)."""
-    n, ids, lps, tops, offsets = self.req.logprobs, [], [], [], []
-    if echo:
-      ids += list(row.ids)
-      lps += row.prompt_logprobs
-      tops += row.prompt_top
-      offsets += prompt_starts(self.tokenizer, row.ids)
-    if len(tokens):
-      base = len(self._echo_text(row))
-      ends = row.offsets(self.tokenizer)
-      ids += row.tokens[tokens.start:tokens.stop]
-      lps += row.token_logprobs[tokens.start:tokens.stop]
-      tops += row.top_logprobs[tokens.start:tokens.stop]
-      offsets += [base + ends.start(k) for k in tokens]
-    if self.req.chat:
-      return self.api.chat_logprobs(ids, lps, tops, n)
-    return self.api.logprobs(ids, lps, tops, n, offsets)
-
-  def usage(self, rows) -> dict:
-    prompts = {}
-    for (p, _), row in zip(self.req.rows(), rows):
-      prompts[p] = row.prompt_tokens  # a prompt counts once, whatever n
-    prompt = sum(prompts.values())
-    completion = sum(r.completion_tokens for r in rows)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-  def whole(self, rows) -> dict:
-    """The response object once every row is done."""
-    choices = []
-    for (_, i), row in zip(self.req.rows(), rows):
-      lp = None
-      if self.req.logprobs is not None:
-        lp = self._logprobs(row, range(row.completion_tokens),
-                            self.req.echo and not self.req.chat)
-      if self.req.chat:
-        choices.append({"index": i, "message": {
-            "role": "assistant", "content": row.text}, "logprobs": lp,
-                        "finish_reason": row.finish_reason})
-      else:
-        choices.append({"text": self._echo_text(row) + row.text, "index": i,
-                        "logprobs": lp, "finish_reason": row.finish_reason})
-    return {"id": self.id,
-            "object": "chat.completion" if self.req.chat else
-                      "text_completion",
-            "created": self.created, "model": self.req.model,
-            "choices": choices, "usage": self.usage(rows)}
-
-  # --- server-sent events ---
-
-  def _event(self, choice: str) -> bytes:
-    return (self._head + choice + "]}\n\n").encode("utf-8")
-
-  def _choice(self, index: int, text: str, logprobs=None, reason=None
-              ) -> str:
-    lp = "null" if logprobs is None else json.dumps(logprobs)
-    end = "null" if reason is None else f'"{reason}"'
-    if self.req.chat:
-      delta = ("{}" if reason is not None and not text
-               else '{"content":' + json.dumps(text) + "}")
-      return (f'{{"index":{index},"delta":{delta},"logprobs":{lp},'
-              f'"finish_reason":{end}}}')
-    return (f'{{"text":{json.dumps(text)},"index":{index},"logprobs":{lp},'
-            f'"finish_reason":{end}}}')
-
-  def start(self, rows) -> bytes:
-    """The first events: chat's assistant role, or completions' echoed
-    prompts (with their log-probabilities when asked)."""
-    out = []
-    for (_, i), row in zip(self.req.rows(), rows):
-      if self.req.chat:
-        out.append(self._event(
-            f'{{"index":{i},"delta":{{"role":"assistant","content":""}},'
-            '"logprobs":null,"finish_reason":null}'))
-      elif self.req.echo:
-        lp = (self._logprobs(row, range(0), True)
-              if self.req.logprobs is not None else None)
-        out.append(self._event(self._choice(i, row.prompt, lp)))
-    return b"".join(out)
-
-  def chunk(self, rows, updates) -> bytes:
-    """Events for [(row, new text, generated tokens it completes,
-    finish_reason or None)]: one event per row's new text (a burst of
-    tokens travels together), then its end."""
-    texts, ends = {}, []
-    for r, text, tokens, reason in updates:
-      t, first, last = texts.get(r, ("", None, None))
-      if len(tokens):
-        first = tokens.start if first is None else first
-        last = tokens.stop
-      texts[r] = (t + text, first, last)
-      if reason is not None:
-        ends.append((r, reason))
-    index = [i for _, i in self.req.rows()]
-    out = []
-    for r, (text, first, last) in texts.items():
-      lp = None
-      if self.req.logprobs is not None and first is not None:
-        lp = self._logprobs(rows[r], range(first, last), False)
-      if text or lp is not None:
-        out.append(self._event(self._choice(index[r], text, lp)))
-    for r, reason in ends:
-      out.append(self._event(self._choice(index[r], "", None, reason)))
-    return b"".join(out)
-
-  def end(self, rows) -> bytes:
-    """The usage event (stream_options.include_usage), then [DONE]."""
-    tail = b"data: [DONE]\n\n"
-    if not self.req.include_usage:
-      return tail
-    usage = json.dumps(self.usage(rows))
-    return (self._head + '],"usage":' + usage + "}\n\n").encode() + tail

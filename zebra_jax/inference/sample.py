@@ -18,7 +18,7 @@ import threading
 import jax
 import numpy as np
 
-from zebra_jax.errors import UserError
+from zebra_jax.errors import UserError, read_user_file
 from zebra_jax.inference import engine as engines
 from zebra_jax.inference import loading
 from zebra_jax.model import lm
@@ -162,12 +162,8 @@ class Generator:
 
 def read_prompt_file(path: str) -> list[str]:
   """One prompt per non-empty line; `\\n` inside a line stands for a newline."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      lines = f.read().splitlines()
-  except OSError as e:
-    raise UserError(f"cannot read --prompt_file {path}: {e.strerror}: pass a "
-                    "text file with one prompt per line") from None
+  lines = read_user_file(path, "--prompt_file", "pass a text file with one "
+                         "prompt per line").splitlines()
   prompts = [l.replace("\\n", "\n") for l in lines if l.strip()]
   if not prompts:
     raise UserError(f"--prompt_file {path} holds no prompts: write one prompt "

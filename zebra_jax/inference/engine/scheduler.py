@@ -434,13 +434,19 @@ class Engine:
         failures = 0
       except Exception as e:  # pylint: disable=broad-except
         failures += 1
+        if failures > self.max_failures:
+          # Unhealthy before any request hears of it: a client that reads
+          # its 500 and then asks /health must see the failure.
+          error = RuntimeError(f"{failures} steps in a row failed: "
+                               f"{type(e).__name__}: {e}")
+          error.__cause__ = e
+          self._die(error)
+          return
         self._restarts += 1
         batch = self._fail_batch(e)
         log.exception("an engine step failed: %d request(s) in the batch "
                       "failed; the engine rebuilds its state", batch)
         try:
-          if failures > self.max_failures:
-            raise RuntimeError(f"{failures} steps in a row failed") from e
           self._state = self._device_state()
         except Exception as fatal:  # pylint: disable=broad-except
           self._die(fatal)
@@ -463,9 +469,9 @@ class Engine:
     with self._cond:
       self.failure, self._closed = error, True
       self._cond.notify_all()
-    self._end_all("error", error)
     if self.on_fatal is not None:
       self._safe(self.on_fatal, error)
+    self._end_all("error", error)
 
   def _end_all(self, reason: str, error=None) -> None:
     with self._cond:
