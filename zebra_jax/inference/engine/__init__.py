@@ -21,10 +21,12 @@ at start-up, whatever the traffic: stats()["compiled_programs"] counts their
 traces (jit cache misses). Every decode call computes all slots, busy or
 not: a program for fewer rows rounds differently (on the CPU a logit's last
 bits differed between 8 and 64 rows), so a request's text would depend on
-how many ran beside it. Measured on the tiny char model (hidden 32; 2 idle
-CPU cores): a decode call of 4 tokens costs 0.22-0.25 ms greedy whether 1
-slot is busy or 64, 0.44-0.47 ms when rows sample; a 16-token prefill chunk
-costs 0.19 ms for 8 rows and 0.20 ms for 16 (so `prefill_rows` is 16).
+how many ran beside it. On the tiny char model (hidden 32, 2 CPU cores) a
+decode call of 4 tokens cost about the same whether 1 slot was busy or 64,
+and a 16-token prefill chunk the same for 8 rows as for 16 (so
+`prefill_rows` is 16): the calls are overhead-bound. Filters, penalties and
+log-probabilities that no row in the batch uses are skipped with a cond
+each, so their cost is one test a token.
 
   params.py     SamplingParams: every knob, its bound, its per-row array
   sampler.py    the per-row math on the device: penalties, filters, draws,

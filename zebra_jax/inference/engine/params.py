@@ -187,6 +187,31 @@ ROW_FIELDS = {
 }
 
 
+# On the device the per-row values travel packed, a few arrays instead of
+# one per field: each array is a scatter in every prefill call and a select
+# in every decode call.
+_FLOATS = [n for n, f in ROW_FIELDS.items() if f.dtype == np.float32
+           and not f.shape]
+_INTS = [n for n, f in ROW_FIELDS.items() if f.dtype == np.int32
+         and not f.shape]
+_WIDE = [n for n, f in ROW_FIELDS.items() if f.shape]
+
+
+def pack(rows: dict) -> dict:
+  """Named per-row arrays (host) -> {"floats", "ints", and the wide ones}."""
+  return {"floats": np.stack([rows[n] for n in _FLOATS], -1),
+          "ints": np.stack([rows[n] for n in _INTS], -1),
+          **{n: rows[n] for n in _WIDE}}
+
+
+def unpack(packed: dict) -> dict:
+  """The packed arrays (on the device) as named [rows] arrays."""
+  named = {n: packed["floats"][:, i] for i, n in enumerate(_FLOATS)}
+  named.update({n: packed["ints"][:, i] for i, n in enumerate(_INTS)})
+  named.update({n: packed[n] for n in _WIDE})
+  return named
+
+
 def neutral_rows(count: int) -> dict:
   """Host arrays for `count` rows that sample nothing."""
   return {name: np.full((count,) + f.shape, f.neutral, f.dtype)
@@ -198,3 +223,25 @@ def fill_row(rows: dict, i: int, params: SamplingParams) -> None:
   for name, f in ROW_FIELDS.items():
     rows[name][i] = (f.value(params) if f.value is not None
                      else getattr(params, name))
+
+
+def packed_row(params: SamplingParams) -> dict:
+  """One row's values, packed as pack() lays out a batch: computed once a
+  request, written into each prefill call's arrays."""
+  values = {name: (f.value(params) if f.value is not None
+                   else getattr(params, name))
+            for name, f in ROW_FIELDS.items()}
+  return {"floats": np.array([values[n] for n in _FLOATS], np.float32),
+          "ints": np.array([values[n] for n in _INTS], np.int32),
+          **{n: values[n] for n in _WIDE}}
+
+
+_NEUTRAL: dict[int, dict] = {}
+
+
+def neutral_packed(count: int) -> dict:
+  """pack(neutral_rows(count)), copied from a cached one (a prefill call
+  needs fresh arrays, cheaply)."""
+  if count not in _NEUTRAL:
+    _NEUTRAL[count] = pack(neutral_rows(count))
+  return {k: v.copy() for k, v in _NEUTRAL[count].items()}

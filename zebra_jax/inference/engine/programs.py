@@ -23,7 +23,7 @@ class State(NamedTuple):
   counts: jax.Array   # int32 [S, V]: each token's count in the output
   key: jax.Array      # uint32 [S, 2]: the row's PRNG key
   step: jax.Array     # int32 [S]: tokens the row has drawn
-  row: dict           # the rows' parameters (params.ROW_FIELDS), [S, ...]
+  row: dict           # the rows' parameters, packed (params.pack)
 
 
 def initial_state(init_carry, slots: int, vocab_size: int) -> State:
@@ -35,18 +35,15 @@ def initial_state(init_carry, slots: int, vocab_size: int) -> State:
                counts=np.zeros((slots, vocab_size), np.int32),
                key=np.zeros((slots, 2), np.uint32),
                step=np.zeros(slots, np.int32),
-               row=params_lib.neutral_rows(slots))
+               row=params_lib.pack(params_lib.neutral_rows(slots)))
 
 
-def _neutral(row: dict, on) -> dict:
+def _neutral(packed: dict, on) -> dict:
   """Rows where `on` is False hold the neutral parameters: a filter no busy
   row uses is then skipped for the whole batch."""
-  out = {}
-  for name, value in row.items():
-    mask = on.reshape(on.shape + (1,) * (value.ndim - 1))
-    out[name] = jnp.where(mask, value,
-                          params_lib.ROW_FIELDS[name].neutral)
-  return out
+  neutral = params_lib.pack(params_lib.neutral_rows(1))
+  return {name: jnp.where(on[:, None], value, neutral[name])
+          for name, value in packed.items()}
 
 
 def decode(params, state: State, active, *, step_fn, block):
@@ -60,15 +57,18 @@ def decode(params, state: State, active, *, step_fn, block):
     int32 [S, block, K], top logprobs float32 [S, block, K])).
   """
   rows = jnp.arange(state.step.shape[0])
-  row = _neutral(state.row, active)
+  row = params_lib.unpack(_neutral(state.row, active))
   on = active[:, None]
+  want = jnp.any(row["logprobs"] >= 0)
 
   def one(state, _):
     logits = sampler.penalize_rows(state.logits, state.seen, state.counts,
                                    row)
     keys = jax.vmap(jax.random.fold_in)(state.key, state.step)
     tokens = sampler.draw_rows(keys, logits, row)
-    logprobs = sampler.logprob_rows(state.logits, tokens, row["logprobs"])
+    logprobs = jax.lax.cond(
+        want, lambda l: sampler.logprob_rows(l, tokens),
+        lambda l: sampler.no_logprobs(*l.shape), state.logits)
     new_logits, new_carry = step_fn(params, state.carry, tokens)
     # Only busy rows move: a row between two prefill chunks keeps its carry.
     new_carry = jax.tree.map(
@@ -97,7 +97,7 @@ def prefill(params, state: State, tokens, lengths, slots, fresh, key, index,
     fresh: bool [P]; True: the row's first chunk (zero carry, nothing seen).
     key: uint32 [P, 2], the rows' seeds' keys; index: int32 [P], the row's
       sample index (its key is fold_in(key, index) unless index is 0).
-    row: the rows' parameters (params.ROW_FIELDS), [P, ...].
+    row: the rows' parameters, packed (params.pack), [P, ...].
 
   Returns:
     (state, (logprobs float32 [P, C], top ids int32 [P, C, K], top logprobs
@@ -114,21 +114,28 @@ def prefill(params, state: State, tokens, lengths, slots, fresh, key, index,
   counts = jnp.where(fresh2, 0, state.counts[take])
   logits = state.logits[take]
   rows = jnp.arange(tokens.shape[0])
-  want = jnp.where(lengths > 0, row["prompt_logprobs"], -1)
+  want = jnp.any((lengths > 0)
+                 & (params_lib.unpack(row)["prompt_logprobs"] >= 0))
 
-  def one(c, t):
-    carry, logits, seen = c
-    valid = (t < lengths)[:, None]
-    logprobs = sampler.logprob_rows(logits, tokens[:, t], want)
-    new_logits, new_carry = step_fn(params, carry, tokens[:, t])
-    carry = jax.tree.map(lambda n, o: jnp.where(valid, n.astype(o.dtype), o),
-                         new_carry, carry)
-    logits = jnp.where(valid, new_logits.astype(jnp.float32), logits)
-    seen = seen.at[rows, tokens[:, t]].max(valid[:, 0])
-    return (carry, logits, seen), logprobs
+  def chunk_of(with_logprobs: bool):
+    def one(c, t):
+      carry, logits, seen = c
+      valid = (t < lengths)[:, None]
+      logprobs = (sampler.logprob_rows(logits, tokens[:, t]) if with_logprobs
+                  else sampler.no_logprobs(*logits.shape))
+      new_logits, new_carry = step_fn(params, carry, tokens[:, t])
+      carry = jax.tree.map(
+          lambda n, o: jnp.where(valid, n.astype(o.dtype), o), new_carry,
+          carry)
+      logits = jnp.where(valid, new_logits.astype(jnp.float32), logits)
+      seen = seen.at[rows, tokens[:, t]].max(valid[:, 0])
+      return (carry, logits, seen), logprobs
 
-  (carry, logits, seen), logprobs = jax.lax.scan(
-      one, (carry, logits, seen), jnp.arange(tokens.shape[1]))
+    return lambda c: jax.lax.scan(one, c, jnp.arange(tokens.shape[1]))
+
+  # One test a call, not one a token: a cond costs a call on the CPU.
+  (carry, logits, seen), logprobs = jax.lax.cond(
+      want, chunk_of(True), chunk_of(False), (carry, logits, seen))
   key = jax.vmap(lambda k, j: jnp.where(j == 0, k, jax.random.fold_in(k, j)))(
       key, index)
   put = lambda dst, src: dst.at[slots].set(src, mode="drop")

@@ -129,10 +129,15 @@ def filter_rows(logits, row):
   logits = _when(jnp.any((k > 0) & (k < logits.shape[-1])),
                  lambda x: top_k_rows(x, k), logits)
   p = row["top_p"][:, None]
-  logits = _when(jnp.any(p < 1),
-                 lambda x: jnp.where(p < 1, nucleus(x, p), x), logits)
   m = row["min_p"][:, None]
-  return _when(jnp.any(m > 0), lambda x: min_p_rows(x, m), logits)
+
+  def nucleus_and_min_p(x):
+    x = _when(jnp.any(p < 1), lambda y: jnp.where(p < 1, nucleus(y, p), y), x)
+    return min_p_rows(x, m)
+
+  # One test for both in the common case (neither used): a cond costs a
+  # call on the CPU, at every token.
+  return _when(jnp.any(p < 1) | jnp.any(m > 0), nucleus_and_min_p, logits)
 
 
 def penalize_rows(logits, seen, counts, row):
@@ -149,24 +154,22 @@ def penalize_rows(logits, seen, counts, row):
     counts: int32 [rows, V]: each token's count in the output.
   """
   rep = row["repetition_penalty"][:, None]
-
-  def repeat(x):
-    scaled = jnp.where(x > 0, x / rep, x * rep)
-    return jnp.where(seen & (rep != 1), scaled, x)
-
-  logits = _when(jnp.any(rep != 1), repeat, logits)
   presence = row["presence_penalty"][:, None]
   frequency = row["frequency_penalty"][:, None]
-
-  def occurrence(x):
-    return x - frequency * counts - presence * (counts > 0)
-
-  logits = _when(jnp.any((presence != 0) | (frequency != 0)), occurrence,
-                 logits)
   ids, values = row["bias_ids"], row["bias_values"]
   rows = jnp.arange(logits.shape[0])[:, None]
-  return _when(jnp.any(values != 0),
-               lambda x: x.at[rows, ids].add(values, mode="drop"), logits)
+
+  def penalize(x):
+    scaled = jnp.where(x > 0, x / rep, x * rep)
+    x = jnp.where(seen & (rep != 1), scaled, x)
+    x = x - frequency * counts - presence * (counts > 0)
+    return x.at[rows, ids].add(values, mode="drop")
+
+  # One test for all three: a cond costs a call on the CPU, at every token,
+  # and a batch without penalties (the common case) pays only that.
+  used = (jnp.any(rep != 1) | jnp.any(presence != 0) | jnp.any(frequency != 0)
+          | jnp.any(values != 0))
+  return _when(used, penalize, logits)
 
 
 def categorical(key, logits):
@@ -192,30 +195,25 @@ def draw_rows(keys, logits, row):
   return jnp.where(t == 0, first_argmax(logits), drawn)
 
 
-def logprob_rows(logits, tokens, want):
+def logprob_rows(logits, tokens):
   """The model's own log-probabilities (before penalties, temperature and
   filters, as --mode=score computes them) of `tokens` and of each row's
-  MAX_LOGPROBS most likely tokens; nothing is computed unless a row wants
-  them (want: int32 [rows], -1 = not wanted).
+  MAX_LOGPROBS most likely tokens.
 
   Returns:
     (float32 [rows], int32 [rows, K], float32 [rows, K]), K = MAX_LOGPROBS.
   """
-  rows, v = logits.shape
-  k = min(MAX_LOGPROBS, v)
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
+  top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+  return chosen, top_ids.astype(jnp.int32), top_lp
 
-  def compute(logits):
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, k)
-    return chosen, top_ids.astype(jnp.int32), top_lp
 
-  def skip(logits):
-    return (jnp.zeros(rows, jnp.float32), jnp.zeros((rows, k), jnp.int32),
-            jnp.zeros((rows, k), jnp.float32))
-
-  return jax.lax.cond(jnp.any(want >= 0), compute, skip,
-                      logits.astype(jnp.float32))
+def no_logprobs(rows: int, vocab: int):
+  """logprob_rows' shapes, zeros: what a batch that wants none returns."""
+  k = min(MAX_LOGPROBS, vocab)
+  return (jnp.zeros(rows, jnp.float32), jnp.zeros((rows, k), jnp.int32),
+          jnp.zeros((rows, k), jnp.float32))
 
 
 def seed_key(seed: int) -> np.ndarray:

@@ -117,6 +117,9 @@ class Request:
     self._offsets: text_lib.Offsets | None = None
     self._finished = threading.Event()
     self.created = time.monotonic()
+    # The row's entries in the batch's arrays, computed once.
+    self.packed = params_lib.packed_row(self.params)
+    self.key = seed_key(self.params.seed)
     self.first_token_at: float | None = None
 
   @property
@@ -288,13 +291,14 @@ class Engine:
     fresh = np.zeros(p, bool)
     key = np.zeros((p, 2), np.uint32)
     index = np.zeros(p, np.int32)
-    row = params_lib.neutral_rows(p)
+    row = params_lib.neutral_packed(p)
     for i, req in enumerate(batch):
       part = req.next_chunk(c)
       tokens[i, :len(part)] = part
       lengths[i], slots[i], fresh[i] = len(part), req.slot, req.fed == 0
-      key[i], index[i] = seed_key(req.params.seed), req.sample_index
-      params_lib.fill_row(row, i, req.params)
+      key[i], index[i] = req.key, req.sample_index
+      for name, value in req.packed.items():
+        row[name][i] = value
     return tokens, lengths, slots, fresh, key, index, row
 
   def _warm_up(self) -> None:
