@@ -116,9 +116,8 @@ def test_logprobs_are_the_models_own_with_the_top_n():
   rows, vocab = 5, 50
   logits = random_logits(13, (rows, vocab), scale=3.0)
   tokens = np.array([0, 7, 49, 3, 3], np.int32)
-  want = np.array([-1, 0, 5, 20, 1], np.int32)
   chosen, top_ids, top_lp = (np.asarray(x) for x in sampler.logprob_rows(
-      jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(want)))
+      jnp.asarray(logits), jnp.asarray(tokens)))
   logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   np.testing.assert_allclose(chosen, logp[np.arange(rows), tokens],
                              atol=1e-5)
@@ -128,9 +127,9 @@ def test_logprobs_are_the_models_own_with_the_top_n():
                              atol=1e-5)
   # The chosen token's value and its entry among the top are one number.
   assert chosen[1] == top_lp[1][list(top_ids[1]).index(7)]
-  nothing = sampler.logprob_rows(jnp.asarray(logits), jnp.asarray(tokens),
-                                 jnp.full(rows, -1, jnp.int32))
-  assert not np.asarray(nothing[0]).any()  # not computed
+  nothing = sampler.no_logprobs(rows, vocab)  # a batch that wants none
+  assert [x.shape for x in nothing] == [x.shape for x in (chosen, top_ids,
+                                                           top_lp)]
 
 
 @pytest.mark.parametrize("field, value", [
