@@ -306,13 +306,8 @@ def runs_the_scan(caplog):
 
 def http_post(port, path, body):
   """(status, JSON answer) of a POST to a server on 127.0.0.1."""
-  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-  try:
-    conn.request("POST", path, body=json.dumps(body).encode())
-    response = conn.getresponse()
-    return response.status, json.loads(response.read())
-  finally:
-    conn.close()
+  status, _, answer = http_call(port, "POST", path, body)
+  return status, json.loads(answer)
 
 
 def sampled_text(stdout: str) -> str:

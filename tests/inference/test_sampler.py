@@ -14,10 +14,10 @@ from tests.references import numpy_nucleus, random_logits
 
 
 def _rows(params: list[SamplingParams]) -> dict:
-  rows = params_lib.neutral_rows(len(params))
-  for i, p in enumerate(params):
-    params_lib.fill_row(rows, i, p)
-  return {k: jnp.asarray(v) for k, v in rows.items()}
+  """The rows' parameters as the programs read them."""
+  batch = params_lib.packed_batch([params_lib.packed_row(p) for p in params],
+                                  len(params))
+  return params_lib.unpack({k: jnp.asarray(v) for k, v in batch.items()})
 
 
 def test_per_row_filters_match_numpy_row_by_row():

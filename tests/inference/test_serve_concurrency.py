@@ -21,6 +21,7 @@ import pytest
 
 from lab.benchmarks import sampling_loop as sampling
 from zebra_jax.inference import loading, openai_api, serve
+from tests.helpers import live_server
 
 openai = pytest.importorskip("openai", reason="pip install openai (.[test])")
 pytestmark = pytest.mark.timeout(300)  # live servers, bounded waits
@@ -32,16 +33,9 @@ STORY = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n"
 
 @contextlib.contextmanager
 def running(service, api_key=""):
-  """A server for `service` on a free loopback port, in a thread."""
-  httpd = serve.make_server(service, "127.0.0.1", 0, api_key)
-  thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-  thread.start()
-  try:
+  """A server for `service` on a free loopback port, in a thread: its port."""
+  with live_server(service, api_key) as httpd:
     yield httpd.server_port
-  finally:
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

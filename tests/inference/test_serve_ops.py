@@ -16,7 +16,7 @@ import pytest
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading, openai_api, serve
 from zebra_jax.config import base
-from tests.helpers import REPO, http_call, live_server
+from tests.helpers import REPO, http_call, http_post, live_server
 
 pytestmark = pytest.mark.timeout(300)
 M = openai_api.MODEL_ID
@@ -25,11 +25,6 @@ M = openai_api.MODEL_ID
 @pytest.fixture(scope="module")
 def loaded(char_run):
   return loading.load_for_inference(*char_run)
-
-
-def _post(port, path, body, headers=None):
-  status, _, answer = http_call(port, "POST", path, body, headers)
-  return status, json.loads(answer)
 
 
 def _metrics(port) -> dict:
@@ -49,11 +44,11 @@ def test_metrics_count_requests_tokens_and_engine_readings(loaded):
   try:
     with live_server(service) as httpd:
       port = httpd.server_port
-      status, out = _post(port, "/v1/completions", {
+      status, out = http_post(port, "/v1/completions", {
           "model": M, "prompt": ["the ", "line 2: "], "max_tokens": 7,
           "temperature": 0})
       assert status == 200
-      assert _post(port, "/v1/completions", {"model": M})[0] == 400
+      assert http_post(port, "/v1/completions", {"model": M})[0] == 400
       got = _metrics(port)
   finally:
     service.close()
@@ -89,13 +84,13 @@ def test_a_failed_step_is_a_500_and_the_server_serves_on(loaded):
   try:
     with live_server(service, fatal_grace_seconds=30) as httpd:
       port = httpd.server_port
-      good = _post(port, "/v1/completions", body)
+      good = http_post(port, "/v1/completions", body)
       engine._decode = flaky
-      status, out = _post(port, "/v1/completions", body)
+      status, out = http_post(port, "/v1/completions", body)
       assert status == 500 and out["error"]["code"] == "engine_error"
       assert "serves on" in out["error"]["message"]
       failing[0] = False
-      again = _post(port, "/v1/completions", body)
+      again = http_post(port, "/v1/completions", body)
       assert again[0] == 200 and (again[1]["choices"][0]["text"] ==
                                   good[1]["choices"][0]["text"])
       assert _metrics(port)[("zebra_engine_restarts_total", ())] == 1
@@ -103,10 +98,10 @@ def test_a_failed_step_is_a_500_and_the_server_serves_on(loaded):
       # server stops itself (run() then exits 1).
       failing[0] = True
       for _ in range(engine.max_failures + 1):
-        assert _post(port, "/generate", {"prompt": "the "})[0] in (500, 503)
+        assert http_post(port, "/generate", {"prompt": "the "})[0] in (500, 503)
       status, _, answer = http_call(port, "GET", "/health")
       assert status == 503 and json.loads(answer)["status"] == "failed"
-      assert _post(port, "/generate", {"prompt": "the "})[0] == 503
+      assert http_post(port, "/generate", {"prompt": "the "})[0] == 503
       httpd.fatal_grace_seconds = 0
     assert isinstance(httpd.failure, RuntimeError)
   finally:

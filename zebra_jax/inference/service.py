@@ -52,6 +52,9 @@ _GENERATE_FIELDS = {"prompt": str, "prompts": list, "num_samples": int,
                     "stop": (str, list), "logit_bias": dict}
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(engines.SamplingParams)
                  } - {"stop", "logit_bias", "logprobs", "prompt_logprobs"}
+_GENERATE_TYPES = {**_GENERATE_FIELDS, **{
+    k: int if k in ("max_new_tokens", "top_k", "seed") else (int, float)
+    for k in _PARAM_FIELDS}}
 
 
 def _check_fields(body, allowed: dict) -> dict:
@@ -175,9 +178,7 @@ class Service:
   def generate_rows(self, body) -> list[engines.Row]:
     """/generate's rows: prompt-major (p0 s0, p0 s1, ...), row i drawing
     from stream i of the request's seed."""
-    body = _check_fields(body, {**_GENERATE_FIELDS, **{
-        k: int if k in ("max_new_tokens", "top_k", "seed") else (int, float)
-        for k in _PARAM_FIELDS}})
+    body = _check_fields(body, _GENERATE_TYPES)
     prompts = _texts(body, "prompt", "prompts")
     values = {k: v for k, v in body.items() if k in _PARAM_FIELDS}
     if "stop" in body:

@@ -218,13 +218,6 @@ def neutral_rows(count: int) -> dict:
           for name, f in ROW_FIELDS.items()}
 
 
-def fill_row(rows: dict, i: int, params: SamplingParams) -> None:
-  """Writes params into row i of arrays made by neutral_rows."""
-  for name, f in ROW_FIELDS.items():
-    rows[name][i] = (f.value(params) if f.value is not None
-                     else getattr(params, name))
-
-
 def packed_row(params: SamplingParams) -> dict:
   """One row's values, packed as pack() lays out a batch: computed once a
   request, written into each prefill call's arrays."""
@@ -239,9 +232,13 @@ def packed_row(params: SamplingParams) -> dict:
 _NEUTRAL: dict[int, dict] = {}
 
 
-def neutral_packed(count: int) -> dict:
-  """pack(neutral_rows(count)), copied from a cached one (a prefill call
-  needs fresh arrays, cheaply)."""
+def packed_batch(rows: list[dict], count: int) -> dict:
+  """A batch of `count` rows' arrays: `rows` (packed_row's) first, rows
+  that sample nothing after them."""
   if count not in _NEUTRAL:
     _NEUTRAL[count] = pack(neutral_rows(count))
-  return {k: v.copy() for k, v in _NEUTRAL[count].items()}
+  batch = {k: v.copy() for k, v in _NEUTRAL[count].items()}
+  for i, row in enumerate(rows):
+    for name, value in row.items():
+      batch[name][i] = value
+  return batch

@@ -291,14 +291,12 @@ class Engine:
     fresh = np.zeros(p, bool)
     key = np.zeros((p, 2), np.uint32)
     index = np.zeros(p, np.int32)
-    row = params_lib.neutral_packed(p)
     for i, req in enumerate(batch):
       part = req.next_chunk(c)
       tokens[i, :len(part)] = part
       lengths[i], slots[i], fresh[i] = len(part), req.slot, req.fed == 0
       key[i], index[i] = req.key, req.sample_index
-      for name, value in req.packed.items():
-        row[name][i] = value
+    row = params_lib.packed_batch([req.packed for req in batch], p)
     return tokens, lengths, slots, fresh, key, index, row
 
   def _warm_up(self) -> None:
