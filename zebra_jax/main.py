@@ -4,7 +4,8 @@ Flags name things (what to run, where, which prompt); every number is a
 config field, e.g. --config.model.num_stripes=8 or
 --config.sample.temperature=0. --workdir defaults to runs/<config
 name>[-<variant>]; every mode but train may leave out --config and use the
-workdir's config.json, overrides applied to it.
+workdir's config.json, overrides applied to it. `zebra-jax fields
+[SECTION]` lists the config fields; --help the flags by mode.
 """
 
 import errno
@@ -13,7 +14,7 @@ import sys
 
 from absl import app, flags, logging
 
-from zebra_jax.cli import arguments, entry
+from zebra_jax.cli import arguments, entry, fields, usage
 from zebra_jax.cli.modes import CONFIGLESS, MODES
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import distributed  # defines the multi-process flags
@@ -98,6 +99,15 @@ def _fail(writer, message: str) -> None:
 
 def run():
   """The `zebra-jax` console script and python -m zebra_jax.main."""
+  if sys.argv[1:2] == ["fields"]:
+    sys.exit(fields.main(sys.argv[2:]))
+  if entry.asks_short_help(sys.argv):
+    program = [_CONFIG.name, _WORKDIR.name, _MODE.name,
+               *(holder.name for holder in _NOUNS.values())]
+    processes = [flag.name for flag in
+                 flags.FLAGS.get_flags_for_module(distributed.__name__)]
+    print(usage.text(program, processes))
+    sys.exit(0)
   host_memory.reuse_freed_host_memory()  # before JAX starts its backend
   app.run(main, flags_parser=lambda argv: entry.parse_flags(
       argv, arguments.check_removed, own_overrides=True))

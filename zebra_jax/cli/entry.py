@@ -26,10 +26,30 @@ def asks_help(argv: Sequence[str]) -> bool:
              a.lstrip("-").startswith(("help", "h", "?")) for a in argv[1:])
 
 
+def asks_short_help(argv: Sequence[str]) -> bool:
+  """--help, -h, --helpshort or -? (not --helpfull, which absl answers)."""
+  return any(a.lstrip("-") in ("help", "h", "?", "helpshort")
+             and a.startswith("-") for a in argv[1:])
+
+
 def parse_flags(argv: list[str],
                 check: Callable[[list[str]], None] | None = None,
                 own_overrides: bool = False):
   """absl's parser, after `check(argv)` (a UserError there is one line).
+
+  A help flag prints absl's help and exits 0 (absl itself exits 1: a
+  script asked for its help has not failed).
+  """
+  try:
+    return _parse_flags(argv, check, own_overrides)
+  except SystemExit as e:
+    if asks_help(argv) and e.code == 1:
+      sys.exit(0)
+    raise
+
+
+def _parse_flags(argv, check, own_overrides):
+  """parse_flags without the help's exit status.
 
   own_overrides: the --config.x=y overrides are kept out of absl's way and
   handed to main as argv[1:], (field, text) pairs, for the program to apply
