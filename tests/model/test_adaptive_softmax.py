@@ -246,18 +246,22 @@ def test_predict_breaks_ties_and_nans_as_one_argmax_over_the_vocabulary():
 
 def test_auto_chunk_rows_fit_the_platform_budget():
   """chunk_rows=0: the largest power of two whose [rows, widest cluster]
-  float32 block fits the platform's budget, within [16, 1024]."""
-  for platform in ("cpu", "gpu"):
+  float32 block fits the platform's budget, within [16, the platform's
+  cap]: 128 on a CPU, 1024 elsewhere."""
+  for platform, cap in (("cpu", 128), ("gpu", 1024)):
     budget = asm.CHUNK_BUDGET_BYTES.get(platform,
                                         asm.ACCELERATOR_CHUNK_BUDGET_BYTES)
     for widest in (1_000, 20_003, 160_000, 10_000_000):
       rows = asm.auto_chunk_rows(widest, platform)
-      assert rows & (rows - 1) == 0 and 16 <= rows <= 1024
+      assert rows & (rows - 1) == 0 and 16 <= rows <= cap
       assert rows * widest * 4 <= budget or rows == 16
-      assert rows * 2 * widest * 4 > budget or rows == 1024
+      assert rows * 2 * widest * 4 > budget or rows == cap
   # WikiText-103's clusters (the 160k-word one is the widest)
   assert asm.auto_chunk_rows(160_000, "cpu") == 64
   assert asm.auto_chunk_rows(160_000, "gpu") == 1024
+  # a 16,384-word vocabulary: capped on a CPU, by the budget nowhere
+  assert asm.auto_chunk_rows(8_192, "cpu") == 128
+  assert asm.auto_chunk_rows(8_192, "gpu") == 1024
   head = make(chunk_rows=0)  # this test's backend, this vocabulary
   assert head.chunk_rows == asm.auto_chunk_rows(13)  # head: 10 + 3 clusters
   assert make(chunk_rows=7).chunk_rows == 7
