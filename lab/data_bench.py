@@ -6,9 +6,10 @@
 What is timed: lab/benchmarks/input_pipeline.py.
 """
 
-from absl import app, flags
+from absl import flags
 
 from lab.benchmarks import input_pipeline
+from zebra_jax.cli import entry
 
 
 def _define_flags() -> None:
@@ -34,4 +35,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  entry.run_tool(main)

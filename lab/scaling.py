@@ -6,6 +6,7 @@ beside it, its assumptions named in docs/scaling.md. `python -m lab.scaling`
 prints the tables of that document.
 """
 
+import argparse
 import functools
 
 import jax
@@ -193,7 +194,12 @@ def largest_hidden(rows: int, window: int, stripe: int, remat: bool,
 MESHES = ((1, 1), (8, 1), (1, 8), (64, 1), (8, 8))  # (data, stripe)
 
 
-def main():
+def main(argv=None):
+  """Prints the tables; takes no arguments but --help (what it prints)."""
+  argparse.ArgumentParser(
+      prog="python -m lab.scaling",
+      description=__doc__.split("\n\n")[0] + ": prints the tables of "
+      "docs/scaling.md.").parse_args(argv)
   gb, ms = 1e9, 1e3
   print("| model (LSTM + embedding/head params) | data x stripe | sent "
         "(data, stripe, mesh) | comm | compute | step | efficiency |")

@@ -1,0 +1,39 @@
+"""Every lab script answers --help with its flags and exit status 0, without
+running anything (python -m lab.scaling --help once ran the whole model)."""
+
+import os
+import subprocess
+import sys
+
+from tests.helpers import REPO
+
+
+
+def _scripts() -> list[str]:
+  """The lab's scripts but those still started by absl's app.run, whose
+  help exits 1 (zebra_jax.cli.entry.run_tool answers it with 0)."""
+  names = []
+  for name in sorted(os.listdir(os.path.join(REPO, "lab"))):
+    if not name.endswith(".py") or name == "__init__.py":
+      continue
+    with open(os.path.join(REPO, "lab", name), encoding="utf-8") as f:
+      if "app.run(" not in f.read():
+        names.append(name[:-3])
+  return names
+
+
+def test_every_lab_script_answers_help_with_status_0():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  running = {name: subprocess.Popen(
+      [sys.executable, "-m", f"lab.{name}", "--help"], cwd=REPO, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in _scripts()}
+  failing, silent = set(), set()
+  for name, process in running.items():
+    out, _ = process.communicate(timeout=120)
+    if process.returncode != 0:
+      failing.add(name)
+    elif "--" not in out and "usage" not in out.lower():
+      silent.add(name)
+  assert len(running) >= 9 and {"scaling", "data_bench"} <= set(running)
+  assert failing == set() and silent == set()
