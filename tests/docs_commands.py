@@ -171,16 +171,25 @@ def config_fields() -> frozenset:
   return frozenset(name for name, _ in base.fields())
 
 
+def _flags_of(*modules: str) -> frozenset:
+  return frozenset(flag.name for module in modules
+                   for flag in flags.FLAGS.get_flags_for_module(module))
+
+
 @functools.cache
 def absl_builtin_flags() -> frozenset:
-  from absl import app  # pylint: disable=g-import-not-at-top,unused-import
-  return frozenset(flags.FLAGS)
+  """Every absl program's: help, flag files, logging, debugging."""
+  from absl import app, logging  # pylint: disable=g-import-not-at-top,unused-import
+  return _flags_of("absl.app", "absl.logging") | {
+      "help", "helpshort", "helpfull", "helpxml", "flagfile", "undefok"}
 
 
 @functools.cache
 def main_entry() -> Entry:
+  """zebra-jax's flags, as absl holds them once zebra_jax.main is imported."""
   import zebra_jax.main  # pylint: disable=g-import-not-at-top,unused-import
-  return Entry("zebra-jax", frozenset(flags.FLAGS), takes_config=True,
+  return Entry("zebra-jax", absl_builtin_flags() | _flags_of(
+      "zebra_jax.main", "zebra_jax.runtime.distributed"), takes_config=True,
                reads_workdir=True, trains=True)
 
 
