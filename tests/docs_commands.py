@@ -219,7 +219,9 @@ def launch_entry(path: str) -> Entry:
   the program it hands the rest of its arguments to."""
   with open(path, encoding="utf-8") as f:
     source = f.read()
-  own = frozenset(re.findall(r"^\s*\|?\s*--([\w-]+)\)", source, re.M))
+  patterns = re.findall(r"^\s*(--[\w-]+(?:\|--[\w-]+)*)\)", source, re.M)
+  own = frozenset(option[2:] for pattern in patterns
+                  for option in pattern.split("|"))
   if "zebra_jax.main" in source:
     inner = main_entry()
   else:

@@ -39,8 +39,11 @@ def test_a_good_page_has_no_findings():
       'W="--workdir=runs/t"',
       "zebra-jax $W --mode=eval --split=test",
       "zebra-jax $W --mode=plot --compare=runs/t",
-      'python3 -m pip install -e ".[test]" && python3 -m pytest')
-  assert docs_commands.check_page(page) == []
+      'python3 -m pip install -e ".[test]" && python3 -m pytest',
+      "bash launch/gpu_report.sh --dry-run --no-install smoke",
+      "launch/compare_stripes.sh char --resume --no_classic",
+      "python -m lab.train_bench --stripes=8 --config.model.recurrence=native")
+  assert docs_commands.check_page(page + "From the repository root.") == []
 
 
 @pytest.mark.parametrize("line, complaint", [
