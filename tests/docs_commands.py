@@ -298,7 +298,7 @@ def check_page(text: str, page: str = "page") -> list[str]:
     trained |= declared
     for message in _check_command(entry, args, trained):
       findings.append(f"{where}: {message}")
-  if lab_commands and WORKING_DIRECTORY not in text:
+  if lab_commands and WORKING_DIRECTORY not in text.lower():
     findings.append(f"{lab_commands[0]}: the lab's commands run from the "
                     f"repository root, and the page does not say so "
                     f"(\"{WORKING_DIRECTORY}\")")
