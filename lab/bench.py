@@ -3,6 +3,7 @@
   python -m lab.bench                      # shape A, CPU or GPU (minutes)
   python -m lab.bench --shape=gpu          # bf16, hidden 1024, batch 64
   python -m lab.bench --quick --json=/tmp/bench.json   # tiny, seconds
+  python -m lab.bench --groups=lm,head --memory=false   # some rows only
 
 The rows, how they are timed and how their FLOPs are counted:
 lab/benchmarks/speed.py.
@@ -10,11 +11,12 @@ lab/benchmarks/speed.py.
 
 import os
 
-from absl import app, flags
+from absl import flags
 
 from lab.benchmarks import speed
 from lab.benchmarks.shapes import NO_PREALLOCATE
-from zebra_jax.runtime import host_memory
+from zebra_jax.cli import entry
+from zebra_jax.errors import UserError
 
 
 def _flags() -> None:
@@ -25,6 +27,9 @@ def _flags() -> None:
                     "fp32. gpu: hidden 1024, batch 64, bf16.")
   flags.DEFINE_integer("rounds", 0, "Timing rounds (0 = default).")
   flags.DEFINE_bool("memory", True, "Run the memory-per-window rows.")
+  flags.DEFINE_list("groups", None, "Only these groups of rows, e.g. "
+                    "lm,head (default: all): "
+                    + ", ".join(speed.group_names()) + ".")
   flags.DEFINE_string("trace_dir", None, "jax.profiler trace of one step of "
                       "every JAX row, for TensorBoard/xprof, and a table of "
                       "its device time by kind of op.")
@@ -37,10 +42,15 @@ def main(argv):
   # memory this one would otherwise reserve.
   for key, value in NO_PREALLOCATE.items():
     os.environ.setdefault(key, value)
-  speed.run(f.quick, f.shape, f.json, f.rounds, f.memory, f.trace_dir)
+  groups = f.groups and tuple(f.groups)
+  unknown = sorted(set(groups or ()) - set(speed.group_names(f.shape)))
+  if unknown:
+    raise UserError(f"--groups: no group {', '.join(unknown)} (there are "
+                    f"{', '.join(speed.group_names(f.shape))})")
+  speed.run(f.quick, f.shape, f.json, f.rounds, f.memory, f.trace_dir,
+            groups)
 
 
 if __name__ == "__main__":
   _flags()
-  host_memory.reuse_freed_host_memory()  # before JAX starts its backend
-  app.run(main)
+  entry.run_tool(main)  # glibc's malloc set before JAX starts its backend

@@ -57,4 +57,12 @@ def torch_flops(shape) -> dict:
           "eval": step_flops(shape, 1, head="full", train=False),
           "word": step_flops(word, 1, head="full"),
           "word_adaptive": step_flops(word, 1, head="adaptive",
-                                      adaptive_input=False)}
+                                      adaptive_input=False),
+          "head": head_step_flops(shape, "full"),
+          "head_adaptive": head_step_flops(word, "adaptive")}
+
+
+def head_step_flops(shape: dict, head: str) -> float:
+  """FLOPs per token of the head alone, forward and backward (its input's
+  gradient included); the adaptive input's projections are not counted."""
+  return 3 * head_flops(shape, head, adaptive_input=False)

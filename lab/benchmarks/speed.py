@@ -18,6 +18,11 @@ best matmul measured in this run, XLA's planned bytes per step):
   word_S{s}[_grouped][_adaptive]  the LM train step at the word-level shape
               (hidden 256, 16,384 words, Zipf-distributed tokens), full or
               adaptive head: where the softmax, not the recurrence, costs
+  head_tied   the head alone at the LM rows' shape: the tied 8,192-word
+              matrix, bias and cross-entropy, forward and backward (the
+              hidden states' gradient too), no optimizer
+  head_adaptive  the same for the word-level shape's adaptive head, beside
+              nn.AdaptiveLogSoftmaxWithLoss
   torch_*_{n}t  nn.LSTM (+ nn.Embedding and a tied head, or
               nn.AdaptiveLogSoftmaxWithLoss) of the same shape on n threads;
               ratios are against the faster thread count; float32 weights
@@ -48,14 +53,14 @@ import os
 
 import jax
 
-from lab.benchmarks.flops import step_flops, torch_flops
+from lab.benchmarks.flops import head_step_flops, step_flops, torch_flops
 from lab.benchmarks.memory import memory_rows
 from lab.benchmarks.shapes import SHAPES, word_shape
 from lab.benchmarks.steps import (core_runner, eval_runner, gen_runner,
-                                        lm_runner, word_runner)
+                                  head_runner, lm_runner, word_runner)
 from lab.benchmarks.table import print_rows, speed_columns
 from lab.benchmarks.timing import datasheet, matmul_peak, time_interleaved
-from lab.benchmarks.torch_reference import torch_runners
+from lab.benchmarks.torch_reference import TORCH_GROUPS, torch_runners
 from lab.benchmarks import traces
 from lab.benchmarks.traces import trace_rows
 from zebra_jax import strict_json
@@ -103,6 +108,8 @@ def row_specs(shape) -> dict:
              **{f"lm_S{s}{suffix(g)}_native": (
                  p(lm_runner, shape, s, grouped=g, kernel="native"), b * t,
                  lm_flops(s, g)) for s, g in native_rows}},
+      "head": {"head_tied": (p(head_runner, shape), b * t,
+                             head_step_flops(shape, "full"))},
       "eval": {**{f"eval_S{s}{suffix(g)}": (p(eval_runner, shape, s, g),
                                             b * t, lm_flops(s, g, train=False))
                   for s, g in lm_rows},
@@ -121,6 +128,9 @@ def row_specs(shape) -> dict:
             p(word_runner, word, s, grouped=g, head=head), b * t,
             step_flops(word, s, grouped=g, head=head))
         for s, g in ((1, False), (last, True))}
+  groups["head_adaptive"] = {"head_adaptive": (
+      p(head_runner, word, "adaptive"), b * t,
+      head_step_flops(word, "adaptive"))}
   return groups
 
 
@@ -149,13 +159,16 @@ def time_group(shape, group, specs, torch_fns, rounds, peak,
   return rows, breakdown
 
 
-def speed_rows(shape, rounds, trace_dir=None):
+def speed_rows(shape, rounds, trace_dir=None, groups=None):
   """Every timed row, group after group, each group compiled just before
-  it is timed."""
-  torch_fns, torch_note = torch_runners(shape)
+  it is timed; groups: only these (None: all)."""
+  specs_by_group = {g: specs for g, specs in row_specs(shape).items()
+                    if groups is None or g in groups}
+  torch_fns, torch_note = torch_runners(
+      shape, tuple(g for g in TORCH_GROUPS if g in specs_by_group))
   peak, peak_by_shape = matmul_peak(shape, rounds)
   rows, breakdown = [], {}
-  for group, specs in row_specs(shape).items():
+  for group, specs in specs_by_group.items():
     group_rows, group_breakdown = time_group(shape, group, specs, torch_fns,
                                              rounds, peak, trace_dir)
     rows += group_rows
@@ -218,13 +231,20 @@ def print_table(result, trace_dir=None) -> None:
     print(f"note: {note}")
 
 
+def group_names(shape_name: str = "A") -> tuple:
+  """The row groups of a shape, in the order they run."""
+  return tuple(row_specs(SHAPES[shape_name]))
+
+
 def run(quick: bool = False, shape_name: str = "A", json_path=None,
-        rounds: int = 0, memory: bool = True, trace_dir=None) -> dict:
-  """Runs every row; prints the table; returns (and optionally writes) it."""
+        rounds: int = 0, memory: bool = True, trace_dir=None,
+        groups=None) -> dict:
+  """Runs every row (of `groups`, None: all); prints the table; returns
+  (and optionally writes) it."""
   shape = SHAPES["quick" if quick else shape_name]
   rounds = rounds or (3 if quick else 7)
   rows, peak, peak_by_shape, torch_note, breakdown = speed_rows(
-      shape, rounds, trace_dir)
+      shape, rounds, trace_dir, groups)
   notes = [torch_note] if torch_note else []
   over = [r["name"] for r in rows if r["frac_of_peak"] > 1.0]
   if over:  # nothing is clamped: the peak, not the row, is wrong

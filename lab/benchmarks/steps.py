@@ -161,6 +161,26 @@ def word_runner(shape, stripes, *, grouped=False, head="full"):
   return _train_runner(cfg, shape, random_tokens(shape))
 
 
+def head_runner(shape, head="full"):
+  """The product's head alone (lm.ZebraLM.token_sums, as the train step
+  calls it): the mean cross-entropy's gradient with respect to the head's
+  parameters and to fixed hidden states [batch, window, hidden], no
+  optimizer. head: "full" (tied to the embedding, as the LM rows) or
+  "adaptive" (tied to the adaptive input)."""
+  cfg = model_config(shape, 1, head=head)
+  graphdef, params = _create(cfg)
+  b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
+  hidden = jax.random.uniform(jax.random.key(1), (b, t, h), jnp.float32,
+                              -0.1, 0.1)
+  targets = random_tokens(shape)[:, 1:]
+
+  def loss(hidden, params):
+    sums = nnx.merge(graphdef, params).token_sums(hidden, targets,
+                                                  with_accuracy=False)
+    return sums["loss_sum"] / targets.size
+  return Runner(jax.jit(jax.grad(loss, argnums=(0, 1))), (hidden, params), {})
+
+
 def lm_runner(shape, stripes, *, seq_len=None, remat=False, grouped=False,
               kernel="scan"):
   """The product's train step: embedding, layers, tied head, mean CE, Adam.

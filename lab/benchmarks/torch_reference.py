@@ -12,7 +12,8 @@ import numpy as np
 from lab.benchmarks.shapes import word_shape
 from lab.benchmarks.steps import random_tokens
 
-TORCH_GROUPS = ("core", "lm", "eval", "word", "word_adaptive")
+TORCH_GROUPS = ("core", "lm", "head", "eval", "word", "word_adaptive",
+                "head_adaptive")
 
 
 def _torch_autocast(torch, device: str, dtype):
@@ -33,19 +34,22 @@ class TorchTrainer:
   which is what JAX's bfloat16 steps do (float32 parameters cast for the
   matmuls)."""
 
-  def __init__(self, torch, params, loss_fn, device, autocast_dtype, sync):
+  def __init__(self, torch, params, loss_fn, device, autocast_dtype, sync,
+               optimizer=True):
     self.params = list(params)
-    self.opt = torch.optim.Adam(self.params, 1e-3)
+    self.opt = torch.optim.Adam(self.params, 1e-3) if optimizer else None
     self.loss_fn, self.sync = loss_fn, sync
     self.autocast = functools.partial(_torch_autocast, torch, device,
                                       autocast_dtype)
 
   def __call__(self):
-    self.opt.zero_grad(set_to_none=True)
+    for p in self.params:
+      p.grad = None
     with self.autocast():
       loss = self.loss_fn("mean")
     loss.backward()
-    self.opt.step()
+    if self.opt is not None:
+      self.opt.step()
     self.sync()
 
 
@@ -93,6 +97,34 @@ def torch_steps(shape, groups=TORCH_GROUPS, device="cpu") -> dict:
         return loss * targets.numel() if reduction == "sum" else loss
     return [*lstm.parameters(), *embed.parameters(), *extra], loss_fn
 
+  def head_loss(shape, head="full"):
+    """(parameters, loss_fn(reduction)) of the head alone on fixed hidden
+    states [batch x window, hidden] that need their gradient: a tied
+    embedding's [V, H] matrix, a bias and cross-entropy, or
+    nn.AdaptiveLogSoftmaxWithLoss (same cutoffs and div_val)."""
+    h, v = shape["hidden"], shape["vocab"]
+    n = shape["batch"] * shape["seq_len"]
+    hidden = torch.nn.Parameter(torch.randn(n, h, device=device) * 0.1)
+    targets = torch.tensor(np.asarray(random_tokens(shape)[:, 1:]),
+                           dtype=torch.long, device=device).reshape(-1)
+    if head == "full":
+      weight = torch.nn.Parameter(torch.rand(v, h, device=device) * 0.2 - 0.1)
+      bias = torch.nn.Parameter(torch.zeros(v, device=device))
+
+      def loss_fn(reduction):
+        logits = (hidden @ weight.T + bias).float()
+        return torch.nn.functional.cross_entropy(logits, targets,
+                                                 reduction=reduction)
+      return [hidden, weight, bias], loss_fn
+    adaptive = torch.nn.AdaptiveLogSoftmaxWithLoss(
+        h, v, [c for c in shape["cutoffs"] if c < v],
+        div_value=float(shape["div_val"])).to(device)
+
+    def adaptive_loss(reduction):
+      loss = adaptive(hidden, targets).loss  # mean
+      return loss * targets.numel() if reduction == "sum" else loss
+    return [hidden, *adaptive.parameters()], adaptive_loss
+
   def core_loss():
     b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
     lstm = torch.nn.LSTM(h, h, shape["layers"], batch_first=True).to(device)
@@ -118,8 +150,15 @@ def torch_steps(shape, groups=TORCH_GROUPS, device="cpu") -> dict:
       sync()
     return ev
 
+  def backward(params_and_loss):  # the head alone: no optimizer step
+    return TorchTrainer(torch, *params_and_loss, device, autocast_dtype, sync,
+                        optimizer=False)
+
   build = {"core": lambda: trainer(core_loss()),
            "lm": lambda: trainer(lm_loss(shape)),
+           "head": lambda: backward(head_loss(shape)),
+           "head_adaptive": lambda: backward(head_loss(word_shape(shape),
+                                                       "adaptive")),
            "eval": lambda: evaluator(lm_loss(shape)),
            "word": lambda: trainer(lm_loss(word_shape(shape))),
            "word_adaptive": lambda: trainer(lm_loss(word_shape(shape),

@@ -32,10 +32,11 @@ def test_quick_bench_writes_every_row(tmp_path):
           "gen_S1_b1", "gen_S1_b4", "gen_S4_grouped_b1", "gen_S4_grouped_b4",
           "gen_S1_b1_nucleus", "gen_S4_grouped_b4_nucleus",
           "word_S1", "word_S4_grouped", "word_S1_adaptive",
-          "word_S4_grouped_adaptive"}
+          "word_S4_grouped_adaptive", "head_tied", "head_adaptive"}
   if importlib.util.find_spec("torch") is not None:
     want |= {"torch_core_1t", "torch_lm_1t", "torch_eval_1t",
-             "torch_word_1t", "torch_word_adaptive_1t"}
+             "torch_word_1t", "torch_word_adaptive_1t", "torch_head_1t",
+             "torch_head_adaptive_1t"}
   else:
     assert any("torch not installed" in n for n in result["notes"])
   assert want <= set(rows), sorted(rows)
@@ -50,7 +51,7 @@ def test_quick_bench_writes_every_row(tmp_path):
   for name, r in rows.items():
     for key in ("tokens_per_s", "ms_per_step", "gflops", "frac_of_peak"):
       assert r[key] > 0, (name, key, r[key])
-    if name.startswith(("core", "lm", "eval", "word")) and (
+    if name.startswith(("core", "lm", "eval", "word", "head")) and (
         "torch_core_1t" in rows):
       assert r["ratio_to_torch"] > 0, name
     if not name.startswith(("torch", "gen")):
@@ -82,6 +83,37 @@ def test_quick_bench_writes_every_row(tmp_path):
   assert plan[16, False] > plan[8, False] and plan[16, True] > plan[8, True]
   assert set(result["max_window"]["max_seq_len"]) == {"remat=False",
                                                        "remat=True"}
+
+  # The head rows count the head's own matmuls: the tied head's three
+  # [rows, H] x [H, V] products per token, as the LM row counts them.
+  shape = result["config"]
+  per_token = rows["head_tied"]["gflops"] * 1e9 / rows["head_tied"][
+      "tokens_per_s"]
+  assert per_token == pytest.approx(3 * 2 * shape["hidden"] * shape["vocab"])
+
+
+def _bench(args):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run([sys.executable, "-m", "lab.bench", *args],
+                        capture_output=True, text=True, env=env, timeout=300,
+                        cwd=os.path.dirname(os.path.dirname(
+                            os.path.dirname(os.path.abspath(__file__)))))
+
+
+def test_bench_groups_runs_only_the_groups_named(tmp_path):
+  path = tmp_path / "bench.json"
+  out = _bench(["--quick", "--memory=false", "--groups=head_adaptive",
+                f"--json={path}"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  names = {r["name"] for r in json.loads(path.read_text())["rows"]}
+  assert {n for n in names if not n.startswith("torch")} == {"head_adaptive"}
+  assert all(n.startswith("torch_head_adaptive_") for n in names
+             if n.startswith("torch"))
+
+  out = _bench(["--quick", "--groups=lm,nope"])
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      "error: --groups: no group nope"), out.stderr[-2000:]
 
 
 if __name__ == "__main__":
