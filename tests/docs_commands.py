@@ -225,8 +225,9 @@ def launch_entry(path: str) -> Entry:
   if "zebra_jax.main" in source:
     inner = main_entry()
   else:
-    module = re.search(r"python3? -m (lab\.\w+)", source)
-    inner = module_entry(module.group(1)) if module else None
+    module = re.search(r"python3? -m (lab(?:\.\w+)+)", source)
+    inner = (module_entry(module.group(1)) if module and os.path.isfile(
+        module_path(module.group(1))) else None)
   if inner is None or inner.flags is None:
     return Entry(os.path.relpath(path, REPO), own or None)
   return dataclasses.replace(inner, name=os.path.relpath(path, REPO),
@@ -320,12 +321,12 @@ def _check_command(entry: Entry | None, args: list[str], trained: set):
         yield f"--config={value}: {e}"
   writes = _writes(entry, options, positional)
   trained |= writes
-  for path in _reads(entry, options, positional, args) - writes:
+  for path in _reads(entry, options, args) - writes:
     if not _within(path, trained):
       yield (f"reads {path}, which no earlier command on the page trains "
              f"(add the command that does, or a comment "
              f"'# {path} comes from ...')")
-  for path in _repository_paths(options, positional, args):
+  for path in _repository_paths(options, args):
     if not os.path.exists(os.path.join(REPO, path)) and not _within(
         path, trained):
       yield f"{path}: no such file or folder in the repository"
@@ -379,7 +380,7 @@ def _writes(entry, options, positional) -> set[str]:
   return {path.rstrip("/") for path in out}
 
 
-def _reads(entry, options, positional, args) -> set[str]:
+def _reads(entry, options, args) -> set[str]:
   """Workdirs the command needs trained already."""
   found = set()
   if entry is not None and entry.reads_workdir and (
@@ -396,7 +397,7 @@ def _reads(entry, options, positional, args) -> set[str]:
   return {path.rstrip("/") for path in found}
 
 
-def _repository_paths(options, positional, args) -> set[str]:
+def _repository_paths(options, args) -> set[str]:
   written = {options.get(name) for name in OUTPUT_FLAGS}
   return {word.rstrip("/") for word in _words_and_values(args)
           if word.startswith(REPO_ROOTS) and word not in written
