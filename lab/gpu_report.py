@@ -1,53 +1,53 @@
-"""Every GPU figure: docs/gpu-results.md and its JSON, in two commands.
+"""Every GPU figure in one command: docs/gpu-results.md and its JSON.
 
-  python -m lab.gpu_report --stages=smoke,quick,bench --out=OUT
-  python -m lab.gpu_report --stages=wt103,precision,infer,scaling \
-      --out=OUT
-  python -m lab.gpu_report --dry_run --out=/tmp/r      # CPU, tiny
+  python -m lab.gpu_report --out=OUT                 # every stage
+  python -m lab.gpu_report --stages=wt103,infer --out=OUT   # a rerun
+  python -m lab.gpu_report --dry_run --out=/tmp/r    # CPU, tiny shapes
 
-A GPU node runs one command at a time, under 10 minutes each: the stages
-are split into two calls (gpu_results.CALLS, each under CALL_BUDGET_S with
-its stages' budgets), each adding its sections to the same OUT/gpu-results.json.
-Where OUT has no gpu-results.json yet, the run starts from --carry_from
-(docs/gpu-results.json: the tree's copy of the previous call's file).
+A GPU node is lent for 15 minutes: one command runs every stage, under
+one budget (lab/benchmarks/gpu_budget.py: CALL_BUDGET_S, each stage's
+STAGE_BUDGET_S), in order of value, each stage given what is left of the
+call at most. Stages write each row to OUT/gpu-results.json as soon as it
+is measured (the whole file written, then renamed over the old one) and
+rewrite OUT/gpu-results.md from it, so a call killed at any second returns
+every row measured before. A second call may rerun named stages: where OUT
+has no gpu-results.json yet, the run starts from --carry_from
+(docs/gpu-results.json) and replaces only the stages it runs.
 
-Every stage runs in its own process, under its own time budget
-(STAGE_BUDGET_S); a stage past its budget is killed and the report says
-after how many rows. Stages write each row to OUT/gpu-results.json as soon as
-it is measured (the whole file written, then renamed over the old one) and
-rewrite OUT/gpu-results.md from it, so a killed stage loses only the row it
-was measuring. Before the stages, the installed versions of the project's
-dependencies are checked against pyproject.toml's bounds (the report's
-versions section; those outside are printed). Stages:
-  smoke      tiny Pallas kernels compiled and run first: a 16 x 16 dot in
-             float32 and bfloat16 and the stripe kernel's forward and
-             backward against the scan; each records ok (its error, the
-             precision of its tt.dots) or the first error line
-  quick      the machine (GPU, driver, jax/jaxlib, cuDNN of jax and torch),
-             the best measured matmul beside the datasheet figure, and the
-             core train step at S=1 and S=8 against cuDNN nn.LSTM: the first
-             figures, on disk within minutes
-  bench      the rest of lab.bench --shape=gpu (core, LM, eval,
-             word-level and generation rows against torch, bf16), group by
-             group, then pallas rows (the fused stripe kernel,
-             model.recurrence=pallas, beside the scan in bf16 and fp32; a
-             shape the kernel does not fit is a scan_fallback_* row) and the
-             memory rows; a pallas row that raises is an error row
-  wt103      the wt103 config's model (hidden 2048, S=8, the 267,735-word
-             adaptive softmax, batch 128 x 128) trained on synthetic Zipf ids:
-             tok/s, ms/step, memory, and the share of the step spent in the
-             LSTM layers, the head and the optimizer from a jax.profiler trace
+Every stage runs in its own process; a stage past its budget is killed and
+the report says after how many rows. Before the stages, the installed
+versions of the project's dependencies are checked against pyproject.toml's
+bounds. Stages, in the order they run:
+  smoke      which Pallas GPU backend this jax lowers the stripe kernel to
+             (Triton or Mosaic GPU, from the lowered program's custom
+             calls), then tiny Pallas kernels compiled and run: a 16 x 16
+             dot in float32 and bfloat16 and the stripe kernel's forward
+             and backward against the scan
+  kernel     the headline rows: the core train step (hidden 1024, batch
+             64, window 64, 2 layers; S=1 and grouped S=8; bf16 and fp32)
+             on the scan and the fused Pallas kernel beside
+             jax.experimental.rnn's cuDNN LSTM (fp32 and TF32; bf16 asked,
+             refused by jax), torch nn.LSTM (cuDNN) and FlashRNN (heads = S;
+             Triton, then CUDA last), S > 1 as S independent LSTMs of width
+             H/S; tok/s and the ratio to every baseline; a row that cannot
+             run says why in one line
+  wt103      the recipe's model (113M parameters, the 267,735-word adaptive
+             softmax, bf16) through the product's train step on synthetic
+             Zipf ids: compile time, tok/s, peak device memory, the hours
+             of the recipe's token budget on one GPU
   precision  the demo corpus in float32, bfloat16 and float16 (dynamic loss
-             scaling), a few hundred steps each: loss curves and skipped steps
-  infer      infer_bench latency percentiles at batch 1..64 (the precision
-             stage's float32 run, or a short demo run, is the checkpoint)
-  scaling    data-parallel weak scaling over 1, 2, 4, ... GPUs of this machine
+             scaling): loss curves and skipped steps
+  infer      generation tokens/s and latency at 1, 16 and 64 slots
+  scaling    data-parallel weak scaling over this machine's GPUs
+  profile    a jax.profiler trace of three wt103 steps and XLA's dump of the
+             step (XLA_FLAGS=--xla_dump_to), each packed into one archive
+             in OUT, and the command that opens the trace in TensorBoard
 
 Child processes start with XLA_PYTHON_CLIENT_PREALLOCATE=false and the parent
 never starts a JAX backend, so no process holds memory another one needs.
 
---dry_run: tiny shapes on whatever device there is, with smaller budgets (the
-tests run it so that the script cannot rot). Its figures mean nothing.
+--dry_run: tiny shapes on whatever device there is, with the dry budgets
+(the tests and launch/gpu_rehearsal.sh run it). Its figures mean nothing.
 """
 
 import importlib.metadata
@@ -62,11 +62,15 @@ import tempfile
 import time
 import tomllib
 
-from absl import app, flags
+from absl import flags
 
-from lab.benchmarks.gpu_results import (DRY_BUDGET_S, STAGE_BUDGET_S,
-                                              STAGES, Results, summary)
+from lab.benchmarks import gpu_budget
+from lab.benchmarks.gpu_budget import DRY_BUDGET_S, STAGE_BUDGET_S, STAGES
+from lab.benchmarks.gpu_profile import dump_flags
+from lab.benchmarks.gpu_results import Results, summary
 from lab.benchmarks.shapes import NO_PREALLOCATE
+from zebra_jax.cli import entry
+from zebra_jax.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b,
@@ -79,18 +83,25 @@ def _flags() -> None:
   flags.DEFINE_list("stages", "all", "Comma-separated stages to run "
                     f"({', '.join(STAGES)}), or all.")
   flags.DEFINE_alias("stage", "stages")
-  flags.DEFINE_string("out", "docs", "Folder for gpu-results.md/.json.")
+  flags.DEFINE_string("out", "docs", "Folder for gpu-results.md/.json and "
+                      "the profile's archives.")
   flags.DEFINE_string("carry_from", os.path.join(REPO, "docs",
                                                  "gpu-results.json"),
                       "Where OUT has no gpu-results.json: the previous "
                       "call's file to start from ('' for none).")
   flags.DEFINE_bool("dry_run", False, "Tiny shapes, seconds: checks that "
                     "every stage runs, measures nothing.")
-  flags.DEFINE_float("wt103_seconds", 30.0,
+  flags.DEFINE_float("call_started", None, "Unix time the call began (its "
+                     "wrapper's start): the call's budget counts from "
+                     "there; default now.")
+  flags.DEFINE_float("call_budget", None, "Seconds the whole call may take "
+                     "(default: gpu_budget's, or the dry budgets' sum with "
+                     "--dry_run); stages get what is left at most.")
+  flags.DEFINE_float("wt103_seconds", 15.0,
                      "wt103: seconds of timed training.")
-  flags.DEFINE_integer("precision_steps", 300, "precision: steps per dtype.")
-  flags.DEFINE_bool("bench_rows", True, "bench: run the speed table's rows "
-                    "too (else only pallas and memory).")
+  flags.DEFINE_integer("precision_steps", 200, "precision: steps per dtype.")
+  flags.DEFINE_bool("flashrnn_cuda", True, "kernel: FlashRNN's CUDA backend "
+                    "rows too (compiled last, within the stage's budget).")
   flags.DEFINE_string("stage_child", None, "Internal: run this one stage in "
                       "this process.")
   flags.DEFINE_string("work", None, "Internal: the folder of the precision "
@@ -175,12 +186,25 @@ def _status(returncode, rows: int) -> str:
   return f"failed (exit {returncode}) after {rows} rows"
 
 
+def stage_env(stage: str, work: str) -> dict:
+  """A stage process's environment: this checkout first on PYTHONPATH, no
+  preallocation; the profile stage with XLA's dump on."""
+  env = {**os.environ, **NO_PREALLOCATE,
+         "PYTHONPATH": os.pathsep.join(
+             p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+  if stage == "profile":
+    env["XLA_FLAGS"] = dump_flags(work, os.environ.get("XLA_FLAGS", ""))
+  return env
+
+
 def drive(stages, out: str, dry: bool, budgets: dict | None = None,
-          child_args=(), carry_from: str = "") -> dict:
-  """Runs each stage in a child process under its budget, the process
-  group killed at the budget; records each stage's status; prints the
-  summary. Starts from carry_from's file where OUT has none. The parent
-  never starts a JAX backend."""
+          child_args=(), carry_from: str = "", deadline: float | None = None
+          ) -> dict:
+  """Runs each stage in a child process under its budget, or what is left
+  before `deadline` (time.time()) if less, the process group killed at it;
+  records each stage's status; prints the summary. Starts from
+  carry_from's file where OUT has none. The parent never starts a JAX
+  backend."""
   budgets = budgets or (DRY_BUDGET_S if dry else STAGE_BUDGET_S)
   _carry(out, carry_from)
   results = Results(out)
@@ -197,24 +221,31 @@ def drive(stages, out: str, dry: bool, budgets: dict | None = None,
   print("| outside pyproject.toml's bounds: "
         + ("; ".join(versions["outside"]) or "none"), flush=True)
   work = tempfile.mkdtemp(prefix="zebra_gpu_report_work_")
-  env = {**os.environ, **NO_PREALLOCATE,
-         "PYTHONPATH": os.pathsep.join(
-             p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
   for stage in stages:
+    budget = budgets[stage]
+    if deadline is not None:
+      budget = min(budget, deadline - time.time())
     results.data.pop(stage, None)
     results.data.setdefault("stages", {})[stage] = {
-        "status": "running", "rows": 0, "budget_s": budgets[stage]}
+        "status": "running", "rows": 0, "budget_s": round(budget, 1)}
+    if budget <= 0:
+      results.data["stages"][stage]["status"] = (
+          "not run: the call's budget is spent")
+      results.save()
+      print(f"| stage {stage}: not run, the call's budget is spent",
+            flush=True)
+      continue
     results.save()
-    print(f"| stage {stage} (budget {budgets[stage]} s)", flush=True)
+    print(f"| stage {stage} (budget {budget:.0f} s)", flush=True)
     start = time.perf_counter()
     child = subprocess.Popen(
         [sys.executable, "-m", "lab.gpu_report",
          f"--stage_child={stage}", f"--out={out}",
          "--dry_run" if dry else "--nodry_run", f"--work={work}",
          *child_args],
-        env=env, start_new_session=True)
+        env=stage_env(stage, work), start_new_session=True)
     try:
-      returncode = child.wait(timeout=budgets[stage])
+      returncode = child.wait(timeout=budget)
     except subprocess.TimeoutExpired:
       os.killpg(child.pid, signal.SIGKILL)  # its own processes too
       child.wait()
@@ -231,28 +262,41 @@ def drive(stages, out: str, dry: bool, budgets: dict | None = None,
   return results.data
 
 
+def parse_stages(names) -> tuple:
+  """The stages named (in running order), or every stage for 'all'."""
+  if list(names) == ["all"]:
+    return STAGES
+  unknown = sorted(set(names) - set(STAGES))
+  if unknown:
+    raise UserError(f"unknown stages {unknown}: choose from "
+                    f"{', '.join(STAGES)}")
+  return tuple(s for s in STAGES if s in names)
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
   if f.stage_child:
     from lab.benchmarks.gpu_stages import run_stage  # pylint: disable=g-import-not-at-top
     run_stage(f.stage_child, f.out, f.dry_run, f.wt103_seconds,
-              f.precision_steps, f.bench_rows, f.work)
+              f.precision_steps, f.flashrnn_cuda, f.work)
     return
   # Before anything could start a JAX backend here: children see the GPU
   # whole.
   for key, value in NO_PREALLOCATE.items():
     os.environ.setdefault(key, value)
-  stages = STAGES if f.stages == ["all"] else tuple(f.stages)
-  unknown = set(stages) - set(STAGES)
-  if unknown:
-    raise app.UsageError(f"unknown stages {sorted(unknown)}: choose from "
-                         f"{', '.join(STAGES)}")
+  stages = parse_stages(f.stages)
+  budget = f.call_budget or (
+      gpu_budget.call_seconds(DRY_BUDGET_S) if f.dry_run
+      else gpu_budget.CALL_BUDGET_S)
+  started = f.call_started or time.time()
+  # A few seconds before the call's end: the summary and the exit status.
+  deadline = started + budget - 5
   report = drive(stages, f.out, f.dry_run, carry_from=f.carry_from,
-                 child_args=(
+                 deadline=deadline, child_args=(
       f"--wt103_seconds={f.wt103_seconds}",
       f"--precision_steps={f.precision_steps}",
-      "--bench_rows" if f.bench_rows else "--nobench_rows"))
+      "--flashrnn_cuda" if f.flashrnn_cuda else "--noflashrnn_cuda"))
   # Every stage's rows are on disk either way; the exit status tells a
   # script whether all of them finished.
   if any(report["stages"][s]["status"] != "done" for s in stages):
@@ -261,4 +305,8 @@ def main(argv):
 
 if __name__ == "__main__":
   _flags()
-  app.run(main)
+  if entry.asks_help(sys.argv):
+    print(__doc__)
+    print(flags.FLAGS.main_module_help())
+    sys.exit(0)
+  entry.run_tool(main)

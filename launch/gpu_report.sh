@@ -1,41 +1,41 @@
 #!/usr/bin/env bash
-# Every GPU figure: python -m lab.gpu_report from the repository
-# root (the project itself need not be pip-installed).
+# Every GPU figure in one command: python -m lab.gpu_report from the
+# repository root (the project itself need not be pip-installed).
 #
 #   bash launch/gpu_report.sh [--dry-run] [--no-install] [STAGE ...]
 #
-# On a GPU node lent one command at a time (under 10 minutes each), two calls,
-# each under 540 s (docs/gpu-results.md has the budgets):
-#   bash launch/gpu_report.sh smoke quick bench
-#   bash launch/gpu_report.sh wt103 precision infer scaling
-# and, after each, the returned gpu-results.json and .md copied over docs/.
+# On a GPU node lent for 15 minutes, one call, with a 480 s timeout
+# (lab/benchmarks/gpu_budget.py holds every budget):
+#   bash launch/gpu_report.sh
+# runs every stage in order of value, each writing its rows into OUT as it
+# measures them: smoke kernel wt103 precision infer scaling profile
+# A second, optional call reruns named stages only:
+#   bash launch/gpu_report.sh wt103 infer
 #   bash launch/gpu_report.sh --dry-run        # tiny shapes on any CPU
-#
-# Stages: smoke quick bench wt103 precision infer scaling (none named: all of
-# them; each runs in its own process under its own time budget,
-# lab/benchmarks/gpu_results.py's STAGE_BUDGET_S).
 #
 # What it installs, one printed line per decision:
 # - jax: nothing when the Python already has jax with a CUDA plugin (a GPU
 #   node's own stack), with --dry-run (CPU), or with --no-install / NO_INSTALL=1.
 #   Otherwise, on a machine with a package index, pip install -e
 #   ".[cuda13,bench]" (CUDA_EXTRA=cuda12 for CUDA 12 drivers).
-# - the pure-Python packages the project needs beyond that stack
-#   (ml-collections; tensorboardX, optional): only when the module is missing,
-#   from wheels/ with pip install --no-index. Make wheels/ on a machine with
-#   PyPI (bash launch/gpu_wheels.sh) and carry the repository with it to a node
-#   without network.
+# - the packages the project needs beyond that stack, only when the module
+#   is missing, from wheels/ with pip install --no-index: ml-collections
+#   (required); tensorboardX, einops, ninja and flashrnn (optional: without
+#   them TensorBoard files come from the tensorboard package and the FlashRNN
+#   rows say why they did not run). Make wheels/ where PyPI is reachable
+#   (bash launch/gpu_wheels.sh) and copy the repository with it to the node.
 #
-# Writes OUT/gpu-results.md and OUT/gpu-results.json: OUT=docs by default, a
-# folder under /tmp for --dry-run (its figures mean nothing). Where OUT has no
-# gpu-results.json, the run starts from docs/gpu-results.json (the previous
-# call's, carried in the tree). Every stage adds its section.
+# Writes OUT/gpu-results.md, OUT/gpu-results.json and the profile's two
+# archives: OUT=docs by default, a folder under /tmp for --dry-run (its
+# figures mean nothing). Where OUT has no gpu-results.json, the run starts
+# from docs/gpu-results.json (the previous call's, carried in the tree).
 # PYTHON=... picks the interpreter (default: the first of python3 and python
 # on PATH that imports jax, else python3).
 set -euo pipefail
+call_started=$(date +%s)  # the call's budget counts from here
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
 
 dry=""
 install=1
@@ -111,9 +111,12 @@ else
   "$PYTHON" -m pip install -q -e ".[${extra},bench]"
 fi
 
-# MODULE:DISTRIBUTION:required|optional, beyond a GPU node's stack.
+# MODULE:DISTRIBUTION:required|optional, beyond a GPU node's stack; a
+# distribution's needs before it.
 for entry in ml_collections:ml-collections:required \
-             tensorboardX:tensorboardX:optional; do
+             tensorboardX:tensorboardX:optional \
+             einops:einops:optional ninja:ninja:optional \
+             flashrnn:flashrnn:optional; do
   IFS=: read -r module dist need <<< "$entry"
   if "$PYTHON" -c "import ${module}" 2>/dev/null; then
     continue
@@ -126,18 +129,25 @@ for entry in ml_collections:ml-collections:required \
       # a Python whose site-packages is read-only: a folder on PYTHONPATH
       echo "${module}: site-packages not writable, installed into wheels/site"
       "$PYTHON" -m pip install -q --no-index --find-links wheels \
-        --target wheels/site "$dist"
+        --target wheels/site "$dist" \
+        || { [[ "$need" == optional ]] \
+             && echo "${module}: not installed, its rows will say so"; } \
+        || exit 1
       export PYTHONPATH="$PWD/wheels/site:$PYTHONPATH"
     fi
   elif [[ "$need" == optional ]]; then
-    echo "${module} missing: TensorBoard scalars through the tensorboard package, or none"
+    case "$module" in
+      tensorboardX) echo "${module} missing: TensorBoard scalars through the tensorboard package, or none" ;;
+      *) echo "${module} missing: the FlashRNN rows will say why they did not run" ;;
+    esac
   else
     echo "error: ${module} missing and no ${dist} wheel in wheels/: run" \
-         "bash launch/gpu_wheels.sh on a machine with PyPI and bring wheels/ here" >&2
+         "bash launch/gpu_wheels.sh where PyPI is reachable and bring wheels/ here" >&2
     exit 1
   fi
 done
 
 stage_flag=${csv:+--stages=${csv}}
 echo "=== gpu_report ${stage_flag:-(every stage)} ${dry} --out=${OUT}"
-exec "$PYTHON" -m lab.gpu_report --out="$OUT" ${stage_flag} ${dry}
+exec "$PYTHON" -m lab.gpu_report --out="$OUT" ${stage_flag} ${dry} \
+  --call_started="$call_started"

@@ -1,70 +1,65 @@
 """The GPU report's results: OUT/gpu-results.json, rewritten whole after every
-row, and the markdown page rendered from it; and the plan of calls that
-fills it on a GPU node lent one command at a time.
+row, and the markdown page rendered from it. The budgets it shows come from
+gpu_budget.py.
 """
 
 import json
 import os
 import textwrap
 
+from lab.benchmarks import gpu_budget
+from lab.benchmarks.gpu_budget import (  # pylint: disable=unused-import
+    DRY_BUDGET_S, STAGE_BUDGET_S, STAGES)
 from zebra_jax import strict_json
 
-STAGES = ("smoke", "quick", "bench", "wt103", "precision", "infer", "scaling")
-# Seconds each stage may run on one H100, its process's start included.
-STAGE_BUDGET_S = {"smoke": 60, "quick": 130, "bench": 310, "wt103": 170,
-                  "precision": 150, "infer": 120, "scaling": 60}
-# --dry_run: about twice or more each stage's seconds on a loaded 2-core CPU
-# (smoke 33, quick 31, bench 128 with the speed rows, wt103 37 to 95,
-# precision 50, infer 14 to 32, scaling 15 to 34), each call's within
-# CALL_BUDGET_S as on the node.
-DRY_BUDGET_S = {"smoke": 50, "quick": 70, "bench": 380, "wt103": 150,
-                "precision": 200, "infer": 60, "scaling": 60}
-# The node runs one command at a time, at most 10 minutes each: the report
-# is two commands, each adding its stages to the same gpu-results.json.
-CALLS = (("smoke", "quick", "bench"), ("wt103", "precision", "infer",
-                                       "scaling"))
-CALL_BUDGET_S = 540     # one command, its stages' budgets and overhead
-CALL_OVERHEAD_S = 40    # outside the stages: jax probe, wheels, driver
-START_UP_S = 180        # a cold start of the node, counted in its session
-SESSION_S = 1500        # the node's time for the whole report
+# The one call, and what travels with the tree to a node without network.
+CARRY = ("wheels",)
+RESULT_FILES = ("gpu-results.json", "gpu-results.md")
 
 
-def call_command(stages) -> str:
-  return "bash launch/gpu_report.sh " + " ".join(stages)
+def call_command(stages=()) -> str:
+  return " ".join(["bash launch/gpu_report.sh", *stages])
+
+
+def first_error_line(exc: BaseException) -> str:
+  """The line of an exception that names the error (Triton's, ptxas' or
+  XLA's first line saying error), else its first line; with its type."""
+  lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
+  named = [l for l in lines if "error" in l.lower()]
+  line = (named or lines or [""])[0]
+  return f"{type(exc).__name__}: {line}"[:400]
 
 
 def sequence_lines() -> list[str]:
-  """The calls as markdown: each command and its budget, and how the
-  result file carries from one call to the next."""
-  worst = sum(START_UP_S + CALL_BUDGET_S for _ in CALLS)
-  lines = ["| call | command (repository root; the node sets $OUT) | "
-           "stage budgets, s | call budget, s |", "|---|---|---|---:|"]
-  for i, stages in enumerate(CALLS, 1):
-    budgets = " + ".join(f"{s} {STAGE_BUDGET_S[s]}" for s in stages)
-    lines.append(f"| {i} | `{call_command(stages)}` | {budgets} | "
-                 f"{CALL_BUDGET_S} |")
+  """The report's sequence as markdown: three steps, the stages' budgets
+  and the device-time ledger, all from gpu_budget.py."""
   wrap = lambda text: textwrap.fill(text, 79, break_on_hyphens=False,
                                      break_long_words=False)
-  return lines + [
+  carried = " and ".join(f"`{c}/`" for c in CARRY)
+  return [
+      "1. Here, with network: `bash launch/gpu_wheels.sh` puts the wheels "
+      "the node lacks (ml-collections, tensorboardX, flashrnn and its "
+      "needs) in `wheels/`.",
+      f"2. On the node, from the repository root, the tree and {carried} "
+      f"(git-ignored: copy it by name) copied there: `{call_command()}`, "
+      f"with a {gpu_budget.CALL_BUDGET_S} s timeout and `OUT` set to the "
+      "folder the node sends back.",
+      "3. Copy `gpu-results.json` and `gpu-results.md` from that folder "
+      "over `docs/` and commit them (its trace and XLA dump archives stay "
+      "out of the repository).",
       "",
-      wrap("Each call's stages sum to at most "
-           f"{CALL_BUDGET_S - CALL_OVERHEAD_S} "
-      f"s, leaving {CALL_OVERHEAD_S} s for the jax probe, the wheels and "
-      f"the driver; run it with a {CALL_BUDGET_S} s timeout. Both calls, "
-      f"each from a cold start ({START_UP_S} s), take at most {worst} s of "
-      f"the node's {SESSION_S} s."),
+      ] + gpu_budget.budget_table() + [
       "",
-      wrap("Results carry in the working tree: a call reads "
-      "`docs/gpu-results.json` (copied into `$OUT` first) and writes the "
-      "merged `gpu-results.json` and `gpu-results.md` into `$OUT`. After "
-      "each call, copy both back from the folder the node returns "
-      "(RETURNED) over `docs/` before the next call, so that the next "
-      "copy of the tree carries them:"),
+      wrap("Each stage writes its rows into `OUT` as it measures them, so a "
+           "call stopped at any second returns every row measured before; "
+           "a stage past its budget is killed and the next one runs. A "
+           "second, optional call on the still-warm node reruns named "
+           f"stages only (`{call_command(('wt103', 'infer'))}`) after step "
+           "3, so that the tree carries the first call's file: it replaces "
+           "those stages' sections and keeps every other row."),
       "",
-      "    cp RETURNED/gpu-results.json RETURNED/gpu-results.md docs/",
-      "",
-      wrap("A stage run again replaces its own section only; every other "
-           "stage's rows stay.")]
+      "```text"] + gpu_budget.ledger_lines() + ["```"]
+
 
 class Results:
   """OUT/gpu-results.json and the .md rendered from it, both rewritten
@@ -96,17 +91,38 @@ class Results:
   def update(self, stage: str, values: dict, rows: int = 1) -> None:
     """Sets keys of the stage's section; counts `rows` measured rows."""
     self.section(stage).update(values)
-    self._count(stage, rows)
+    self._count(stage, rows, [key for key in values] if rows else [])
 
   def append(self, stage: str, key: str, rows: list) -> None:
     """Adds rows to the list section[key]."""
-    self.section(stage).setdefault(key, []).extend(rows)
-    self._count(stage, len(rows))
+    found = self.section(stage).setdefault(key, [])
+    ids = [_list_row_id(key, len(found) + i, row)
+           for i, row in enumerate(rows)]
+    found.extend(rows)
+    self._count(stage, len(rows), ids)
 
-  def _count(self, stage: str, rows: int) -> None:
+  def _count(self, stage: str, rows: int, ids) -> None:
     status = self.data.setdefault("stages", {}).setdefault(stage, {})
     status["rows"] = status.get("rows", 0) + rows
     self.save()
+    for row_id in ids:  # on disk first: what the log names, the file holds
+      print(f"| measured {stage} {row_id}", flush=True)
+
+
+def _list_row_id(key: str, index: int, row) -> str:
+  name = row.get("name", "") if isinstance(row, dict) else ""
+  return f"{key}/{index}/{name}"
+
+
+def row_ids(report: dict):
+  """(stage, row id) of every row a results file holds, as Results prints
+  them when it writes them: a list section's rows and every other key."""
+  for stage in report.get("stages", {}):
+    for key, value in report.get(stage, {}).items():
+      yield stage, key
+      if isinstance(value, list):
+        for i, row in enumerate(value):
+          yield stage, _list_row_id(key, i, row)
 
 
 def _fmt(x, spec=",.0f"):
@@ -117,12 +133,21 @@ def _mib(x):
   return _fmt(x and x / 2 ** 20)
 
 
+def _kernel_rows(report: dict, dtype: str) -> list[dict]:
+  return [r for r in report.get("kernel", {}).get("rows", [])
+          if r["dtype"] == dtype]
+
+
+def _ratio_text(ratios: dict, limit: int = 4) -> str:
+  """'2.10 x torch_cudnn_bf16_S1, ...': the baselines in the order they ran."""
+  return ", ".join(f"{v:.2f} x {k}" for k, v in list(ratios.items())[:limit])
+
+
 def summary(report: dict) -> list[str]:
-  """At most about 25 lines: the machine, the peak, the headline rows and
-  each stage's status."""
+  """At most about 25 lines: the machine, the backend, the headline rows
+  and each stage's status."""
   mach = report.get("machine", {})
   gpus = mach.get("gpus") or []
-  quick, bench_ = report.get("quick", {}), report.get("bench", {})
   smoke = report.get("smoke", {})
   lines = [
       f"- machine: {', '.join(g['name'] for g in gpus) or 'no GPU'}"
@@ -133,6 +158,13 @@ def summary(report: dict) -> list[str]:
   outside = report.get("versions", {}).get("outside", [])
   if outside:
     lines.append(f"- versions outside pyproject.toml: {'; '.join(outside)}")
+  if "backend" in smoke:
+    lowered = smoke.get("lowered_for_cuda", {})
+    lines.append(f"- Pallas GPU backend: {lowered.get('backend', '-')} "
+                 f"(jax {lowered.get('jax', '-')}"
+                 + ("; jax warns: the Triton backend is deprecated"
+                    if "deprecated" in (lowered.get("warning") or "")
+                    else "") + ")")
   if smoke.get("rows"):
     failed = [r for r in smoke["rows"] if r["status"] != "ok"]
     lines.append(f"- smoke ({smoke.get('backend', '-')}): "
@@ -140,32 +172,22 @@ def summary(report: dict) -> list[str]:
                  "Pallas kernels ran" + (
                      f"; {failed[0]['name']}: {failed[0]['error']}"
                      if failed else ""))
-  peak = quick.get("peak")
-  if peak:
-    sheet = peak["datasheet_bf16_tflops"]
-    lines.append(f"- best measured matmul: "
-                 f"{peak['best_measured_matmul_tflops']:,.1f} TFLOP/s "
-                 f"({peak['dtype']}); datasheet dense bf16: " +
-                 (f"{sheet:,.0f} TFLOP/s ({peak['datasheet']})" if sheet
-                  else "unknown"))
-  for r in quick.get("rows", []):
-    if not r["name"].startswith("torch"):
-      lines.append(f"- {r['name']}: {r['tokens_per_s']:,.0f} tok/s, "
-                   f"{_fmt(r['ratio_to_torch'], '.2f')} x torch, "
-                   f"{100 * r['frac_of_peak']:.0f}% of the best matmul")
-  pallas = bench_.get("pallas", [])
-  widest = max((r["stripes"] for r in pallas), default=None)
-  for r in pallas:
-    if r.get("error"):
-      lines.append(f"- {r['name']} ({r['dtype']}): error: {r['error']}")
-    elif r["stripes"] == widest and not r["name"].startswith("scan_core"):
-      lines.append(f"- {r['name']} ({r['dtype']}): {r['vs_scan']:.2f} x scan,"
-                   f" {r['kernel']}")
+  ratios = report.get("kernel", {}).get("ratios", {})
+  for dtype in ("bfloat16", "float32"):
+    for r in _kernel_rows(report, dtype):
+      if r["impl"].startswith("zebra") and r["stripes"] > 1:
+        lines.append(
+            f"- {r['name']} ({dtype}): " + (
+                f"error: {r['error']}" if "error" in r else
+                f"{r['tokens_per_s']:,.0f} tok/s; "
+                + _ratio_text(ratios.get(dtype, {}).get(r["name"], {}))))
   w = report.get("wt103", {})
   if "tokens_per_s" in w:
-    lines.append(f"- wt103 recipe: {w['tokens_per_s']:,.0f} tok/s, "
-                 f"{w['epoch_minutes_103M']:.1f} min per 103M-token epoch")
-    lines.append(_wt103_pallas(w).replace("- ", "- wt103 ", 1))
+    lines.append(f"- wt103 recipe ({w['params'] / 1e6:.0f}M parameters): "
+                 f"{w['tokens_per_s']:,.0f} tok/s, compile "
+                 f"{w['compile_s']:.0f} s, peak {_mib(w['peak_bytes'])} MB; "
+                 f"{w['projected_hours']:.1f} h for its "
+                 f"{w['recipe_tokens'] / 1e9:.2f}B tokens on one GPU")
   curves = report.get("precision", {}).get("curves", {})
   if curves:
     lines.append("- precision, max |loss - fp32| after warm-up: " + ", ".join(
@@ -173,16 +195,20 @@ def summary(report: dict) -> list[str]:
         for d, c in curves.items()))
   infer = report.get("infer", {}).get("results", [])
   if infer:
-    lines.append(f"- infer: batch 1 token p50 "
-                 f"{infer[0]['token_latency_ms']['p50']:.2f} ms; batch "
-                 f"{infer[-1]['batch_size']} {infer[-1]['tokens_per_s']:,.0f}"
-                 " tok/s")
+    lines.append("- infer: " + ", ".join(
+        f"{r['batch_size']} slots {r['tokens_per_s']:,.0f} tok/s"
+        for r in infer))
   scaling = report.get("scaling", {})
   if scaling.get("rows"):
     last = scaling["rows"][-1]
     lines.append(f"- scaling: {last['devices']} devices at "
                  f"{100 * last['efficiency']:.0f}% efficiency"
                  + (f" ({scaling['note']})" if scaling.get("note") else ""))
+  profile = report.get("profile", {})
+  if profile.get("trace_archive") or profile.get("error"):
+    lines.append("- profile: " + (
+        f"error: {profile['error']}" if profile.get("error") else
+        f"{profile['trace_archive']}, {profile.get('dump_archive', '-')}"))
   for stage, st in report.get("stages", {}).items():
     lines.append(f"- stage {stage}: {st.get('status', '-')}, "
                  f"{st.get('rows', 0)} rows, {_fmt(st.get('seconds'))} s of "
@@ -197,45 +223,49 @@ def _precisions(found) -> str:
       if found else "-"
 
 
-def _bench_table(rows) -> list[str]:
-  lines = ["| row | tok/s | ms/step | x torch | model TFLOP/s | % best matmul"
-           " | XLA plan MB |", "|---|---:|---:|---:|---:|---:|---:|"]
-  for r in rows:
-    lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} | "
-                 f"{r['ms_per_step']:.1f} | {_fmt(r['ratio_to_torch'], '.2f')}"
-                 f" | {r['gflops'] / 1e3:.2f} | "
-                 f"{100 * r['frac_of_peak']:.0f}% | {_mib(r['xla_bytes'])} |")
+def _kernel_section(report: dict) -> list[str]:
+  k = report.get("kernel", {})
+  if not k.get("rows"):
+    return []
+  shape = k.get("shape", {})
+  lines = ["## kernel: core train step against every LSTM at hand", "",
+           f"hidden {shape.get('hidden')}, batch {shape.get('batch')}, "
+           f"window {shape.get('seq_len')}, {shape.get('layers')} layers; "
+           "forward + backward + Adam per step; S > 1 grouped (the "
+           "baselines as S independent LSTMs of width H/S, or FlashRNN's S "
+           "heads). Rows of one dtype and S are timed interleaved.", ""]
+  for dtype in ("bfloat16", "float32"):
+    rows = _kernel_rows(report, dtype)
+    if not rows:
+      continue
+    lines += [f"### {dtype}", "", "| row | tok/s | ms/step | note |",
+              "|---|---:|---:|---|"]
+    for r in rows:
+      if "error" in r:
+        lines.append(f"| {r['name']} | - | - | {r['error']} |")
+      else:
+        lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['ms_per_step']:.2f} | built in "
+                     f"{r['build_s']:.1f} s |")
+    lines.append("")
+    for name, against in k.get("ratios", {}).get(dtype, {}).items():
+      if against:
+        lines.append(f"- {name}: {_ratio_text(against, limit=99)}")
+    lines.append("")
   return lines
-
-
-def _wt103_pallas(w: dict) -> str:
-  """The recipe's step with the fused kernel, as one list line."""
-  p = w.get("pallas")
-  if p is None:
-    return "- model.recurrence=pallas: not measured (yet)"
-  if p.get("error"):
-    return f"- model.recurrence=pallas: error: {p['error']}"
-  if p["kernel"] != "fused":
-    return f"- model.recurrence=pallas: {p['kernel']}"
-  return (f"- model.recurrence=pallas (fused kernel): "
-          f"{p['tokens_per_s']:,.0f} tok/s, {p['ms_per_step']:.1f} ms/step, "
-          f"{p['vs_scan']:.2f} x scan")
 
 
 def render(report: dict) -> str:
   """The markdown page, from whatever the JSON holds (a stage stopped
   midway shows the rows it finished)."""
   lines = ["# GPU results", "",
-           "Measured by `python -m lab.gpu_report` "
-           "(`bash launch/gpu_report.sh`); the JSON beside this page holds "
-           "every number.", ""]
+           "Measured by `bash launch/gpu_report.sh` (`python -m "
+           "lab.gpu_report`) from the repository root; the JSON beside this "
+           "page holds every number.", ""]
   if report.get("dry_run"):
     lines += ["**DRY RUN: tiny shapes, figures mean nothing.**", ""]
   lines += ["## Summary", ""] + summary(report) + [""]
-  lines += ["## How this page is made", "",
-            "Two commands on a GPU node (what each stage measures: "
-            "`python -m lab.gpu_report --help`):", ""]
-  lines += sequence_lines() + [""]
+  lines += ["## How this page is made", ""] + sequence_lines() + [""]
   versions = report.get("versions", {})
   if versions.get("installed"):
     lines += ["Installed: " + ", ".join(
@@ -246,7 +276,13 @@ def render(report: dict) -> str:
                  "; all within pyproject.toml's bounds"), ""]
   smoke = report.get("smoke", {})
   if smoke.get("rows"):
+    lowered = smoke.get("lowered_for_cuda", {})
     lines += [f"## smoke: tiny Pallas kernels ({smoke.get('backend')})", "",
+              f"The stripe kernel lowered for CUDA calls "
+              f"{', '.join(lowered.get('custom_calls') or ['-'])}: backend "
+              f"{lowered.get('backend', '-')}"
+              + (f"; jax warned: {lowered['warning']}"
+                 if lowered.get("warning") else "") + ".", "",
               "| kernel | status | seconds | max abs error | tt.dot "
               "precision |", "|---|---|---:|---:|---|"]
     for r in smoke["rows"]:
@@ -256,72 +292,19 @@ def render(report: dict) -> str:
                    f"{_fmt(r.get('max_abs_err'), '.2e')} | "
                    f"{_precisions(r.get('dot_precision'))} |")
     lines.append("")
-  quick, b = report.get("quick", {}), report.get("bench", {})
-  if quick.get("peak"):
-    p = quick["peak"]
-    call = p["seconds_per_call_at_least"]
-    lines += ["## Best measured matmul", "",
-              f"{p['device_kind']}, {p['dtype']}"
-              + (f", every timed call at least {1e3 * call:.0f} ms of work at"
-                 " the datasheet's rate" if call else "")
-              + "; GFLOP/s by shape: " + ", ".join(
-                  f"{k} {v:,.0f}" for k, v in p["by_shape_gflops"].items()),
-              "", "Model TFLOP/s below count the matmuls a step needs "
-              "(recomputation not counted).", ""]
-  if quick.get("rows"):
-    lines += ["## Core train step against torch (first figures)", "",
-              quick.get("torch", ""), ""] + _bench_table(quick["rows"]) + [""]
-  if b.get("rows"):
-    lines += ["## bench --shape=gpu", "", b.get("torch", ""), ""]
-    lines += _bench_table(b["rows"]) + [""]
-  if b.get("memory_error"):
-    lines.append(f"- peak memory: error: {b['memory_error']}")
-  for m in b.get("memory") or []:
-    lines.append(f"- peak memory, LM S=1, window {m['seq_len']}, remat "
-                 f"{m['remat']}: {_mib(m['peak_bytes'])} MB "
-                 f"({m['peak_source']}); XLA plan {_mib(m['xla_bytes'])} MB")
-  if b.get("pallas"):
-    lines += ["", "### pallas: the fused stripe kernel vs the scan "
-              "(core train step)", "",
-              "| row | dtype | tok/s | ms/step | x scan | model TFLOP/s | "
-              "kernel |", "|---|---|---:|---:|---:|---:|---|"]
-    for r in b["pallas"]:
-      if r.get("error"):
-        lines.append(f"| {r['name']} | {r['dtype']} | - | - | - | - | "
-                     f"error: {r['error']} |")
-        continue
-      lines.append(f"| {r['name']} | {r['dtype']} | "
-                   f"{r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | "
-                   f"{r['vs_scan']:.2f} | {r['model_tflops']:.2f} | "
-                   f"{r['kernel']} |")
-    lines.append("")
+  lines += _kernel_section(report)
   w = report.get("wt103", {})
   if "tokens_per_s" in w:
-    profile = w.get("profile", {})
-    share = profile.get("share", {})
-    lines += ["## WikiText-103 recipe shapes (synthetic ids)", "",
-              f"model {w['model']}, batch {w['batch']} x {w['seq_len']}, "
-              f"{w['steps_timed']} timed steps", "",
-              f"- {w['tokens_per_s']:,.0f} tok/s, {w['ms_per_step']:.1f} "
-              f"ms/step: {w['epoch_minutes_103M']:.1f} minutes per "
-              "103M-token epoch",
+    lines += ["## WikiText-103 recipe step (synthetic ids)", "",
+              f"model {w['model']}, {w['params']:,} parameters, batch "
+              f"{w['batch']} x {w['seq_len']}, {w['steps_timed']} timed "
+              "steps", "",
+              f"- compile {w['compile_s']:.1f} s; {w['tokens_per_s']:,.0f} "
+              f"tok/s, {w['ms_per_step']:.1f} ms/step",
               f"- peak memory {_mib(w['peak_bytes'])} MB "
               f"({w['peak_source']}); XLA plan {_mib(w['xla_bytes'])} MB",
-              "- step time by part (device ops in a 3-step trace): " + (
-                  ", ".join(f"{k} {100 * v:.0f}%" for k, v in
-                            sorted(share.items(), key=lambda kv: -kv[1]))
-                  or profile.get("error", "not traced")),
-              _wt103_pallas(w), ""]
-  if report.get("infer", {}).get("results"):
-    lines += ["## infer_bench (demo model)", "",
-              "| batch | tok/s | token p50 ms | p90 | p99 | request p50 ms |",
-              "|---:|---:|---:|---:|---:|---:|"]
-    for r in report["infer"]["results"]:
-      t, q = r["token_latency_ms"], r["request_latency_ms"]
-      lines.append(f"| {r['batch_size']} | {r['tokens_per_s']:,.0f} | "
-                   f"{t['p50']:.2f} | {t['p90']:.2f} | {t['p99']:.2f} | "
-                   f"{q['p50']:.1f} |")
-    lines.append("")
+              f"- the recipe's {w['recipe_tokens']:,} tokens: "
+              f"{w['projected_hours']:.1f} hours on one GPU", ""]
   p = report.get("precision", {})
   if p.get("curves"):
     lines += [f"## precision: demo corpus, {p['steps']} steps per dtype", "",
@@ -333,6 +316,16 @@ def render(report: dict) -> str:
                    f"{_fmt(c['max_abs_diff_vs_fp32'], '.4f')} | "
                    f"{_fmt(c['skipped_after_warmup'], 'd')} | "
                    f"{_fmt(c['loss_scale'], '.0f')} |")
+    lines.append("")
+  if report.get("infer", {}).get("results"):
+    lines += ["## inference: tokens/s by slots (demo model)", "",
+              "| slots | tok/s | token p50 ms | p90 | p99 | request p50 ms |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for r in report["infer"]["results"]:
+      t, q = r["token_latency_ms"], r["request_latency_ms"]
+      lines.append(f"| {r['batch_size']} | {r['tokens_per_s']:,.0f} | "
+                   f"{t['p50']:.2f} | {t['p90']:.2f} | {t['p99']:.2f} | "
+                   f"{q['p50']:.1f} |")
     lines.append("")
   s = report.get("scaling", {})
   if s.get("rows"):
@@ -346,5 +339,24 @@ def render(report: dict) -> str:
                    f"{r['ms_per_step']:.1f} | {100 * r['efficiency']:.0f}% |")
     if s.get("note"):
       lines += ["", s["note"]]
+    lines.append("")
+  prof = report.get("profile", {})
+  if prof:
+    share = prof.get("share", {})
+    lines += ["## profile: three WikiText-103 steps", ""]
+    if prof.get("error"):
+      lines += [f"error: {prof['error']}", ""]
+    if prof.get("trace_archive"):
+      lines += [f"- trace: `{prof['trace_archive']}` "
+                f"({_mib(prof['trace_bytes'])} MB); open it with "
+                f"`{prof['tensorboard']}`",
+                "- step time by part (device ops): " + (
+                    ", ".join(f"{k} {100 * v:.0f}%" for k, v in
+                              sorted(share.items(), key=lambda kv: -kv[1]))
+                    or prof.get("share_error", "-"))]
+    if prof.get("dump_archive"):
+      lines.append(f"- XLA dump of the step: `{prof['dump_archive']}` "
+                   f"({prof['dump_files']} files, "
+                   f"{_mib(prof['dump_bytes'])} MB)")
     lines.append("")
   return "\n".join(lines)

@@ -1,38 +1,28 @@
-"""The GPU report's stages, each run in its own process by lab/gpu_report.py:
-smoke, quick, bench, wt103, precision, infer, scaling (what each measures:
-that tool's docstring). Every stage writes each row as it lands; every
-Pallas row is guarded, so a Triton or ptxas error becomes a row that says
-so and the stage goes on.
+"""The GPU report's stages, each run in its own process by lab/gpu_report.py
+(what each measures: that tool's docstring), in gpu_budget.STAGES' order.
+Every stage writes each row as it lands; every row that needs a kernel, a
+library or a device that may be missing is guarded, so an error becomes a
+row that says so and the stage goes on.
 """
 
-import contextlib
 import datetime
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from lab.benchmarks import traces
-from lab.benchmarks.flops import step_flops
+from lab.benchmarks import gpu_kernel, gpu_profile
 from lab.benchmarks.gpu_results import (  # pylint: disable=unused-import
     DRY_BUDGET_S, STAGE_BUDGET_S, STAGES, Results)
-from lab.benchmarks.memory import memory_rows
+from lab.benchmarks.gpu_smoke import stage_smoke
 from lab.benchmarks.shapes import SHAPES, model_config, zipf_probs
-from lab.benchmarks.speed import row_specs, time_group
-from lab.benchmarks.steps import core_runner, train_batch, train_step
-from lab.benchmarks.timing import (PEAK_CALL_SECONDS, datasheet,
-                                         matmul_peak, time_interleaved)
-from lab.benchmarks.torch_reference import torch_runners
-from zebra_jax.model import lm
-from zebra_jax.model.recurrence import pallas as pallas_recurrence
-from zebra_jax.model.recurrence import scan as recurrence
+from lab.benchmarks.steps import train_batch, train_step
+from lab.benchmarks.timing import time_interleaved
 from zebra_jax.runtime import profiling
 
 
@@ -73,137 +63,6 @@ def machine() -> dict:
   return info
 
 
-def first_error_line(exc: BaseException) -> str:
-  """The line of an exception that names the error (Triton's, ptxas' or
-  XLA's first line saying error), else its first line; with its type."""
-  lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
-  named = [l for l in lines if re.search(r"error", l, re.IGNORECASE)]
-  line = (named or lines or [""])[0]
-  return f"{type(exc).__name__}: {line}"[:400]
-
-
-@contextlib.contextmanager
-def triton_ir():
-  """Collects the Triton IR text of every Pallas kernel lowered inside the
-  block (jax's own lowering function, wrapped; the list stays empty on a
-  jax that lowers elsewhere)."""
-  texts = []
-  try:
-    from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
-    lower = reg.lowering.lower_jaxpr_to_triton_module
-  except (ImportError, AttributeError):
-    yield texts
-    return
-
-  def spy(*args, **kwargs):
-    result = lower(*args, **kwargs)
-    texts.append(result.module.operation.get_asm())
-    return result
-
-  reg.lowering.lower_jaxpr_to_triton_module = spy
-  try:
-    yield texts
-  finally:
-    reg.lowering.lower_jaxpr_to_triton_module = lower
-
-
-def dot_precisions(text: str) -> list[str]:
-  """The inputPrecision of every tt.dot in Triton IR text: ieee where the
-  attribute is absent (Triton's default, not printed)."""
-  found = []
-  for line in text.splitlines():
-    if re.search(r"\btt\.dot\b", line):
-      named = re.search(r"inputPrecision = (\w+)", line)
-      found.append(named.group(1) if named else "ieee")
-  return found
-
-
-def _tiny_dot(dtype, interpret: bool):
-  """x @ w + 1 as one Pallas program of 16 x 16 tiles, Precision.HIGHEST
-  as the stripe kernel asks."""
-  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-
-  def kernel(x_ref, w_ref, o_ref):
-    o_ref[...] = jnp.dot(x_ref[...], w_ref[...],
-                         precision=jax.lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32) + 1.0
-
-  params = None
-  if not interpret:
-    from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
-    params = pltriton.CompilerParams(num_warps=4, num_stages=1)
-  rng = np.random.default_rng(0)
-  x, w = (jnp.asarray(rng.standard_normal((16, 16)), dtype)
-          for _ in range(2))
-  fn = jax.jit(pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
-      interpret=interpret, compiler_params=params, name="zebra_smoke_dot"))
-  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + 1.0
-  return lambda: float(np.max(np.abs(np.asarray(fn(x, w)) - want)))
-
-
-def _tiny_stripes(dtype, interpret: bool):
-  """The stripe kernel's forward and backward at one 16-row block (S=2,
-  T=3, G=16) against the scan: the largest difference of the loss and
-  every gradient."""
-  s, t, b, g, n = 2, 3, 16, 16, 32
-  rng = np.random.default_rng(0)
-
-  def arr(shape, scale, dt=jnp.float32):
-    return jnp.asarray(scale * rng.standard_normal(shape), dt)
-  args = (arr((t, b, n), 1.0, dtype), arr((n, s, 4 * g), 0.3, dtype),
-          arr((s, 4 * g), 0.2), arr((s, b, g), 0.5), arr((s, b, g), 0.5),
-          arr((s, g, 4 * g), 0.2, dtype))
-
-  def loss(layer):
-    def fn(*a):
-      ys, h, c = layer(*a)
-      return jnp.sum(ys.astype(jnp.float32) ** 2) + jnp.sum(h) + jnp.sum(c)
-    return jax.jit(jax.value_and_grad(fn, argnums=tuple(range(6))))
-
-  kernel = loss(lambda *a: pallas_recurrence.zebra_layer(
-      *a, 1, False, interpret=interpret))
-  scan = loss(lambda *a: recurrence.zebra_layer(*a, 1, False))
-
-  def run():
-    got, want = kernel(*args), scan(*args)
-    return max(float(jnp.max(jnp.abs(x.astype(jnp.float32)
-                                     - y.astype(jnp.float32))))
-               for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-  return run
-
-
-SMOKE_ROWS = (("tiny_dot_float32", _tiny_dot, jnp.float32),
-              ("tiny_dot_bfloat16", _tiny_dot, jnp.bfloat16),
-              ("stripe_kernel_float32", _tiny_stripes, jnp.float32),
-              ("stripe_kernel_bfloat16", _tiny_stripes, jnp.bfloat16))
-
-
-def stage_smoke(results: Results, dry: bool) -> None:
-  """Tiny Pallas kernels compiled and run on this device before anything
-  else: a 16 x 16 dot in float32 and bfloat16, then the stripe kernel's
-  forward and backward against the scan. Each row records ok (with its
-  error against the reference and the precision of its lowered tt.dots)
-  or the first error line (Triton, ptxas, XLA), and the next row runs."""
-  del dry  # the same tiny shapes either way
-  interpret = jax.devices()[0].platform != "gpu"
-  results.update("smoke", {
-      "backend": "interpret" if interpret else "triton",
-      "triton_missing": pallas_recurrence.triton_missing() or None}, rows=0)
-  for name, make, dtype in SMOKE_ROWS:
-    start = time.perf_counter()
-    row = {"name": name}
-    try:
-      with triton_ir() as texts:
-        err = make(dtype, interpret)()
-      row.update(status="ok", max_abs_err=err, dot_precision=[
-          p for text in texts for p in dot_precisions(text)])
-    except Exception as e:  # pylint: disable=broad-except
-      row.update(status="error", error=first_error_line(e))
-    row["seconds"] = time.perf_counter() - start
-    results.append("smoke", "rows", [row])
-
-
 def _shape(dry: bool) -> dict:
   return dict(SHAPES["quick" if dry else "gpu"])
 
@@ -212,125 +71,39 @@ def _rounds(dry: bool) -> int:
   return 2 if dry else 5
 
 
-def quick_rows(shape) -> tuple[str, ...]:
-  """The core rows the quick stage measures: the first and last S."""
-  return (f"core_S{shape['stripes'][0]}", f"core_S{shape['stripes'][-1]}")
-
-
-def stage_quick(results: Results, dry: bool) -> None:
-  """The best measured matmul, then core S=1 and S=8 against torch, each S
-  timed interleaved with torch's core step and written as it lands."""
+def stage_kernel(results: Results, dry: bool,
+                 flashrnn_cuda: bool = True) -> None:
+  """The headline rows (gpu_kernel.py), group by group, each group written
+  as soon as it is timed; then FlashRNN's CUDA backend, whose compile
+  takes minutes, last."""
   shape, rounds = _shape(dry), _rounds(dry)
-  kind = jax.devices()[0].device_kind
-  peak, by_shape = matmul_peak(shape, rounds)
-  sheet, sheet_name = datasheet(kind)
-  results.update("quick", {"peak": {
-      "device_kind": kind, "dtype": shape["dtype"],
-      "best_measured_matmul_tflops": peak / 1e12,
-      "by_shape_gflops": by_shape,
-      "datasheet_bf16_tflops": sheet and sheet / 1e12,
-      "datasheet": sheet_name,
-      # dry: the quick shape's loops are capped (matmul_peak)
-      "seconds_per_call_at_least": None if dry else PEAK_CALL_SECONDS}})
-  torch_fns, note = torch_runners(shape, groups=("core",))
-  results.update("quick", {"torch": note}, rows=0)
-  specs = row_specs(shape)["core"]
-  for name in quick_rows(shape):
-    rows, _ = time_group(shape, "core", {name: specs[name]}, torch_fns,
-                               rounds, peak)
-    results.append("quick", "rows", rows)
+  results.update("kernel", {"shape": {k: shape[k] for k in (
+      "hidden", "batch", "seq_len", "layers")}, "ratios": {}}, rows=0)
+  dtypes = ("bfloat16", "float32")
+  groups = [(d, s) for d in dtypes for s in gpu_kernel.group_stripes(shape)]
+  for dtype, stripes in groups:
+    rows = gpu_kernel.time_group(
+        shape, dtype, stripes, gpu_kernel.candidates(shape, dtype, stripes),
+        rounds)
+    _add_kernel_rows(results, rows)
+  if flashrnn_cuda:
+    for dtype, stripes in groups:
+      prec = gpu_kernel.SHORT[dtype]
+      rows = gpu_kernel.time_group(
+          shape, dtype, stripes, [("flashrnn_cuda", gpu_kernel.flashrnn_builder(
+              {**shape, "dtype": dtype}, stripes, prec, "cuda"))], rounds)
+      _add_kernel_rows(results, rows)
 
 
-def _peak(results: Results, shape, dry: bool) -> float:
-  """The quick stage's best measured matmul when it ran on this device and
-  dtype, else one measured here."""
-  peak = results.data.get("quick", {}).get("peak", {})
-  if (peak.get("device_kind") == jax.devices()[0].device_kind
-      and peak.get("dtype") == shape["dtype"]):
-    return peak["best_measured_matmul_tflops"] * 1e12
-  return matmul_peak(shape, _rounds(dry))[0]
-
-
-def pallas_rows(shape, stripes: int, rounds: int) -> list[dict]:
-  """Core train-step rows at one stripe count, timed interleaved: the scan,
-  and model.recurrence=pallas: `pallas_core_S*` where the fused kernel
-  runs, `scan_fallback_core_S*` where plan() finds no fit and the scan
-  stands in."""
-  triton = jax.devices()[0].platform == "gpu"
-  dt = lm.compute_dtype(shape["dtype"])
-  g = shape["hidden"] // stripes
-  block, why = pallas_recurrence.plan(shape["batch"], g, dt, triton=triton)
-  names = {"scan": f"scan_core_S{stripes}",
-           "pallas": (f"pallas_core_S{stripes}" if block
-                      else f"scan_fallback_core_S{stripes}")}
-  labels = {"scan": "lax.scan",
-            "pallas": "fused" if block else f"scan (kernel did not fit: {why})"}
-  fns = {"scan": core_runner(shape, stripes)}
-  error = None
-  try:  # compiled and run once here: a Triton or ptxas error is a row
-    fns["pallas"] = core_runner(shape, stripes, kernel="pallas")
-    fns["pallas"]()
-  except Exception as e:  # pylint: disable=broad-except
-    fns.pop("pallas", None)
-    error = first_error_line(e)
-  tokens = shape["batch"] * shape["seq_len"]
-  sec = time_interleaved(fns, rounds)
-  flops = step_flops(shape, stripes, input_grad=False)
-  rows = [{"name": names[k], "stripes": stripes, "width": g,
-           "dtype": shape["dtype"], "tokens_per_s": tokens / sec[k],
-           "ms_per_step": 1e3 * sec[k], "vs_scan": sec["scan"] / sec[k],
-           "model_tflops": flops * tokens / sec[k] / 1e12,
-           "kernel": labels[k],
-           "batch_block": block if k == "pallas" else None}
-          for k in fns]
-  if error:
-    rows.append(pallas_error_row(names["pallas"], shape, stripes, error))
-  return rows
-
-
-def pallas_error_row(name, shape, stripes, error) -> dict:
-  """A pallas row that raised: its name, shape and first error line."""
-  return {"name": name, "stripes": stripes,
-          "width": shape["hidden"] // stripes, "dtype": shape["dtype"],
-          "kernel": "error", "error": error}
-
-
-def stage_bench(results: Results, dry: bool, bench_rows: bool = True) -> None:
-  """The pallas rows, then the memory rows, then the speed table's groups
-  (speed.py; the quick stage's rows left out when it has them), each
-  written as it lands: a stage stopped at its budget loses speed rows
-  first. A pallas row that raises becomes an error row and the stage goes
-  on. bench_rows=False: pallas and memory only (the speed rows take
-  minutes even at the quick shape; tests/lab/test_bench.py covers
-  them)."""
-  shape, rounds = _shape(dry), _rounds(dry)
-  for dtype in (shape["dtype"],) if dry else ("bfloat16", "float32"):
-    for s in shape["stripes"]:
-      sized = {**shape, "dtype": dtype}
-      try:
-        rows = pallas_rows(sized, s, rounds)
-      except Exception as e:  # pylint: disable=broad-except
-        rows = [pallas_error_row(f"pallas_core_S{s}", sized, s,
-                                 first_error_line(e))]
-      results.append("bench", "pallas", rows)
-  if not dry:
-    try:
-      memory, fit = memory_rows("gpu", fresh_processes=True)
-      results.update("bench", {"memory": memory, "max_window": fit},
-                     rows=len(memory))
-    except Exception as e:  # pylint: disable=broad-except
-      results.update("bench", {"memory_error": first_error_line(e)}, rows=0)
-  if bench_rows:
-    peak = _peak(results, shape, dry)
-    torch_fns, note = torch_runners(shape)
-    results.update("bench", {"torch": note,
-                             "best_measured_matmul_tflops": peak / 1e12},
-                   rows=0)
-    done = {r["name"] for r in results.data.get("quick", {}).get("rows", [])}
-    for group, specs in row_specs(shape).items():
-      specs = {n: spec for n, spec in specs.items() if n not in done}
-      rows, _ = time_group(shape, group, specs, torch_fns, rounds, peak)
-      results.append("bench", "rows", rows)
+def _add_kernel_rows(results: Results, rows: list[dict]) -> None:
+  """Appends rows and recomputes every dtype's ratios from all rows so far
+  (one process: every row of a dtype is comparable)."""
+  section = results.section("kernel")
+  all_rows = section.get("rows", []) + rows
+  section["ratios"] = {d: gpu_kernel.ratios(
+      [r for r in all_rows if r["dtype"] == d])
+                       for d in sorted({r["dtype"] for r in all_rows})}
+  results.append("kernel", "rows", rows)
 
 
 def _wt103_config(dry: bool):
@@ -339,9 +112,10 @@ def _wt103_config(dry: bool):
   return cfg
 
 
-def _wt103_step(cfg, dry: bool, seconds: float):
-  """The product's train step for the recipe, compiled and timed on synthetic
-  Zipf ids: (seconds per step, steps timed, last loss, compiled, run(i))."""
+def wt103_step(cfg, dry: bool, seconds: float):
+  """The product's train step for the recipe, compiled and timed on
+  synthetic Zipf ids: {compile_s, sec_per_step, steps, loss, params,
+  compiled, run(i)}."""
   m, d = cfg.model, cfg.data
   step, state, mesh = train_step(m, d.batch_size)
   probs = zipf_probs(m.vocab_size)
@@ -349,7 +123,10 @@ def _wt103_step(cfg, dry: bool, seconds: float):
   batches = [train_batch(mesh, rng.choice(m.vocab_size,
                                           (d.batch_size, d.seq_len + 1),
                                           p=probs)) for _ in range(4)]
+  start = time.perf_counter()
   compiled = step.lower(state, batches[0]).compile()
+  compile_s = time.perf_counter() - start
+  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   live = [state]
 
   def run(i):
@@ -361,60 +138,39 @@ def _wt103_step(cfg, dry: bool, seconds: float):
   while True:
     loss = run(steps)
     steps += 1
-    if steps >= (3 if dry else 5) and (time.perf_counter() - start >= seconds
-                                        or dry):
+    if steps >= 3 and (time.perf_counter() - start >= seconds or dry):
       break
   jax.block_until_ready(loss)
-  return (time.perf_counter() - start) / steps, steps, loss, compiled, run
+  return {"compile_s": compile_s,
+          "sec_per_step": (time.perf_counter() - start) / steps,
+          "steps": steps, "loss": float(loss), "params": params,
+          "compiled": compiled, "run": run}
 
 
 def stage_wt103(results: Results, dry: bool, seconds: float) -> None:
-  """The recipe's model and batch on synthetic ids of its real vocabulary:
-  the timed figures first, then the profile of a 3-step trace, then the
-  same step with model.recurrence=pallas (the fused kernel, streamed U_s at
-  the recipe's G=256), or the reason it falls back to the scan."""
+  """The recipe's model and batch (hidden 2048, S=8, the 267,735-word
+  adaptive softmax, bfloat16) through the product's train step on synthetic ids of its real
+  vocabulary: compile time, tok/s, peak device memory, and the hours its
+  token budget (train.num_steps x batch x window) would take on one GPU."""
   cfg = _wt103_config(dry)
   m, d = cfg.model, cfg.data
-  sec, steps, loss, compiled, run = _wt103_step(cfg, dry, seconds)
+  got = wt103_step(cfg, dry, seconds)
   tokens = d.batch_size * d.seq_len
+  tok_s = tokens / got["sec_per_step"]
+  recipe_tokens = _config("wt103").train.num_steps * tokens
   peak, source = profiling.peak_memory()
   results.update("wt103", {
       "model": {k: m[k] for k in ("hidden_size", "num_layers", "num_stripes",
                                   "vocab_size", "head", "dtype",
                                   "recurrence")},
-      "batch": d.batch_size, "seq_len": d.seq_len, "steps_timed": steps,
-      "ms_per_step": 1e3 * sec, "tokens_per_s": tokens / sec,
-      "epoch_minutes_103M": 103e6 / (tokens / sec) / 60,
+      "params": got["params"], "batch": d.batch_size, "seq_len": d.seq_len,
+      "compile_s": got["compile_s"], "steps_timed": got["steps"],
+      "ms_per_step": 1e3 * got["sec_per_step"], "tokens_per_s": tok_s,
+      "recipe_tokens": recipe_tokens,
+      "projected_hours": recipe_tokens / tok_s / 3600,
       "peak_bytes": peak, "peak_source": source,
-      "xla_bytes": profiling.compiled_bytes(compiled),
-      "final_loss": float(loss)})
-  trace_dir = tempfile.mkdtemp(prefix="zebra_wt103_trace_")
-  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-    for i in range(3):
-      with jax.profiler.StepTraceAnnotation("train", step_num=i):
-        jax.block_until_ready(run(i))
-  results.update("wt103", {"profile": traces.summarise_trace(trace_dir,
-                                                      compiled.as_text())})
-  del compiled, run  # the scan's buffers go before the kernel's step
-
-  block, why = pallas_recurrence.plan(
-      d.batch_size, m.hidden_size // m.num_stripes, lm.compute_dtype(m.dtype),
-      triton=jax.devices()[0].platform == "gpu")
-  if not block:
-    results.update("wt103", {"pallas": {
-        "kernel": f"scan (kernel did not fit: {why})"}})
-    return
-  cfg.model.recurrence = "pallas"
-  try:
-    p_sec, p_steps, p_loss, _, _ = _wt103_step(cfg, dry, seconds)
-  except Exception as e:  # pylint: disable=broad-except
-    results.update("wt103", {"pallas": {"kernel": "error",
-                                        "error": first_error_line(e)}})
-    return
-  results.update("wt103", {"pallas": {
-      "kernel": "fused", "steps_timed": p_steps, "ms_per_step": 1e3 * p_sec,
-      "tokens_per_s": tokens / p_sec, "vs_scan": sec / p_sec,
-      "final_loss": float(p_loss)}})
+      "xla_bytes": profiling.compiled_bytes(got["compiled"]),
+      "final_loss": got["loss"]})
 
 
 def _config(name: str, variant: str = ""):
@@ -462,13 +218,14 @@ def stage_precision(results: Results, dry: bool, work: str,
     ref = ref or dict(pts)
     diffs = [abs(loss - ref[s]) for s, loss in pts if s in ref and s >= warm]
     skipped = [m.get("skipped", 0) for m in curve if m["step"] >= warm]
-    results.section("precision")["curves"][dtype] = {
+    curves = results.section("precision")["curves"]
+    curves[dtype] = {
         "loss": pts, "final_loss": pts[-1][1] if pts else None,
         "max_abs_diff_vs_fp32": max(diffs) if diffs else None,
         "skipped_after_warmup": (max(skipped) - min(skipped)
                                  if skipped else None),
         "loss_scale": curve[-1].get("loss_scale") if curve else None}
-    results.update("precision", {})
+    results.update("precision", {"curves": curves})
 
 
 def stage_infer(results: Results, dry: bool, work: str) -> None:
@@ -487,7 +244,7 @@ def stage_infer(results: Results, dry: bool, work: str) -> None:
   generator = sample.Generator(loaded)
   results.update("infer", {"step": int(loaded.step),
                            "dtype": loaded.cfg.model.dtype}, rows=0)
-  for size in (1, 2) if dry else (1, 2, 4, 8, 16, 32, 64):
+  for size in (1, 2) if dry else (1, 16, 64):
     results.append("infer", "results", [inference.bench_batch(
         generator, prompt, size, new_tokens=4 if dry else 64,
         requests=2 if dry else 5)])
@@ -527,8 +284,8 @@ def stage_scaling(results: Results, dry: bool) -> None:
         "ms_per_step": 1e3 * sec, "efficiency": tok_s / (n * base)}])
 
 
-def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 30.0,
-              precision_steps: int = 300, bench_rows: bool = True,
+def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 15.0,
+              precision_steps: int = 200, flashrnn_cuda: bool = True,
               work: str | None = None) -> None:
   """One stage in this process (what a stage's child process runs). work:
   the folder of the precision stage's runs, which infer reads (None: a new
@@ -543,10 +300,8 @@ def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 30.0,
   work = work or tempfile.mkdtemp(prefix="zebra_gpu_report_work_")
   if stage == "smoke":
     stage_smoke(results, dry)
-  elif stage == "quick":
-    stage_quick(results, dry)
-  elif stage == "bench":
-    stage_bench(results, dry, bench_rows)
+  elif stage == "kernel":
+    stage_kernel(results, dry, flashrnn_cuda)
   elif stage == "wt103":
     stage_wt103(results, dry, wt103_seconds)
   elif stage == "precision":
@@ -555,3 +310,6 @@ def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 30.0,
     stage_infer(results, dry, work)
   elif stage == "scaling":
     stage_scaling(results, dry)
+  elif stage == "profile":
+    gpu_profile.stage_profile(results, dry, out, work,
+                              lambda: wt103_step(_wt103_config(dry), dry, 0))

@@ -4,6 +4,7 @@ Deselected by default (pyproject's addopts): the rest of the suite pins the
 CPU. Each test runs the command line as a user would, on the GPU.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -37,7 +38,8 @@ def test_train_eval_sample_on_the_gpu(tmp_path):
   assert "test ppl" in out
   out = _run(*common, "--mode=eval")
   assert "valid ppl" in out and "test ppl" in out
-  out = _run(*common, "--mode=sample", "--prompt=The ", "--max_new_tokens=40")
+  out = _run(*common, "--mode=sample", "--prompt=The ",
+             "--config.sample.max_new_tokens=40")
   assert out.strip()
 
 
@@ -45,3 +47,13 @@ def test_bench_quick_on_the_gpu(tmp_path):
   out = _run("-m", "lab.bench", "--quick", "--memory=false",
              f"--json={tmp_path / 'bench.json'}")
   assert (tmp_path / "bench.json").exists(), out
+
+
+def test_the_reports_smoke_stage_on_the_gpu(tmp_path):
+  """The report's first stage as its call runs it: the stripe kernel
+  lowers through a Pallas GPU backend and every tiny kernel runs."""
+  _run("-m", "lab.gpu_report", "--stages=smoke", f"--out={tmp_path}",
+       "--carry_from=")
+  report = json.loads((tmp_path / "gpu-results.json").read_text())
+  assert report["smoke"]["backend"] in ("triton", "mosaic_gpu")
+  assert all(r["status"] == "ok" for r in report["smoke"]["rows"]), report

@@ -9,14 +9,17 @@ stack fails here.
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
+from lab.benchmarks import gpu_budget
 from zebra_jax.runtime import writer
 from tests.helpers import REPO
 
@@ -102,7 +105,11 @@ def test_gpu_jax_present_without_dry_run_installs_nothing(tmp_path):
   assert out.returncode == 0, out.stderr
   assert not _pip_calls(calls)
   (report,) = _report_calls(calls)
-  assert report.split()[2:] == ["--out=docs", "--stages=precision"]
+  args = report.split()[2:]
+  assert args[:2] == ["--out=docs", "--stages=precision"]
+  # the call's budget counts from the script's start, not the driver's
+  (started,) = [a for a in args[2:] if a.startswith("--call_started=")]
+  assert abs(int(started.split("=")[1]) - time.time()) < 60
 
 
 def test_no_stage_passes_none_and_dry_run_is_not_a_stage(tmp_path):
@@ -135,14 +142,27 @@ def test_no_install(tmp_path, args, env):
 
 
 def test_missing_module_comes_from_wheels(tmp_path):
-  out, calls = _run(tmp_path, "bench", missing="ml_collections tensorboardX",
-                    wheels=("ml_collections-1.1.0-py3-none-any.whl",))
+  out, calls = _run(tmp_path, "bench",
+                    missing="ml_collections tensorboardX einops flashrnn",
+                    wheels=("ml_collections-1.1.0-py3-none-any.whl",
+                            "einops-0.8.2-py3-none-any.whl",
+                            "flashrnn-1.0.8-py3-none-any.whl"))
   assert out.returncode == 0, out.stderr
   assert "ml_collections from wheels/" in out.stdout
   assert "tensorboardX missing" in out.stdout
-  (pip,) = _pip_calls(calls)
-  assert pip.split()[2:] == ["install", "-q", "--no-index", "--find-links",
-                             "wheels", "ml-collections"]
+  pips = [p.split()[2:] for p in _pip_calls(calls)]
+  # a distribution's needs before it: einops before flashrnn
+  assert pips == [["install", "-q", "--no-index", "--find-links", "wheels",
+                   name] for name in ("ml-collections", "einops", "flashrnn")]
+
+
+def test_flashrnn_missing_without_wheel_is_not_fatal(tmp_path):
+  """FlashRNN is optional: without its wheel the report still runs, and
+  says its rows will give the reason."""
+  out, calls = _run(tmp_path, "kernel", missing="flashrnn")
+  assert out.returncode == 0, out.stderr
+  assert "flashrnn missing: the FlashRNN rows will say why" in out.stdout
+  assert len(_report_calls(calls)) == 1 and not _pip_calls(calls)
 
 
 def test_missing_module_without_wheel_says_how(tmp_path):
@@ -207,31 +227,41 @@ def test_real_probe_finds_a_cuda_plugin(tmp_path):
 # ------------------------------------------------------------- rehearsal
 
 
-def _rehearse(tmp_path, calls, **env):
+def _rehearse(tmp_path, *args, **env):
   environ = {k: v for k, v in os.environ.items()
              if k not in ("NO_INSTALL", "OUT", "REHEARSAL_CALL_BUDGET")}
   environ.update(PYTHON=sys.executable, TMPDIR=str(tmp_path), **env)
   return subprocess.run(
       ["bash", os.path.join(REPO, "launch", "gpu_rehearsal.sh"), "--here",
-       "--calls", calls], capture_output=True, text=True, env=environ,
-      timeout=400)
+       *args], capture_output=True, text=True, env=environ, timeout=400)
+
+
+def _ledger(stdout: str) -> dict:
+  """{what: seconds} of the ledger the rehearsal printed."""
+  found = {}
+  for line in stdout.splitlines():
+    match = re.fullmatch(r"  (\S.*?)\s+(\d+) s", line)
+    if match:
+      found[match.group(1)] = int(match.group(2))
+  return found
 
 
 @pytest.mark.slow
-def test_rehearsal_carries_one_file_through_the_calls(tmp_path):
-  """The rehearsal's calls on this Python (two cheap stages, one a call):
-  the second call starts from an empty OUT, and the combined file holds
-  both stages; a call past its budget fails the rehearsal."""
-  out = _rehearse(tmp_path, "scaling;infer")
+def test_a_call_killed_mid_kernel_stage_returns_every_row_before(tmp_path):
+  """The rehearsal's call (a copy of this tree, this Python, dry shapes),
+  killed with its whole process group once the kernel stage has 6 rows
+  on disk, mid-stage, as the node's timeout would: every row the call
+  printed as measured is in the gpu-results.json it leaves, and the ledger
+  printed is the budget file's."""
+  out = _rehearse(tmp_path, "--stages", "kernel", "--kill-after", "kernel:6")
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  assert "== rehearsal passed: scaling, infer in one file over 2 calls" \
+  measured = [l for l in out.stdout.splitlines()
+              if l.startswith("| measured kernel rows/")]
+  assert len(measured) >= 6
+  assert "killed once kernel had 6 rows; " in out.stdout
+  assert f"{len(measured)} rows measured, each one in the returned" \
       in out.stdout
-  assert "| carried " in out.stdout  # call 2 read call 1's file
-  assert "== call 2: exit 0" in out.stdout
-
-  out = _rehearse(tmp_path, "scaling", REHEARSAL_CALL_BUDGET="1")
-  assert out.returncode == 1
-  assert "call 1 killed at its 1 s budget" in out.stdout + out.stderr
+  assert _ledger(out.stdout) == dict(gpu_budget.ledger())
   assert not [p for p in os.listdir(tmp_path)
               if p.startswith("zebra-gpu-rehearsal")]  # nothing left behind
 

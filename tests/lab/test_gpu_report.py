@@ -30,36 +30,38 @@ def _stage_child_pid(stage, out):
 
 @pytest.mark.slow
 def test_a_stage_killed_midway_keeps_its_rows(tmp_path):
-  # The real command line: the driver starts the quick stage's process; it
-  # is killed once its first row (the matmul peak) is on disk.
+  # The real command line: the driver starts the smoke stage's process; it
+  # is killed once its first row (the backend jax lowers to) is on disk.
   out = str(tmp_path)
   path = tmp_path / "gpu-results.json"
   driver = subprocess.Popen(
-      [sys.executable, "-m", "lab.gpu_report", "--stages=quick",
-       "--dry_run", f"--out={out}"], stdout=subprocess.PIPE, text=True)
+      [sys.executable, "-m", "lab.gpu_report", "--stages=smoke",
+       "--dry_run", f"--out={out}", "--carry_from="],
+      stdout=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline:
     try:
-      rows = json.loads(path.read_text())["stages"]["quick"]["rows"]
+      rows = json.loads(path.read_text())["stages"]["smoke"]["rows"]
     except (OSError, ValueError, KeyError):
       rows = 0
     if rows >= 1:
       break
     time.sleep(0.2)
-  os.kill(_stage_child_pid("quick", out), signal.SIGKILL)
+  os.kill(_stage_child_pid("smoke", out), signal.SIGKILL)
   stdout, _ = driver.communicate(timeout=60)
   assert driver.returncode == 1  # a stage did not finish; its rows stay
 
   report = json.loads(path.read_text())
-  status = report["stages"]["quick"]
+  status = report["stages"]["smoke"]
   assert status["status"] == (
       f"stopped by SIGKILL after {status['rows']} rows")
-  assert report["quick"]["peak"]["best_measured_matmul_tflops"] > 0
-  assert status["rows"] == 1 + len(report["quick"].get("rows", []))
+  assert report["smoke"]["lowered_for_cuda"]["backend"] == "triton"
+  assert status["rows"] == 1 + len(report["smoke"].get("rows", []))
   page = (tmp_path / "gpu-results.md").read_text()
-  assert "## Best measured matmul" in page
-  assert "stage quick: stopped by SIGKILL" in page
-  assert "stage quick: stopped by SIGKILL" in stdout  # the printed summary
+  assert "- Pallas GPU backend: triton" in page
+  assert "stage smoke: stopped by SIGKILL" in page
+  assert "stage smoke: stopped by SIGKILL" in stdout  # the printed summary
+  assert "| measured smoke lowered_for_cuda" in stdout
 
   # A stage past its budget: its process group is killed, the report says so.
   # 0.3 s is less than any stage's child takes to import jax.
@@ -67,7 +69,49 @@ def test_a_stage_killed_midway_keeps_its_rows(tmp_path):
   report = json.loads(path.read_text())
   assert report["stages"]["scaling"]["status"].startswith(
       "stopped at its budget after")
-  assert report["quick"]["peak"]  # the earlier stage's rows stay
+  assert report["smoke"]["lowered_for_cuda"]  # the earlier stage's rows stay
+
+
+def test_stages_past_the_calls_deadline_do_not_start(tmp_path):
+  """The call's budget is spent: the stages left are marked, none starts
+  (no child process: this returns in well under a stage's start)."""
+  start = time.monotonic()
+  report = gpu_report.drive(["infer", "scaling"], str(tmp_path), dry=True,
+                            deadline=time.time() - 1)
+  assert time.monotonic() - start < 20
+  assert {s: report["stages"][s]["status"] for s in ("infer", "scaling")} == {
+      s: "not run: the call's budget is spent" for s in ("infer", "scaling")}
+
+
+def test_stages_run_in_the_budget_files_order():
+  assert gpu_report.parse_stages(["all"]) == gpu_report.STAGES
+  assert gpu_report.parse_stages(["profile", "smoke"]) == ("smoke", "profile")
+  with pytest.raises(gpu_report.UserError, match=r"unknown stages \['bench'\]"):
+    gpu_report.parse_stages(["bench", "smoke"])
+
+
+def test_profile_stage_gets_the_xla_dump_flags(tmp_path, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=2")
+  env = gpu_report.stage_env("profile", str(tmp_path))
+  assert env["XLA_FLAGS"] == (
+      f"--xla_gpu_autotune_level=2 --xla_dump_to={tmp_path}/xla_dump "
+      "--xla_dump_hlo_as_text")
+  assert env["XLA_FLAGS"] not in gpu_report.stage_env("wt103",
+                                                      str(tmp_path)).values()
+  assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+
+
+@pytest.mark.parametrize("args,code,stream,start", [
+    (["--help"], 0, "stdout", "Every GPU figure in one command"),
+    (["--stages=bench"], 2, "stderr", "error: unknown stages ['bench']"),
+    (["--bogus"], 2, "stderr", "error: Unknown command line flag 'bogus'")])
+def test_command_line(args, code, stream, start):
+  done = subprocess.run([sys.executable, "-m", "lab.gpu_report", *args],
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == code, done.stderr
+  assert getattr(done, stream).startswith(start)
+  if code == 2:
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("version", [

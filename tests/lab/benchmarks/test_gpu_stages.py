@@ -1,103 +1,104 @@
 """The GPU report's stages at dry-run shapes, in this process: every stage
 runs end to end on the CPU, so the one-command GPU report cannot rot between
-GPU sessions.
-
-The speed table's rows are left out here (bench_rows=False): they take minutes
-even at bench's quick shape, and tests/lab/test_bench.py runs them.
+GPU sessions; the smoke stage's backend detection against jax's own
+lowering; the kernel stage going on past rows that fail.
 """
 
-import importlib.util
 import json
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from lab.benchmarks import gpu_results, gpu_stages
+from lab.benchmarks import gpu_kernel, gpu_results, gpu_smoke, gpu_stages
 from tests.helpers import pallas_layer_grad, triton_target
 
 
 @pytest.mark.slow
 def test_dry_run_writes_every_section(tmp_path):
   work = str(tmp_path / "work")  # precision's runs, which infer reads
+  out = tmp_path / "out"
   for stage in gpu_stages.STAGES:  # in this process: what each child runs
-    gpu_stages.run_stage(stage, str(tmp_path), dry=True, bench_rows=False,
-                         work=work)
-  report = json.loads((tmp_path / "gpu-results.json").read_text())
+    gpu_stages.run_stage(stage, str(out), dry=True, work=work)
+  report = json.loads((out / "gpu-results.json").read_text())
   assert set(gpu_stages.STAGES) <= set(report)
   assert report["machine"]["platform"] == jax.devices()[0].platform
   assert {s["device"] for s in report["stages"].values()} == {
       jax.devices()[0].device_kind}
 
-  # smoke: tiny kernels in interpret mode here, against NumPy and the scan
+  # smoke: tiny kernels in interpret mode here, against NumPy and the scan;
+  # the stripe kernel lowered for CUDA through Triton
   smoke = report["smoke"]
   assert smoke["backend"] == "interpret"
+  assert smoke["lowered_for_cuda"]["backend"] == "triton"
   assert [r["name"] for r in smoke["rows"]] == [
-      n for n, _, _ in gpu_stages.SMOKE_ROWS]
+      n for n, _, _ in gpu_smoke.SMOKE_ROWS]
   assert all(r["status"] == "ok" for r in smoke["rows"]), smoke
   assert all(r["max_abs_err"] < 1e-4 for r in smoke["rows"])
 
-  quick = report["quick"]
-  assert quick["peak"]["best_measured_matmul_tflops"] > 0
-  assert quick["peak"]["datasheet"] == "unknown"  # a CPU
-  names = [r["name"] for r in quick["rows"]]
-  assert names[0] == "core_S1" and "core_S4" in names
-  if importlib.util.find_spec("torch") is not None:
-    assert any(n.startswith("torch_core") for n in names)
-  else:  # torch is optional: its rows are left out and the report says so
-    assert not any(n.startswith("torch") for n in names)
-    assert "torch not installed" in quick["torch"]
-
-  # pallas rows: the kernel (interpret mode here) beside the scan, per S.
-  rows = report["bench"]["pallas"]
-  assert [r["name"] for r in rows] == [
-      f"{k}_core_S{s}" for s in (1, 4) for k in ("scan", "pallas")]
-  assert all(r["tokens_per_s"] > 0 for r in rows)
-  assert {r["kernel"] for r in rows} == {"lax.scan", "fused"}
+  # kernel: every group's rows in order, ours timed, jax's cuDNN rows
+  # error rows off CUDA, then FlashRNN's CUDA rows last
+  rows = report["kernel"]["rows"]
+  stripes = gpu_kernel.group_stripes(gpu_stages.SHAPES["quick"])
+  groups = [(d, s) for d in ("bfloat16", "float32") for s in stripes]
+  heads = [(r["dtype"], r["stripes"]) for r in rows
+           if r["impl"] == "zebra_scan"]
+  assert heads == groups
+  assert [r["impl"] for r in rows[-4:]] == ["flashrnn_cuda"] * 4
+  for r in rows:
+    if r["impl"].startswith("zebra"):
+      assert r["tokens_per_s"] > 0, r
+    if r["impl"].startswith("jax_cudnn"):
+      assert "\n" not in r["error"]
+  ratios = report["kernel"]["ratios"]["float32"]
+  assert set(ratios) == {f"{k}_S{s}" for k in gpu_kernel.OURS
+                         for s in stripes}
 
   wt = report["wt103"]
   assert wt["tokens_per_s"] > 0 and wt["model"]["head"] == "adaptive"
-  share = wt["profile"]["share"]  # parsed from the trace, by named scope
-  assert abs(sum(share.values()) - 1.0) < 1e-6
-  assert share["lstm_layers"] > 0 and share["head"] > 0
-  assert share["optimizer"] > 0
-  # the recipe's step again with the fused kernel (interpret mode here)
-  assert wt["pallas"]["kernel"] == "fused" and wt["pallas"]["tokens_per_s"] > 0
-  assert wt["pallas"]["final_loss"] == pytest.approx(wt["final_loss"],
-                                                     rel=1e-3)
+  assert wt["compile_s"] > 0 and wt["params"] > 0
+  assert wt["projected_hours"] == pytest.approx(
+      wt["recipe_tokens"] / wt["tokens_per_s"] / 3600)
 
   curves = report["precision"]["curves"]
   assert set(curves) == {"float32", "bfloat16", "float16"}
   assert curves["float16"]["loss_scale"] is not None  # dynamic scaling on
   assert curves["float32"]["max_abs_diff_vs_fp32"] == 0.0
-  for c in curves.values():
-    assert c["final_loss"] > 0 and c["skipped_after_warmup"] == 0
 
   assert [r["batch_size"] for r in report["infer"]["results"]] == [1, 2]
-  # infer read precision's float32 run: the same step, not a run of its own
   assert report["infer"]["step"] == report["precision"]["steps"]
   scaling = report["scaling"]["rows"]
   assert [r["devices"] for r in scaling] == sorted({1, jax.device_count()})
-  assert scaling[0]["efficiency"] == 1.0
 
-  page = (tmp_path / "gpu-results.md").read_text()
+  # profile: the trace packed into OUT; no dump (XLA_FLAGS was not set
+  # before this process started: the driver sets it for the stage's own)
+  profile = report["profile"]
+  assert (out / profile["trace_archive"]).stat().st_size == (
+      profile["trace_bytes"])
+  share = profile["share"]
+  assert abs(sum(share.values()) - 1.0) < 1e-6 and share["lstm_layers"] > 0
+  assert profile["dump_error"].startswith("no XLA dump")
+
+  page = (out / "gpu-results.md").read_text()
   summary = page.split("## Summary")[1].split("\n## ")[0].strip()
   assert len(summary.splitlines()) <= 25
-  for heading in ("smoke: tiny Pallas kernels", "Best measured matmul",
-                  "Core train step against torch",
-                  "pallas: the fused stripe kernel", "WikiText-103 recipe",
-                  "infer_bench", "precision:", "weak scaling"):
+  for heading in ("smoke: tiny Pallas kernels", "kernel: core train step",
+                  "WikiText-103 recipe step", "inference: tokens/s",
+                  "precision:", "weak scaling", "profile: three"):
     assert heading in page
-  assert "| pallas_core_S4 |" in page
-  assert "model.recurrence=pallas (fused kernel)" in page
 
 
-def test_pallas_rows_never_name_the_scan_pallas(monkeypatch):
-  monkeypatch.setattr(gpu_stages.pallas_recurrence, "plan",
+def test_a_shape_the_kernel_does_not_fit_is_a_row_that_says_so(monkeypatch):
+  monkeypatch.setattr(gpu_kernel.pallas_recurrence, "plan",
                       lambda *a, **k: (None, "U_s over budget"))
-  rows = gpu_stages.pallas_rows(dict(gpu_stages.SHAPES["quick"]), 4, 1)
-  assert [r["name"] for r in rows] == ["scan_core_S4", "scan_fallback_core_S4"]
-  assert rows[1]["kernel"] == "scan (kernel did not fit: U_s over budget)"
+  shape = dict(gpu_stages.SHAPES["quick"])
+  cands = [c for c in gpu_kernel.candidates(shape, "float32", 4)
+           if c[0] in gpu_kernel.OURS]
+  rows = gpu_kernel.time_group(shape, "float32", 4, cands, rounds=1)
+  assert [r["name"] for r in rows] == ["zebra_scan_S4", "zebra_pallas_S4"]
+  assert rows[0]["tokens_per_s"] > 0
+  assert rows[1]["error"] == ("the kernel does not fit this shape: U_s over "
+                              "budget")
 
 
 _PTXAS = ("Triton compilation failed for zebra_stripe_forward\n"
@@ -106,63 +107,78 @@ _PTXAS = ("Triton compilation failed for zebra_stripe_forward\n"
 
 
 def test_first_error_line():
-  assert gpu_stages.first_error_line(RuntimeError(_PTXAS)) == (
+  assert gpu_results.first_error_line(RuntimeError(_PTXAS)) == (
       "RuntimeError: ptxas /tmp/k.ptx, line 412; error   : Entry function "
       "uses too much shared data")
-  assert gpu_stages.first_error_line(ValueError("\nno fit\nat all")) == (
+  assert gpu_results.first_error_line(ValueError("\nno fit\nat all")) == (
       "ValueError: no fit")
 
 
-def test_a_pallas_row_that_raises_is_an_error_row(monkeypatch):
-  """The kernel's step raises at its first call: the scan row is timed,
-  the pallas row says why."""
-  real = gpu_stages.core_runner
-
-  def runner(shape, stripes, kernel="scan"):
-    if kernel == "pallas":
-      def fail():
-        raise RuntimeError(_PTXAS)
-      return fail
-    return real(shape, stripes, kernel=kernel)
-  monkeypatch.setattr(gpu_stages, "core_runner", runner)
-  rows = gpu_stages.pallas_rows(dict(gpu_stages.SHAPES["quick"]), 4, 1)
-  assert [r["name"] for r in rows] == ["scan_core_S4", "pallas_core_S4"]
-  assert rows[0]["tokens_per_s"] > 0
-  assert rows[1]["kernel"] == "error" and "tokens_per_s" not in rows[1]
-  assert rows[1]["error"].startswith("RuntimeError: ptxas /tmp/k.ptx")
-
-
-def test_bench_goes_on_past_pallas_errors(tmp_path, monkeypatch):
-  """Every pallas row raising (bf16 and fp32, each S): error rows, then
-  the memory rows still land, and the page renders."""
-  def fail(shape, stripes, rounds):
+def test_the_kernel_stage_goes_on_past_errors(tmp_path, monkeypatch):
+  """Every candidate of every group raising but one: error rows, group
+  after group, then FlashRNN's CUDA rows (here: why they cannot run); the
+  ratios count the rows that ran; the page renders."""
+  def fail():
     raise RuntimeError(_PTXAS)
-  memory = [{"seq_len": 64, "remat": False, "peak_bytes": 2 ** 30,
-             "peak_source": "test", "xla_bytes": 2 ** 29}]
-  monkeypatch.setattr(gpu_stages, "_shape",
-                      lambda dry: dict(gpu_stages.SHAPES["quick"]))
-  monkeypatch.setattr(gpu_stages, "pallas_rows", fail)
-  monkeypatch.setattr(gpu_stages, "memory_rows",
-                      lambda *a, **k: (memory, {"budget_gb": 1}))
+  monkeypatch.setattr(gpu_kernel, "candidates", lambda shape, d, s: [
+      ("zebra_pallas", lambda: fail), ("torch_cudnn_bf16", fail),
+      ("zebra_scan", lambda: lambda: None)])
+  monkeypatch.setattr(gpu_kernel, "flashrnn_builder",
+                      lambda *a: "flashrnn not installed: why")
   results = gpu_results.Results(str(tmp_path))
-  gpu_stages.stage_bench(results, dry=False, bench_rows=False)
-  bench = json.loads((tmp_path / "gpu-results.json").read_text())["bench"]
-  assert [(r["name"], r["dtype"]) for r in bench["pallas"]] == [
-      (f"pallas_core_S{s}", d) for d in ("bfloat16", "float32")
+  gpu_stages.stage_kernel(results, dry=True)
+  kernel = json.loads((tmp_path / "gpu-results.json").read_text())["kernel"]
+  names = [(r["name"], r["dtype"]) for r in kernel["rows"]]
+  assert names == [(f"{k}_S{s}", d) for d in ("bfloat16", "float32")
+                   for s in (1, 4)
+                   for k in ("zebra_pallas", "torch_cudnn_bf16",
+                             "zebra_scan")] + [
+      (f"flashrnn_cuda_S{s}", d) for d in ("bfloat16", "float32")
       for s in (1, 4)]
-  assert all(r["error"].startswith("RuntimeError: ptxas")
-             for r in bench["pallas"])
-  assert bench["memory"] == memory
+  assert [r["error"] for r in kernel["rows"][:2]] == [
+      "RuntimeError: ptxas /tmp/k.ptx, line 412; error   : Entry function "
+      "uses too much shared data"] * 2
+  assert kernel["rows"][-1]["error"] == "flashrnn not installed: why"
+  assert kernel["ratios"]["float32"] == {"zebra_scan_S1": {},
+                                         "zebra_scan_S4": {}}
   page = (tmp_path / "gpu-results.md").read_text()
-  assert "| pallas_core_S4 | float32 | - |" in page
-  assert "- pallas_core_S4 (float32): error: RuntimeError: ptxas" in page
+  assert "| zebra_pallas_S4 | - | - | RuntimeError: ptxas" in page
+
+
+def test_smoke_names_the_backend_jax_lowers_the_kernel_to():
+  """The stripe kernel (Triton compiler params) lowered for CUDA: Triton's
+  custom call, on every jax this project runs."""
+  found = gpu_smoke.kernel_backend()
+  assert found["backend"] == "triton", found
+  assert found["custom_calls"] == ["__gpu$xla.gpu.triton"]
+  assert found["jax"] == jax.__version__
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_backend_of_reads_the_lowered_program():
+  """The control: a pallas_call without compiler params. Where jax has
+  the jax_pallas_use_mosaic_gpu flag (0.10, 0.11.0) it lowers to Mosaic
+  GPU; where the flag is gone (0.11.2, 0.12) pallas_call lowers through
+  Triton only."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+  sds = jax.ShapeDtypeStruct((128,), jnp.float32)
+  with gpu_smoke.cuda_target():
+    text = jax.jit(pl.pallas_call(kernel, out_shape=sds)).trace(sds).lower(
+        lowering_platforms=("cuda",)).as_text()
+  mosaic_default = getattr(jax.config, "jax_pallas_use_mosaic_gpu", False)
+  assert gpu_smoke.backend_of(text) == (
+      "mosaic_gpu" if mosaic_default else "triton")
+  assert gpu_smoke.backend_of("stablehlo.add %0, %1") == "none"
 
 
 def _lowered_dots(fn, *specs):
   """The tt.dot input precisions of every Triton kernel fn lowers to."""
-  with gpu_stages.triton_ir() as texts, triton_target():
+  with gpu_smoke.triton_ir() as texts, triton_target():
     jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
-  return [gpu_stages.dot_precisions(t) for t in texts]
+  return [gpu_smoke.dot_precisions(t) for t in texts]
 
 
 @pytest.mark.filterwarnings(

@@ -1,0 +1,128 @@
+"""The kernel stage's headline rows: a ZebraLSTM core train step (2 layers,
+forward + backward + Adam) on the scan and on the fused Pallas kernel,
+beside every LSTM a user could take instead, timed interleaved in one
+process: jax.experimental.rnn's cuDNN LSTM, torch nn.LSTM (cuDNN), FlashRNN.
+
+Groups, in order of value: (bf16, S=1), (bf16, S=8 grouped), (fp32, S=1),
+(fp32, S=8 grouped); each group's rows are written as soon as it is timed,
+a row that cannot be built or run at once as an error row with its reason
+(one line), so a stage killed at any moment keeps every group before it.
+FlashRNN's CUDA backend compiles for minutes: its rows come last, after
+every other group, and run only if the stage's budget lets them.
+"""
+
+import time
+
+import jax
+
+from lab.benchmarks import cudnn_jax, cudnn_torch, flashrnn_rows
+from lab.benchmarks.gpu_results import first_error_line
+from lab.benchmarks.steps import core_runner
+from lab.benchmarks.timing import time_interleaved
+from zebra_jax.model import lm
+from zebra_jax.model.recurrence import pallas as pallas_recurrence
+
+OURS = ("zebra_scan", "zebra_pallas")
+SHORT = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def group_stripes(shape) -> tuple[int, int]:
+  """S = 1 and the widest S of the shape (8 on the GPU shape)."""
+  return shape["stripes"][0], shape["stripes"][-1]
+
+
+def candidates(shape, dtype: str, stripes: int) -> list[tuple]:
+  """[(row name, build)] of one group: build() returns a step function
+  (compiled, run once) or raises; a string instead of build is the reason
+  the row cannot run."""
+  grouped = stripes > 1
+  sized = {**shape, "dtype": dtype}
+  prec = SHORT[dtype]
+  out = [("zebra_scan", lambda: core_runner(sized, stripes, grouped=grouped))]
+  gpu = jax.devices()[0].platform == "gpu"
+  block, why = pallas_recurrence.plan(
+      shape["batch"], shape["hidden"] // stripes, lm.compute_dtype(dtype),
+      triton=gpu)
+  out.append(("zebra_pallas", (lambda: core_runner(
+      sized, stripes, grouped=grouped, kernel="pallas")) if block else
+              f"the kernel does not fit this shape: {why}"))
+  # jax refuses bf16 for its cuDNN LSTM: the bf16 group asks anyway (its
+  # row says why not) and times TF32 beside it; fp32 times both.
+  jax_precisions = ("bf16", "tf32") if prec == "bf16" else ("fp32", "tf32")
+  for p in jax_precisions:
+    out.append((f"jax_cudnn_{p}", _jax_builder(sized, stripes, p)))
+  torch_precisions = ("bf16",) if prec == "bf16" else ("fp32", "tf32")
+  for p in torch_precisions:
+    out.append((f"torch_cudnn_{p}", _torch_builder(sized, stripes, p)))
+  out.append(("flashrnn_triton", flashrnn_builder(sized, stripes, prec,
+                                                   "triton")))
+  return out
+
+
+def _jax_builder(shape, stripes, precision):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
+  return lambda: cudnn_jax.runner(shape, stripes, precision, dtype)
+
+
+def _torch_builder(shape, stripes, precision):
+  try:
+    import torch  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return "torch not installed (pip install torch)"
+  return lambda: cudnn_torch.train_step(shape, stripes, precision)
+
+
+def flashrnn_builder(shape, stripes, precision, backend):
+  why = flashrnn_rows.missing()
+  return why or (lambda: flashrnn_rows.train_step(shape, stripes, precision,
+                                                  backend))
+
+
+def _ready(build):
+  """(step, None) built and run once, or (None, the reason it cannot)."""
+  if isinstance(build, str):
+    return None, build
+  try:
+    step = build()
+    step()
+    return step, None
+  except Exception as e:  # pylint: disable=broad-except
+    return None, first_error_line(e)
+
+
+def time_group(shape, dtype, stripes, cands, rounds: int) -> list[dict]:
+  """The group's rows: each candidate built (guarded), the ones that run
+  timed interleaved; error rows say why, in the candidates' order."""
+  steps, errors = {}, {}
+  for name, build in cands:
+    start = time.perf_counter()
+    step, why = _ready(build)
+    if step is None:
+      errors[name] = why
+    else:
+      steps[name] = (step, time.perf_counter() - start)
+  sec = time_interleaved({n: s for n, (s, _) in steps.items()}, rounds) \
+      if steps else {}
+  tokens = shape["batch"] * shape["seq_len"]
+  rows = []
+  for name, _ in cands:
+    row = {"name": f"{name}_S{stripes}", "impl": name, "stripes": stripes,
+           "grouped": stripes > 1, "dtype": dtype}
+    if name in errors:
+      row["error"] = errors[name]
+    else:
+      row.update(tokens_per_s=tokens / sec[name], ms_per_step=1e3 * sec[name],
+                 build_s=steps[name][1])
+    rows.append(row)
+  return rows
+
+
+def ratios(rows: list[dict]) -> dict:
+  """{our row: {baseline row: tok/s ratio}} within one dtype: every row
+  of ours against every baseline (both S) that ran."""
+  ok = [r for r in rows if "tokens_per_s" in r]
+  ours = [r for r in ok if r["impl"] in OURS]
+  base = [r for r in ok if r["impl"] not in OURS]
+  return {r["name"]: {b["name"]: r["tokens_per_s"] / b["tokens_per_s"]
+                      for b in base} for r in ours}

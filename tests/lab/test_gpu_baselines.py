@@ -1,0 +1,204 @@
+"""The kernel stage's baselines on a CPU, as far as a CPU allows: the jax
+cuDNN row's weight layout against the scan's math through jax's own
+reference LSTM, its step traced, its row an error row with one line off
+CUDA; FlashRNN's row says why it cannot run; a baseline that raises is a
+row that says why and the others are timed."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import rnn
+
+from lab.benchmarks import cudnn_jax, flashrnn_rows, gpu_kernel
+from lab.benchmarks.shapes import SHAPES
+from zebra_jax.model.recurrence import scan
+
+TINY = {**SHAPES["quick"], "hidden": 8, "batch": 2, "seq_len": 3}
+
+
+def _layer_args(s, t, b, g, n_in, grouped, seed=0):
+  rng = np.random.default_rng(seed)
+  arr = lambda *shape: jnp.asarray(0.5 * rng.standard_normal(shape),
+                                   jnp.float32)
+  inputs = arr(s, t, b, n_in // s) if grouped else arr(t, b, n_in)
+  w_x = arr(s, n_in // s, 4 * g) if grouped else arr(n_in, s, 4 * g)
+  return inputs, w_x, arr(s, 4 * g), arr(s, b, g), arr(s, b, g), \
+      arr(s, g, 4 * g)
+
+
+@pytest.mark.parametrize("stripes,grouped", [(1, False), (2, False),
+                                             (2, True)])
+def test_packed_stripes_run_the_scans_math(stripes, grouped):
+  """Each stripe's weights packed for cuDNN, unpacked by jax's helper and
+  run by jax's reference LSTM (the semantics its cuDNN op implements):
+  the scan's outputs and final state, stripe by stripe."""
+  t, b, g, n_in = 4, 3, 5, 6
+  inputs, w_x, bias, h0, c0, w_h = _layer_args(stripes, t, b, g, n_in,
+                                               grouped)
+  ys, h, c = scan.zebra_layer(inputs, w_x, bias, h0, c0, w_h, 1, False)
+  for s in range(stripes):
+    x_s = inputs[s] if grouped else inputs        # [T, B, in]
+    width_in = x_s.shape[-1]
+    flat = cudnn_jax.pack(*([m] for m in cudnn_jax.stripe_matrices(
+        w_x, w_h, bias, s, grouped)))
+    assert flat.shape == (rnn.get_num_params_in_lstm(width_in, g, 1, False),)
+    w_ih, w_hh, b_ih, b_hh = rnn.unpack_lstm_weights(flat, width_in, g, 1,
+                                                     False)
+    y_ref, h_ref, c_ref = rnn.lstm_ref(
+        jnp.swapaxes(x_s, 0, 1), h0[s][None], c0[s][None], w_ih, w_hh, b_ih,
+        b_hh, jnp.full((b,), t, jnp.int32), width_in, g, 1, 0.0, False)
+    np.testing.assert_allclose(ys[s], jnp.swapaxes(y_ref, 0, 1), atol=1e-5)
+    np.testing.assert_allclose(h[s], h_ref[0], atol=1e-5)
+    np.testing.assert_allclose(c[s], c_ref[0], atol=1e-5)
+
+
+def test_a_gate_order_slip_is_caught():
+  """The control: f and i swapped in W_hh changes the reference's output,
+  so the test above would see a layout that reads the gates wrongly."""
+  inputs, w_x, bias, h0, c0, w_h = _layer_args(1, 4, 3, 5, 6, False)
+  w_ih, w_hh, b_ih, b_hh = cudnn_jax.stripe_matrices(w_x, w_h, bias, 0, False)
+  swapped = jnp.concatenate([w_hh[5:10], w_hh[:5], w_hh[10:]])
+  lengths = jnp.full((3,), 4, jnp.int32)
+  run = lambda hh: rnn.lstm_ref(
+      jnp.swapaxes(inputs, 0, 1), h0, c0, {0: w_ih}, {0: hh}, {0: b_ih},
+      {0: b_hh}, lengths, 6, 5, 1, 0.0, False)[0]
+  assert float(jnp.max(jnp.abs(run(w_hh) - run(swapped)))) > 1e-3
+
+
+def test_pack_orders_layers_as_cudnn_does():
+  """Two layers: every layer's matrices, then every layer's biases; jax's
+  unpacking gives each back."""
+  rng = np.random.default_rng(1)
+  h, n_in = 3, 4
+  mats = {"w_ih": [rng.standard_normal((4 * h, n_in)),
+                   rng.standard_normal((4 * h, h))],
+          "w_hh": [rng.standard_normal((4 * h, h)) for _ in range(2)],
+          "b_ih": [rng.standard_normal(4 * h) for _ in range(2)],
+          "b_hh": [rng.standard_normal(4 * h) for _ in range(2)]}
+  flat = cudnn_jax.pack(mats["w_ih"], mats["w_hh"], mats["b_ih"],
+                        mats["b_hh"])
+  assert flat.shape == (rnn.get_num_params_in_lstm(n_in, h, 2, False),)
+  for got, name in zip(rnn.unpack_lstm_weights(flat, n_in, h, 2, False),
+                       ("w_ih", "w_hh", "b_ih", "b_hh")):
+    for layer in range(2):
+      np.testing.assert_allclose(got[layer], mats[name][layer], rtol=1e-6)
+
+
+def test_jax_cudnn_step_runs_one_lstm_per_stripe(monkeypatch):
+  """The row's step with rnn.lstm replaced by jax's reference of it (the
+  op itself has no CPU lowering): S LSTMs of width H/S, each with all its
+  layers in one call at the row's precision; the step trains (a finite
+  loss that falls)."""
+  calls = []
+
+  def reference_lstm(x, h_0, c_0, weights, seq_lengths, input_size,
+                     hidden_size, num_layers, dropout, bidirectional,
+                     precision):
+    calls.append((x.shape, input_size, hidden_size, num_layers, precision))
+    w = rnn.unpack_lstm_weights(weights, input_size, hidden_size, num_layers,
+                                bidirectional)
+    return rnn.lstm_ref(x, h_0, c_0, *w, seq_lengths, input_size,
+                        hidden_size, num_layers, dropout, bidirectional)
+  monkeypatch.setattr(rnn, "lstm", reference_lstm)
+  jitted, args, _ = cudnn_jax.train_step(TINY, 2, "tf32")
+  assert [w.shape for w in args[0]] == [
+      (rnn.get_num_params_in_lstm(4, 4, TINY["layers"], False),)] * 2
+  losses = []
+  for _ in range(3):
+    weights, opt_state, loss = jitted(*args)
+    args = (weights, opt_state, args[2])
+    losses.append(float(loss))
+  assert calls == [((2, 3, 4), 4, 4, TINY["layers"],
+                    jax.lax.Precision.HIGH)] * 2  # traced once
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_jax_refuses_bf16_for_its_cudnn_lstm():
+  with pytest.raises(NotImplementedError, match="bfloat16"):
+    cudnn_jax.runner(TINY, 2, "bf16", jnp.bfloat16)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="a CPU row")
+def test_jax_cudnn_rows_are_error_rows_off_cuda():
+  cands = [c for c in gpu_kernel.candidates(TINY, "float32", 2)
+           if c[0].startswith("jax_cudnn")]
+  rows = gpu_kernel.time_group(TINY, "float32", 2, cands, rounds=1)
+  assert [r["name"] for r in rows] == ["jax_cudnn_fp32_S2",
+                                       "jax_cudnn_tf32_S2"]
+  for r in rows:
+    assert "tokens_per_s" not in r and "\n" not in r["error"]
+    assert r["error"] == ("RuntimeError: jax.experimental.rnn.lstm lowers "
+                          "for CUDA and ROCm only: no cpu lowering")
+  (bf16,) = [r for r in gpu_kernel.time_group(
+      TINY, "bfloat16", 2, [c for c in gpu_kernel.candidates(
+          TINY, "bfloat16", 2) if c[0] == "jax_cudnn_bf16"], rounds=1)]
+  assert bf16["error"] == ("NotImplementedError: bfloat16 support not "
+                           "implemented for LSTM")
+
+
+def test_flashrnn_row_says_why_it_cannot_run(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "flashrnn", None)
+  monkeypatch.setattr(flashrnn_rows.importlib.util, "find_spec",
+                      lambda name: None)
+  why = flashrnn_rows.missing()
+  assert why.startswith("flashrnn not installed")
+  (row,) = gpu_kernel.time_group(
+      TINY, "bfloat16", 2, [("flashrnn_triton", gpu_kernel.flashrnn_builder(
+          TINY, 2, "bf16", "triton"))], rounds=1)
+  assert row == {"name": "flashrnn_triton_S2", "impl": "flashrnn_triton",
+                 "stripes": 2, "grouped": True, "dtype": "bfloat16",
+                 "error": why}
+
+
+def test_flashrnn_installed_without_cuda_says_so(tmp_path, monkeypatch):
+  """A flashrnn package that imports (a stand-in on the path), torch
+  without a CUDA device: the reason names CUDA."""
+  torch = pytest.importorskip("torch")
+  (tmp_path / "flashrnn").mkdir()
+  (tmp_path / "flashrnn" / "__init__.py").write_text("")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+  assert flashrnn_rows.missing() == ("flashrnn runs on CUDA only: torch "
+                                     "sees no CUDA device")
+
+
+def test_a_baseline_that_raises_is_an_error_row():
+  """A candidate that raises at its first call: its first error line; the
+  others are timed and the ratios only count rows that ran."""
+  ptxas = ("Triton compilation failed\nptxas line 4; error   : too much "
+           "shared data\nfatal")
+
+  def fail():
+    def step():
+      raise RuntimeError(ptxas)
+    return step
+  calls = []
+  cands = [("zebra_scan", lambda: lambda: calls.append(1)),
+           ("torch_cudnn_bf16", fail),
+           ("flashrnn_triton", "flashrnn not installed: why"),
+           ("jax_cudnn_tf32", lambda: lambda: None)]
+  rows = gpu_kernel.time_group(TINY, "bfloat16", 8, cands, rounds=3)
+  assert [r["name"] for r in rows] == [
+      "zebra_scan_S8", "torch_cudnn_bf16_S8", "flashrnn_triton_S8",
+      "jax_cudnn_tf32_S8"]
+  assert len(calls) == 1 + 1 + 3  # built, untimed, timed rounds
+  assert rows[1]["error"] == ("RuntimeError: ptxas line 4; error   : too "
+                              "much shared data")
+  assert rows[2]["error"] == "flashrnn not installed: why"
+  ratios = gpu_kernel.ratios(rows)
+  assert list(ratios) == ["zebra_scan_S8"]
+  assert list(ratios["zebra_scan_S8"]) == ["jax_cudnn_tf32_S8"]
+
+
+def test_ratios_are_ours_over_each_baseline():
+  row = lambda impl, s, tok: {"name": f"{impl}_S{s}", "impl": impl,
+                              "stripes": s, "tokens_per_s": tok}
+  rows = [row("zebra_scan", 1, 100.0), row("torch_cudnn_bf16", 1, 50.0),
+          row("zebra_pallas", 8, 300.0), row("flashrnn_triton", 8, 200.0)]
+  assert gpu_kernel.ratios(rows) == {
+      "zebra_scan_S1": {"torch_cudnn_bf16_S1": 2.0, "flashrnn_triton_S8": 0.5},
+      "zebra_pallas_S8": {"torch_cudnn_bf16_S1": 6.0,
+                          "flashrnn_triton_S8": 1.5}}
