@@ -71,20 +71,28 @@ def test_no_cutoffs_is_the_full_softmax():
       rtol=1e-5, atol=1e-6)
 
 
-def test_gradients_finite_and_match_dense_reference():
-  head = randomize(make(chunk_rows=4))
+@pytest.mark.parametrize("div_val", [1, 2])
+def test_gradients_finite_and_match_dense_reference(div_val):
+  """nll's hand-written tail backward against autodiff of the dense
+  log-probabilities: the parameters' and the hidden states' gradients,
+  with rows weighted unequally and chunks (4 rows) that the tails own,
+  share and skip; div_val=1: tails without projections."""
+  head = randomize(make(div_val=div_val, chunk_rows=4))
   graphdef, params = nnx.split(head)
   h, targets = hidden(), jnp.arange(37) * 5 % V
+  weights = jnp.linspace(0.5, 2.0, 37)
 
-  def loss(p, dense):
+  def loss(p, h, dense):
     m = nnx.merge(graphdef, p)
     if dense:
       lp = m.log_probs(h)
-      return -jnp.take_along_axis(lp, targets[:, None], -1).sum()
-    return m.nll(h, targets).sum()
+      nll = -jnp.take_along_axis(lp, targets[:, None], -1)[:, 0]
+    else:
+      nll = m.nll(h, targets)
+    return (weights * nll).sum()
 
-  grads = jax.jit(jax.grad(loss), static_argnums=1)(params, False)
-  reference = jax.grad(loss)(params, True)
+  grads = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)(params, h, False)
+  reference = jax.grad(loss, (0, 1))(params, h, True)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)):
     assert np.all(np.isfinite(g))
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)

@@ -29,6 +29,7 @@ of `chunk_rows` rows, so memory holds one [chunk_rows, cluster size] block
 at a time; `chunk_rows=0` sizes them to the machine (`auto_chunk_rows`).
 """
 
+import functools
 from typing import Sequence
 
 import jax
@@ -96,6 +97,77 @@ def auto_chunk_rows(widest: int, platform: str | None = None) -> int:
 def _matmul(x, w, dtype, spec):
   return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
                     preferred_element_type=jnp.float32)
+
+
+def _chunk_logits(h, proj, table, bias, dtype):
+  """A chunk's rows h [c, d] -> (z [c, d_i], word logits [c, n_i] float32)."""
+  z = h if proj is None else _matmul(h, proj, dtype, "nd,dk->nk")
+  return z, _matmul(z, table, dtype, "nk,vk->nv") + bias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _owned_chunks_nll(rows, words, chunks, proj, table, bias, c, dtype):
+  """-log p(word | cluster) of rows [chunks * c, ...] of rows [M, d] whose
+  local word ids are words [M]; rows past them score 0.
+
+  Why a hand-written backward pass: `chunks` is only known at run time, and
+  JAX differentiates no loop whose trip count is. Under autodiff a scan over
+  every chunk had to skip the others with a cond, whose backward still
+  built and summed zero gradients of the whole cluster's weights per
+  skipped chunk. Here both loops stop at `chunks`, and the backward
+  recomputes each chunk's logits from its rows (nothing [M, n_i] is kept).
+  proj None: the cluster reads the hidden state as it is.
+  """
+  return _owned_chunks_nll_fwd(rows, words, chunks, proj, table, bias, c,
+                               dtype)[0]
+
+
+def _owned_chunks_nll_fwd(rows, words, chunks, proj, table, bias, c, dtype):
+  def body(k, scores):
+    h = jax.lax.dynamic_slice_in_dim(rows, k * c, c)
+    t = jax.lax.dynamic_slice_in_dim(words, k * c, c)
+    _, logits = _chunk_logits(h, proj, table, bias, dtype)
+    target = jnp.take_along_axis(logits, t[:, None], -1)[:, 0]
+    return jax.lax.dynamic_update_slice_in_dim(
+        scores, jax.nn.logsumexp(logits, -1) - target, k * c, 0)
+  scores = jax.lax.fori_loop(0, chunks, body,
+                             jnp.zeros(rows.shape[:1], jnp.float32))
+  return scores, (rows, words, chunks, proj, table, bias)
+
+
+def _owned_chunks_nll_bwd(c, dtype, residuals, g):
+  rows, words, chunks, proj, table, bias = residuals
+
+  def body(k, grads):
+    d_rows, d_proj, d_table, d_bias = grads
+    h = jax.lax.dynamic_slice_in_dim(rows, k * c, c)
+    t = jax.lax.dynamic_slice_in_dim(words, k * c, c)
+    g_k = jax.lax.dynamic_slice_in_dim(g, k * c, c)
+    z, logits = _chunk_logits(h, proj, table, bias, dtype)
+    one_hot = jnp.arange(logits.shape[-1]) == t[:, None]
+    d_logits = g_k[:, None] * (jax.nn.softmax(logits, -1) - one_hot)
+    d_table = d_table + _matmul(d_logits, z, dtype, "nv,nk->vk")
+    d_bias = d_bias + d_logits.sum(0)
+    d_z = _matmul(d_logits, table, dtype, "nv,vk->nk")
+    if proj is None:
+      d_h = d_z
+    else:
+      d_proj = d_proj + _matmul(h, d_z, dtype, "nd,nk->dk")
+      d_h = _matmul(d_z, proj, dtype, "nk,dk->nd")
+    d_rows = jax.lax.dynamic_update_slice_in_dim(
+        d_rows, d_h.astype(rows.dtype), k * c, 0)
+    return d_rows, d_proj, d_table, d_bias
+
+  zeros = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
+  d_rows, d_proj, d_table, d_bias = jax.lax.fori_loop(
+      0, chunks, body, (jnp.zeros_like(rows), zeros(proj), zeros(table),
+                        zeros(bias)))
+  cast = lambda d, x: None if x is None else d.astype(x.dtype)
+  return (d_rows, None, None, cast(d_proj, proj), cast(d_table, table),
+          cast(d_bias, bias))
+
+
+_owned_chunks_nll.defvjp(_owned_chunks_nll_fwd, _owned_chunks_nll_bwd)
 
 
 class AdaptiveInput(nnx.Module):
@@ -203,21 +275,38 @@ class AdaptiveSoftmax(nnx.Module):
     """-log p(target) per row: hidden [N, d], targets [N] int -> [N] float32.
 
     Tail clusters never build [N, n_i]: each tail sorts its rows to the front
-    and scores them in chunks of `chunk_rows`; chunks past the rows it owns
-    are skipped at run time (lax.cond), and each chunk is rematerialised in
-    the backward pass, so memory is one [chunk_rows, n_i] block per cluster.
+    and scores them in chunks of `chunk_rows`, in a loop that stops after
+    the last chunk holding rows it owns (`_owned_chunks_nll`), forward and
+    backward, so memory is one [chunk_rows, n_i] block per cluster and the
+    rows a tail does not own cost nothing.
     """
-    head = self.head_log_probs(hidden)
     tail_id = sum((targets >= start).astype(jnp.int32)
                   for start, _ in self.bounds[1:])  # 0 = shortlist
-    head_index = jnp.where(tail_id == 0, targets,
-                           self.shortlist + tail_id - 1)
-    nll = -jnp.take_along_axis(head, head_index[:, None], -1)[:, 0]
+    nll = self._head_nll(hidden, targets, tail_id)
     for i in range(1, len(self.bounds)):
       start, stop = self.bounds[i]
       local = jnp.clip(targets - start, 0, stop - start - 1)
       nll = nll + self._tail_nll(hidden, local, tail_id == i, i)
     return nll
+
+  def _head_nll(self, hidden, targets, tail_id):
+    """-log p(word or cluster) in the head's softmax: [N]. The same value
+    as `head_log_probs` gives, without concatenating the words' and the
+    clusters' logits into one [N, shortlist + tails] array (and slicing
+    its gradient apart again): their log-sum-exps combine."""
+    z = self._project(hidden, 0)
+    words = self._logits(z, 0)
+    lse = jax.nn.logsumexp(words, -1)
+    picked = jnp.take_along_axis(
+        words, jnp.clip(targets, 0, self.shortlist - 1)[:, None], -1)[:, 0]
+    if len(self.bounds) > 1:
+      clusters = (_matmul(z, self.cluster_w[...], self.dtype, "nk,ck->nc")
+                  + self.cluster_b[...])
+      lse = jnp.logaddexp(lse, jax.nn.logsumexp(clusters, -1))
+      cluster = jnp.take_along_axis(
+          clusters, jnp.maximum(tail_id - 1, 0)[:, None], -1)[:, 0]
+      picked = jnp.where(tail_id == 0, picked, cluster)
+    return lse - picked
 
   def _tail_nll(self, hidden, local, inside, i):
     """-log p(word | cluster i) for rows `inside`, 0 elsewhere: [N]."""
@@ -225,25 +314,14 @@ class AdaptiveSoftmax(nnx.Module):
     c = max(1, min(self.chunk_rows, n))
     num_chunks = -(-n // c)
     order = jnp.argsort(jnp.logical_not(inside), stable=True)  # owned first
-    owned = inside.sum()
+    owned_chunks = (inside.sum() + c - 1) // c
     pad = num_chunks * c - n
     rows = jnp.pad(jnp.take(hidden, order, axis=0), ((0, pad), (0, 0)))
     words = jnp.pad(jnp.take(local, order), (0, pad))
-
-    @jax.checkpoint  # keep only the chunk's inputs for the backward pass
-    def score(chunk, h, t):
-      def compute():
-        logits = self._logits(self._project(h, i), i)  # [c, n_i] float32
-        target = jnp.take_along_axis(logits, t[:, None], -1)[:, 0]
-        return jax.nn.logsumexp(logits, -1) - target
-      return jax.lax.cond(chunk * c < owned, compute,
-                          lambda: jnp.zeros((c,), jnp.float32))
-
-    _, scores = jax.lax.scan(
-        lambda carry, xs: (carry, score(*xs)), None,
-        (jnp.arange(num_chunks), rows.reshape(num_chunks, c, -1),
-         words.reshape(num_chunks, c)))
-    scores = jnp.zeros((n,), jnp.float32).at[order].set(scores.reshape(-1)[:n])
+    scores = _owned_chunks_nll(rows, words, owned_chunks, self.weights.proj(i),
+                               self.weights.tables[i][...],
+                               self.biases[i][...], c, self.dtype)
+    scores = jnp.zeros((n,), jnp.float32).at[order].set(scores[:n])
     return jnp.where(inside, scores, 0.0)
 
   def predict(self, hidden: jax.Array) -> jax.Array:
