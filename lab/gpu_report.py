@@ -37,7 +37,8 @@ bounds. Stages, in the order they run:
              of the recipe's token budget on one GPU
   precision  the demo corpus in float32, bfloat16 and float16 (dynamic loss
              scaling): loss curves and skipped steps
-  infer      generation tokens/s and latency at 1, 16 and 64 slots
+  infer      the serving engine's generation tokens/s at 1, 16 and 64
+             slots, every slot busy
   scaling    data-parallel weak scaling over this machine's GPUs
   profile    a jax.profiler trace of three wt103 steps and XLA's dump of the
              step (XLA_FLAGS=--xla_dump_to), each packed into one archive
@@ -97,7 +98,7 @@ def _flags() -> None:
   flags.DEFINE_float("call_budget", None, "Seconds the whole call may take "
                      "(default: gpu_budget's, or the dry budgets' sum with "
                      "--dry_run); stages get what is left at most.")
-  flags.DEFINE_float("wt103_seconds", 15.0,
+  flags.DEFINE_float("wt103_seconds", 10.0,
                      "wt103: seconds of timed training.")
   flags.DEFINE_integer("precision_steps", 200, "precision: steps per dtype.")
   flags.DEFINE_bool("flashrnn_cuda", True, "kernel: FlashRNN's CUDA backend "

@@ -112,10 +112,11 @@ def _wt103_config(dry: bool):
   return cfg
 
 
-def wt103_step(cfg, dry: bool, seconds: float):
+def wt103_step(cfg, dry: bool, seconds: float, on_compiled=None):
   """The product's train step for the recipe, compiled and timed on
   synthetic Zipf ids: {compile_s, sec_per_step, steps, loss, params,
-  compiled, run(i)}."""
+  compiled, run(i)}. on_compiled(compile_s, params) is called as soon as
+  the step is compiled, before any step runs."""
   m, d = cfg.model, cfg.data
   step, state, mesh = train_step(m, d.batch_size)
   probs = zipf_probs(m.vocab_size)
@@ -127,6 +128,8 @@ def wt103_step(cfg, dry: bool, seconds: float):
   compiled = step.lower(state, batches[0]).compile()
   compile_s = time.perf_counter() - start
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  if on_compiled:
+    on_compiled(compile_s, params)
   live = [state]
 
   def run(i):
@@ -149,22 +152,25 @@ def wt103_step(cfg, dry: bool, seconds: float):
 
 def stage_wt103(results: Results, dry: bool, seconds: float) -> None:
   """The recipe's model and batch (hidden 2048, S=8, the 267,735-word
-  adaptive softmax, bfloat16) through the product's train step on synthetic ids of its real
-  vocabulary: compile time, tok/s, peak device memory, and the hours its
-  token budget (train.num_steps x batch x window) would take on one GPU."""
+  adaptive softmax, bfloat16) through the product's train step on
+  synthetic ids of its real vocabulary: compile time (written as soon as
+  it is known), tok/s, peak device memory, and the hours its token budget
+  (train.num_steps x batch x window) would take on one GPU."""
   cfg = _wt103_config(dry)
   m, d = cfg.model, cfg.data
-  got = wt103_step(cfg, dry, seconds)
+  results.update("wt103", {
+      "model": {k: m[k] for k in ("hidden_size", "num_layers", "num_stripes",
+                                  "vocab_size", "head", "dtype",
+                                  "recurrence")},
+      "batch": d.batch_size, "seq_len": d.seq_len}, rows=0)
+  got = wt103_step(cfg, dry, seconds, on_compiled=lambda sec, n: (
+      results.update("wt103", {"compile_s": sec, "params": n})))
   tokens = d.batch_size * d.seq_len
   tok_s = tokens / got["sec_per_step"]
   recipe_tokens = _config("wt103").train.num_steps * tokens
   peak, source = profiling.peak_memory()
   results.update("wt103", {
-      "model": {k: m[k] for k in ("hidden_size", "num_layers", "num_stripes",
-                                  "vocab_size", "head", "dtype",
-                                  "recurrence")},
-      "params": got["params"], "batch": d.batch_size, "seq_len": d.seq_len,
-      "compile_s": got["compile_s"], "steps_timed": got["steps"],
+      "steps_timed": got["steps"],
       "ms_per_step": 1e3 * got["sec_per_step"], "tokens_per_s": tok_s,
       "recipe_tokens": recipe_tokens,
       "projected_hours": recipe_tokens / tok_s / 3600,
@@ -228,26 +234,56 @@ def stage_precision(results: Results, dry: bool, work: str,
     results.update("precision", {"curves": curves})
 
 
+def engine_tokens_per_s(generator, prompt_ids, slots: int,
+                        new_tokens: int, rounds: int) -> dict:
+  """The serving engine with `slots` slots, every slot busy: `slots`
+  requests of new_tokens tokens each, submitted at once, `rounds` times
+  after one untimed round (its programs compile); generated tokens/s."""
+  from zebra_jax.inference import engine as engines  # pylint: disable=g-import-not-at-top
+  params = engines.SamplingParams(max_new_tokens=new_tokens, seed=0)
+  engine = generator.engine
+
+  def one_round():
+    requests = engine.submit_many(
+        [engines.Row("", params, prompt_ids, i) for i in range(slots)],
+        block=True)
+    for r in requests:
+      r.result(timeout=600)
+    return sum(r.completion_tokens for r in requests)
+
+  one_round()
+  start, tokens = time.perf_counter(), 0
+  for _ in range(rounds):
+    tokens += one_round()
+  sec = time.perf_counter() - start
+  return {"slots": slots, "requests": slots * rounds,
+          "prompt_len": len(prompt_ids), "new_tokens": new_tokens,
+          "tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec}
+
+
 def stage_infer(results: Results, dry: bool, work: str) -> None:
-  """infer_bench's rows, one batch size at a time, on the precision stage's
-  float32 run (a short demo run when it is not there)."""
+  """The serving engine's generation tokens/s at 1, 16 and 64 slots, each
+  written as it lands, on the precision stage's float32 run (a short demo
+  run when it is not there)."""
   # pylint: disable=g-import-not-at-top
   from zebra_jax.inference import loading, sample
-  from lab.benchmarks import inference
   workdir = os.path.join(work, "precision_float32")
   cfg = _config("demo", "tiny" if dry else "")
   if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     cfg = _train_demo(workdir, dry, 4 if dry else 50)
   loaded = loading.load_for_inference(cfg, workdir)
-  prompt_len = 4 if dry else 32
-  prompt = np.asarray(loaded.splits["valid"])[:prompt_len].astype(np.int32)
-  generator = sample.Generator(loaded)
+  prompt = np.asarray(loaded.splits["valid"])[:4 if dry else 32]
   results.update("infer", {"step": int(loaded.step),
                            "dtype": loaded.cfg.model.dtype}, rows=0)
-  for size in (1, 2) if dry else (1, 16, 64):
-    results.append("infer", "results", [inference.bench_batch(
-        generator, prompt, size, new_tokens=4 if dry else 64,
-        requests=2 if dry else 5)])
+  for slots in (1, 2) if dry else (1, 16, 64):
+    generator = sample.Generator(loaded, slots=slots)
+    try:
+      row = engine_tokens_per_s(generator, prompt.astype(np.int32), slots,
+                                new_tokens=4 if dry else 64,
+                                rounds=1 if dry else 3)
+    finally:
+      generator.close()
+    results.append("infer", "results", [row])
 
 
 def stage_scaling(results: Results, dry: bool) -> None:
@@ -284,7 +320,7 @@ def stage_scaling(results: Results, dry: bool) -> None:
         "ms_per_step": 1e3 * sec, "efficiency": tok_s / (n * base)}])
 
 
-def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 15.0,
+def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 10.0,
               precision_steps: int = 200, flashrnn_cuda: bool = True,
               work: str | None = None) -> None:
   """One stage in this process (what a stage's child process runs). work:

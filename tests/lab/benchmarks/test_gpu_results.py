@@ -77,3 +77,13 @@ def test_page_shows_errors_versions_and_the_sequence(tmp_path):
   assert "| zebra_pallas_S8 | - | - | RuntimeError: ptxas error |" in page
   assert "| torch_cudnn_bf16_S1 | 1,000,000 | 4.10 | built in 1.0 s |" in page
   assert "\n".join(gpu_results.sequence_lines()) in page
+
+
+def test_a_wt103_stage_stopped_after_its_compile_says_so(tmp_path):
+  """The compile's figures land before any step runs: a stage killed in
+  its timing still shows them."""
+  results = gpu_results.Results(str(tmp_path))
+  results.update("wt103", {"compile_s": 61.4, "params": 113_250_000})
+  page = (tmp_path / "gpu-results.md").read_text()
+  assert "- wt103 recipe (113M parameters): compiled in 61 s, no step timed" \
+      in page

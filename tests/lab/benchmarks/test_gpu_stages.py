@@ -55,6 +55,7 @@ def test_dry_run_writes_every_section(tmp_path):
                          for s in stripes}
 
   wt = report["wt103"]
+  assert report["stages"]["wt103"]["rows"] == 2  # compiled, then timed
   assert wt["tokens_per_s"] > 0 and wt["model"]["head"] == "adaptive"
   assert wt["compile_s"] > 0 and wt["params"] > 0
   assert wt["projected_hours"] == pytest.approx(
@@ -65,7 +66,10 @@ def test_dry_run_writes_every_section(tmp_path):
   assert curves["float16"]["loss_scale"] is not None  # dynamic scaling on
   assert curves["float32"]["max_abs_diff_vs_fp32"] == 0.0
 
-  assert [r["batch_size"] for r in report["infer"]["results"]] == [1, 2]
+  infer = report["infer"]["results"]
+  assert [r["slots"] for r in infer] == [1, 2]
+  assert all(r["tokens"] == r["requests"] * r["new_tokens"] > 0
+             for r in infer)
   assert report["infer"]["step"] == report["precision"]["steps"]
   scaling = report["scaling"]["rows"]
   assert [r["devices"] for r in scaling] == sorted({1, jax.device_count()})
