@@ -24,13 +24,14 @@ import platform
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from lab.benchmarks.shapes import SHAPES, model_config
 from lab.benchmarks.steps import _create, core_runner
 from lab.benchmarks.table import print_rows, ratio_text
 from lab.benchmarks.timing import round_times
 from lab.benchmarks import sampling_loop as sampling
+from zebra_jax.cli import entry
 from zebra_jax.model import lm
 from zebra_jax.model.recurrence import native as native_recurrence
 
@@ -138,4 +139,4 @@ if __name__ == "__main__":
   flags.DEFINE_bool("quick", False, "Tiny shapes: a smoke test in seconds.")
   flags.DEFINE_integer("rounds", 0, "Timing rounds (0 = default).")
   flags.DEFINE_string("json", None, "Also write the rows here.")
-  app.run(main)
+  entry.run_tool(main)
