@@ -3,6 +3,7 @@
   python -m lab.gpu_report --out=OUT                 # every stage
   python -m lab.gpu_report --stages=wt103,infer --out=OUT   # a rerun
   python -m lab.gpu_report --dry_run --out=/tmp/r    # CPU, tiny shapes
+  python -m lab.gpu_report --merge=RERUN/gpu-results.json --out=docs
 
 A GPU node is lent for 15 minutes: one command runs every stage, under
 one budget (lab/benchmarks/gpu_budget.py: CALL_BUDGET_S, each stage's
@@ -12,7 +13,8 @@ is measured (the whole file written, then renamed over the old one) and
 rewrite OUT/gpu-results.md from it, so a call killed at any second returns
 every row measured before. A second call may rerun named stages: where OUT
 has no gpu-results.json yet, the run starts from --carry_from
-(docs/gpu-results.json) and replaces only the stages it runs.
+(docs/gpu-results.json) and replaces only the stages it runs; --merge puts
+a rerun's stages into a results file afterwards.
 
 Every stage runs in its own process; a stage past its budget is killed and
 the report says after how many rows. Before the stages, the installed
@@ -103,6 +105,8 @@ def _flags() -> None:
   flags.DEFINE_integer("precision_steps", 200, "precision: steps per dtype.")
   flags.DEFINE_bool("flashrnn_cuda", True, "kernel: FlashRNN's CUDA backend "
                     "rows too (compiled last, within the stage's budget).")
+  flags.DEFINE_string("merge", None, "A rerun's gpu-results.json: its "
+                      "stages replace theirs in OUT's file (no stage runs).")
   flags.DEFINE_string("stage_child", None, "Internal: run this one stage in "
                       "this process.")
   flags.DEFINE_string("work", None, "Internal: the folder of the precision "
@@ -263,6 +267,31 @@ def drive(stages, out: str, dry: bool, budgets: dict | None = None,
   return results.data
 
 
+def merge(out: str, rerun_path: str) -> dict:
+  """The stages of a rerun's results file (their sections and statuses)
+  put into OUT's, which keeps every other stage; both files' pages
+  rewritten. A rerun's machine section wins: it ran last."""
+  try:
+    with open(rerun_path) as f:
+      rerun = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(f"--merge={rerun_path}: cannot read it ({e})") from e
+  results = Results(out)
+  if results.data.get("dry_run", False) != rerun.get("dry_run", False):
+    raise UserError(f"--merge={rerun_path}: one file is a dry run, the "
+                    "other is not")
+  for stage, status in rerun.get("stages", {}).items():
+    results.data[stage] = rerun.get(stage, {})
+    results.data.setdefault("stages", {})[stage] = status
+  for key in ("machine", "versions", "dry_run"):
+    if key in rerun:
+      results.data[key] = rerun[key]
+  results.save()
+  print(f"| merged {', '.join(rerun.get('stages', {})) or 'no stage'} "
+        f"from {rerun_path} into {results.json_path}", flush=True)
+  return results.data
+
+
 def parse_stages(names) -> tuple:
   """The stages named (in running order), or every stage for 'all'."""
   if list(names) == ["all"]:
@@ -286,6 +315,9 @@ def main(argv):
   # whole.
   for key, value in NO_PREALLOCATE.items():
     os.environ.setdefault(key, value)
+  if f.merge:
+    merge(f.out, f.merge)
+    return
   stages = parse_stages(f.stages)
   budget = f.call_budget or (
       gpu_budget.call_seconds(DRY_BUDGET_S) if f.dry_run

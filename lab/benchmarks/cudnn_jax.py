@@ -18,7 +18,6 @@ DEFAULT is jax's spelling of bfloat16, which it refuses for this op.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 

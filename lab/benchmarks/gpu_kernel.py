@@ -11,6 +11,7 @@ FlashRNN's CUDA backend compiles for minutes: its rows come last, after
 every other group, and run only if the stage's budget lets them.
 """
 
+import importlib.util
 import time
 
 import jax
@@ -66,9 +67,7 @@ def _jax_builder(shape, stripes, precision):
 
 
 def _torch_builder(shape, stripes, precision):
-  try:
-    import torch  # pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:
+  if importlib.util.find_spec("torch") is None:
     return "torch not installed (pip install torch)"
   return lambda: cudnn_torch.train_step(shape, stripes, precision)
 

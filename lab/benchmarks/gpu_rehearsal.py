@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from lab.benchmarks import gpu_budget
+from lab.benchmarks import gpu_budget, gpu_results
 
 MEASURED = "| measured "
 
@@ -82,9 +82,9 @@ def measured(log) -> list[tuple[str, str]]:
 
 
 def returned(report: dict) -> set[tuple[str, str]]:
-  """(stage, row) of every row the results file holds (row_id's names)."""
-  from lab.benchmarks.gpu_results import row_ids  # pylint: disable=g-import-not-at-top
-  return set(row_ids(report))
+  """(stage, row) of every row the results file holds, as named in the
+  log."""
+  return set(gpu_results.row_ids(report))
 
 
 def check(out: str, log, stages, killed) -> list[str]:

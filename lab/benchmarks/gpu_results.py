@@ -8,8 +8,6 @@ import os
 import textwrap
 
 from lab.benchmarks import gpu_budget
-from lab.benchmarks.gpu_budget import (  # pylint: disable=unused-import
-    DRY_BUDGET_S, STAGE_BUDGET_S, STAGES)
 from zebra_jax import strict_json
 
 # The one call, and what travels with the tree to a node without network.
@@ -53,10 +51,13 @@ def sequence_lines() -> list[str]:
       wrap("Each stage writes its rows into `OUT` as it measures them, so a "
            "call stopped at any second returns every row measured before; "
            "a stage past its budget is killed and the next one runs. A "
-           "second, optional call on the still-warm node reruns named "
-           f"stages only (`{call_command(('wt103', 'infer'))}`) after step "
-           "3, so that the tree carries the first call's file: it replaces "
-           "those stages' sections and keeps every other row."),
+           "second, optional call reruns named stages only "
+           f"(`{call_command(('wt103', 'infer'))}`); it must start within "
+           f"{gpu_budget.RELEASE_S} s of the first call's end, while the "
+           "node is still warm, so it comes before step 3, and step 3 then "
+           "puts its stages into the first call's file: `python -m "
+           "lab.gpu_report --merge=RERUN/gpu-results.json --out=docs`, "
+           "RERUN being the folder the rerun sent back."),
       "",
       "```text"] + gpu_budget.ledger_lines() + ["```"]
 

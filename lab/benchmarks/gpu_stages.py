@@ -17,8 +17,7 @@ import jax
 import numpy as np
 
 from lab.benchmarks import gpu_kernel, gpu_profile
-from lab.benchmarks.gpu_results import (  # pylint: disable=unused-import
-    DRY_BUDGET_S, STAGE_BUDGET_S, STAGES, Results)
+from lab.benchmarks.gpu_results import Results
 from lab.benchmarks.gpu_smoke import stage_smoke
 from lab.benchmarks.shapes import SHAPES, model_config, zipf_probs
 from lab.benchmarks.steps import train_batch, train_step

@@ -157,3 +157,41 @@ def test_the_previous_call_carries_into_an_empty_out(tmp_path, capsys):
   assert (out / "gpu-results.json").read_text() == "{}"
   gpu_report._carry(str(previous.parent), str(previous))  # pylint: disable=protected-access
   assert "no previous results carried" in capsys.readouterr().out
+
+
+def test_a_reruns_stages_merge_into_the_first_calls_file(tmp_path):
+  """The rerun's stages replace theirs; every other stage's rows stay;
+  the page is rewritten from the merged file."""
+  first = gpu_report.Results(str(tmp_path / "docs"))
+  first.data["dry_run"] = False
+  first.update("scaling", {"stripes": 8, "per_device_batch": 64,
+                           "seq_len": 64, "hidden": 1024}, rows=0)
+  first.append("scaling", "rows", [{"devices": 1, "global_batch": 64,
+                                    "tokens_per_s": 10.0, "ms_per_step": 1.0,
+                                    "efficiency": 1.0}])
+  first.data["stages"]["scaling"]["status"] = "done"
+  first.update("wt103", {"compile_s": 90.0, "params": 113_000_000})
+  first.data["stages"]["wt103"]["status"] = (
+      "stopped at its budget after 1 rows")
+  first.save()
+  rerun = gpu_report.Results(str(tmp_path / "rerun"))
+  rerun.data["dry_run"] = False
+  rerun.update("wt103", {"compile_s": 50.0, "params": 113_000_000})
+  rerun.data["stages"]["wt103"]["status"] = "done"
+  rerun.save()
+
+  merged = gpu_report.merge(str(tmp_path / "docs"),
+                            str(tmp_path / "rerun" / "gpu-results.json"))
+  assert merged["wt103"] == {"compile_s": 50.0, "params": 113_000_000}
+  assert merged["stages"]["wt103"]["status"] == "done"
+  assert merged["scaling"]["rows"][0]["tokens_per_s"] == 10.0
+  saved = json.loads((tmp_path / "docs" / "gpu-results.json").read_text())
+  assert saved == merged
+  page = (tmp_path / "docs" / "gpu-results.md").read_text()
+  assert "compiled in 50 s" in page and "| 1 | 10 | 1.0 | 100% |" in page
+
+  rerun.data["dry_run"] = True
+  rerun.save()
+  with pytest.raises(gpu_report.UserError, match="dry run"):
+    gpu_report.merge(str(tmp_path / "docs"),
+                     str(tmp_path / "rerun" / "gpu-results.json"))

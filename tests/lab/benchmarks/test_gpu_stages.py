@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lab.benchmarks import gpu_kernel, gpu_results, gpu_smoke, gpu_stages
+from lab.benchmarks import (gpu_budget, gpu_kernel, gpu_results,
+                            gpu_smoke, gpu_stages)
 from tests.helpers import pallas_layer_grad, triton_target
 
 
@@ -18,10 +19,10 @@ from tests.helpers import pallas_layer_grad, triton_target
 def test_dry_run_writes_every_section(tmp_path):
   work = str(tmp_path / "work")  # precision's runs, which infer reads
   out = tmp_path / "out"
-  for stage in gpu_stages.STAGES:  # in this process: what each child runs
+  for stage in gpu_budget.STAGES:  # in this process: what each child runs
     gpu_stages.run_stage(stage, str(out), dry=True, work=work)
   report = json.loads((out / "gpu-results.json").read_text())
-  assert set(gpu_stages.STAGES) <= set(report)
+  assert set(gpu_budget.STAGES) <= set(report)
   assert report["machine"]["platform"] == jax.devices()[0].platform
   assert {s["device"] for s in report["stages"].values()} == {
       jax.devices()[0].device_kind}
