@@ -142,7 +142,7 @@ out=$(mktemp -d "${TMPDIR:-/tmp}/zebra-gpu-rehearsal-out.XXXXXX")
 cleanup+=("$out")
 trap 'rm -rf "${cleanup[@]}"' EXIT
 rm -f "$tree/docs/gpu-results.json"  # the call starts with no results
-echo "== the call: bash launch/gpu_report.sh --dry-run ${stages[*]:-}" \
+echo "== the call: bash launch/gpu_report.sh --dry-run${stages_arg:+ $stages_arg}" \
      "(OUT empty${kill_after:+; killed once ${kill_after%%:*} has ${kill_after#*:} rows})"
 args=(--out="$out")
 [[ -n "${REHEARSAL_CALL_BUDGET:-}" ]] && args+=(--budget="$REHEARSAL_CALL_BUDGET")

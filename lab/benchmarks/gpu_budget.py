@@ -23,6 +23,10 @@ START_S = 180           # a cold start of the node (one to three minutes)
 COPY_BACK_S = 30        # the results folder copied back after the call
 RELEASE_S = 30          # the node's idle wait after its last command
 COMMAND_LIMIT_S = 600   # the longest one command may run on the node
+# What the node sends back of OUT: at most this many files, each at most
+# this large (the profile's archives are sized for it).
+RETURNED_FILES = 8
+RETURNED_FILE_BYTES = 16 * 2 ** 20
 # A rerun of named stages must fit what the window has left after the
 # call: at least this much, its own overhead and copy back included.
 RERUN_MIN_S = 120

@@ -15,11 +15,12 @@ import re
 import tarfile
 import tempfile
 
+from lab.benchmarks.gpu_budget import RETURNED_FILE_BYTES
 from lab.benchmarks.gpu_results import Results, first_error_line
 
 TRACE_ARCHIVE = "profile-trace.tar.gz"
 DUMP_ARCHIVE = "xla-dump.tar.gz"
-MAX_ARCHIVE_BYTES = 16 * 2 ** 20
+MAX_ARCHIVE_BYTES = RETURNED_FILE_BYTES
 DUMP_DIR = "xla_dump"   # under the stage's work folder
 
 

@@ -87,9 +87,21 @@ def returned(report: dict) -> set[tuple[str, str]]:
   return set(gpu_results.row_ids(report))
 
 
+def too_much(out: str) -> list[str]:
+  """Why the node could not send OUT back whole: more files, or larger
+  ones, than it returns."""
+  files = [os.path.join(root, f) for root, _, names in os.walk(out)
+           for f in names]
+  found = [f"{len(files)} files > {gpu_budget.RETURNED_FILES}"] if (
+      len(files) > gpu_budget.RETURNED_FILES) else []
+  return found + [f"{os.path.relpath(f, out)}: {os.path.getsize(f)} bytes > "
+                  f"{gpu_budget.RETURNED_FILE_BYTES}" for f in files
+                  if os.path.getsize(f) > gpu_budget.RETURNED_FILE_BYTES]
+
+
 def check(out: str, log, stages, killed) -> list[str]:
   """What the returned OUT lacks: rows measured but not returned; without
-  a kill, stages that did not finish."""
+  a kill, stages that did not finish; files the node would not send."""
   path = os.path.join(out, "gpu-results.json")
   if not os.path.exists(path):
     return ["no gpu-results.json came back"]
@@ -98,6 +110,7 @@ def check(out: str, log, stages, killed) -> list[str]:
   have = returned(report)
   lost = [f"{s} {r}" for s, r in measured(log) if (s, r) not in have]
   problems = [f"measured but not returned: {', '.join(lost)}"] if lost else []
+  problems += too_much(out)
   if not killed:
     status = report.get("stages", {})
     problems += [f"{s}: {status.get(s, {}).get('status', 'missing')}"

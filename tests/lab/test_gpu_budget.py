@@ -116,3 +116,14 @@ def test_the_rehearsal_refuses_a_bad_kill_after(tmp_path, capsys):
   assert exit_.value.code == 2
   assert capsys.readouterr().err.startswith("error: --kill_after wants")
   assert not os.listdir(tmp_path)
+
+
+def test_a_folder_the_node_would_not_send_back_is_reported(tmp_path):
+  for i in range(gpu_budget.RETURNED_FILES):
+    (tmp_path / f"f{i}").write_bytes(b"x")
+  assert gpu_rehearsal.too_much(str(tmp_path)) == []
+  (tmp_path / "big").write_bytes(b"x" * (gpu_budget.RETURNED_FILE_BYTES + 1))
+  assert gpu_rehearsal.too_much(str(tmp_path)) == [
+      f"{gpu_budget.RETURNED_FILES + 1} files > {gpu_budget.RETURNED_FILES}",
+      f"big: {gpu_budget.RETURNED_FILE_BYTES + 1} bytes > "
+      f"{gpu_budget.RETURNED_FILE_BYTES}"]
