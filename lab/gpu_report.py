@@ -102,7 +102,7 @@ def _flags() -> None:
                      "--dry_run); stages get what is left at most.")
   flags.DEFINE_float("wt103_seconds", 10.0,
                      "wt103: seconds of timed training.")
-  flags.DEFINE_integer("precision_steps", 200, "precision: steps per dtype.")
+  flags.DEFINE_integer("precision_steps", 150, "precision: steps per dtype.")
   flags.DEFINE_bool("flashrnn_cuda", True, "kernel: FlashRNN's CUDA backend "
                     "rows too (compiled last, within the stage's budget).")
   flags.DEFINE_string("merge", None, "A rerun's gpu-results.json: its "

@@ -26,7 +26,8 @@
 #   (bash launch/gpu_wheels.sh) and copy the repository with it to the node.
 #
 # Writes OUT/gpu-results.md, OUT/gpu-results.json and the profile's two
-# archives: OUT=docs by default, a folder under /tmp for --dry-run (its
+# archives (and, where the caller set OUT, the call's log gpu-report.log):
+# OUT=docs by default, a folder under /tmp for --dry-run (its
 # figures mean nothing). Where OUT has no gpu-results.json, the run starts
 # from docs/gpu-results.json (the previous call's, carried in the tree).
 # PYTHON=... picks the interpreter (default: the first of python3 and python
@@ -35,7 +36,7 @@ set -euo pipefail
 call_started=$(date +%s)  # the call's budget counts from here
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; }
 
 dry=""
 install=1
@@ -51,6 +52,12 @@ for arg in "$@"; do
   esac
 done
 csv=$(IFS=,; echo "${stages[*]:-}")
+# An OUT given by the caller (a node's folder it sends back) also gets the
+# call's whole log, written as it runs: a call killed at any second keeps it.
+if [[ -n "${OUT:-}" ]]; then
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/gpu-report.log") 2>&1
+fi
 
 pick_python() {
   local name path

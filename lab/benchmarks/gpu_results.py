@@ -43,8 +43,9 @@ def sequence_lines() -> list[str]:
       f"with a {gpu_budget.CALL_BUDGET_S} s timeout and `OUT` set to the "
       "folder the node sends back.",
       "3. Copy `gpu-results.json` and `gpu-results.md` from that folder "
-      "over `docs/` and commit them (its trace and XLA dump archives stay "
-      "out of the repository).",
+      "over `docs/` and commit them (the call's log `gpu-report.log` and "
+      "the trace and XLA dump archives beside them stay out of the "
+      "repository).",
       "",
       ] + gpu_budget.budget_table() + [
       "",

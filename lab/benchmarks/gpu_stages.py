@@ -320,7 +320,7 @@ def stage_scaling(results: Results, dry: bool) -> None:
 
 
 def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 10.0,
-              precision_steps: int = 200, flashrnn_cuda: bool = True,
+              precision_steps: int = 150, flashrnn_cuda: bool = True,
               work: str | None = None) -> None:
   """One stage in this process (what a stage's child process runs). work:
   the folder of the precision stage's runs, which infer reads (None: a new

@@ -156,6 +156,20 @@ def test_missing_module_comes_from_wheels(tmp_path):
                    name] for name in ("ml-collections", "einops", "flashrnn")]
 
 
+def test_a_callers_out_gets_the_calls_log(tmp_path):
+  """OUT set by the caller (the folder a node sends back): the call's
+  output is also in OUT/gpu-report.log; without OUT there is no log."""
+  out_dir = tmp_path / "out"
+  out, calls = _run(tmp_path, "--dry-run", "kernel",
+                    env={"OUT": str(out_dir)})
+  assert out.returncode == 0, out.stderr
+  log = (out_dir / "gpu-report.log").read_text()
+  assert "=== gpu_report --stages=kernel --dry_run" in log
+  assert f"--out={out_dir}" in _report_calls(calls)[0]
+  out, _ = _run(tmp_path / "b", "--dry-run", "kernel")
+  assert not list((tmp_path / "b").rglob("gpu-report.log"))
+
+
 def test_flashrnn_missing_without_wheel_is_not_fatal(tmp_path):
   """FlashRNN is optional: without its wheel the report still runs, and
   says its rows will give the reason."""
