@@ -15,6 +15,7 @@ import importlib.util
 import time
 
 import jax
+import jax.numpy as jnp
 
 from lab.benchmarks import cudnn_jax, cudnn_torch, flashrnn_rows
 from lab.benchmarks.gpu_results import first_error_line
@@ -61,7 +62,6 @@ def candidates(shape, dtype: str, stripes: int) -> list[tuple]:
 
 
 def _jax_builder(shape, stripes, precision):
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
   return lambda: cudnn_jax.runner(shape, stripes, precision, dtype)
 
@@ -90,6 +90,22 @@ def _ready(build):
     return None, first_error_line(e)
 
 
+def _timed(steps: dict, rounds: int, errors: dict) -> dict:
+  """Seconds per step of each, timed interleaved; if that raises (one step
+  failing at a later call), each timed alone and a failing one added to
+  errors."""
+  try:
+    return time_interleaved(steps, rounds) if steps else {}
+  except Exception:  # pylint: disable=broad-except
+    sec = {}
+    for name, step in steps.items():
+      try:
+        sec.update(time_interleaved({name: step}, rounds))
+      except Exception as e:  # pylint: disable=broad-except
+        errors[name] = first_error_line(e)
+    return sec
+
+
 def time_group(shape, dtype, stripes, cands, rounds: int) -> list[dict]:
   """The group's rows: each candidate built (guarded), the ones that run
   timed interleaved; error rows say why, in the candidates' order."""
@@ -101,15 +117,14 @@ def time_group(shape, dtype, stripes, cands, rounds: int) -> list[dict]:
       errors[name] = why
     else:
       steps[name] = (step, time.perf_counter() - start)
-  sec = time_interleaved({n: s for n, (s, _) in steps.items()}, rounds) \
-      if steps else {}
+  sec = _timed({n: s for n, (s, _) in steps.items()}, rounds, errors)
   tokens = shape["batch"] * shape["seq_len"]
   rows = []
   for name, _ in cands:
     row = {"name": f"{name}_S{stripes}", "impl": name, "stripes": stripes,
            "grouped": stripes > 1, "dtype": dtype}
-    if name in errors:
-      row["error"] = errors[name]
+    if name in errors or name not in sec:
+      row["error"] = errors.get(name, "not timed")
     else:
       row.update(tokens_per_s=tokens / sec[name], ms_per_step=1e3 * sec[name],
                  build_s=steps[name][1])

@@ -202,3 +202,21 @@ def test_ratios_are_ours_over_each_baseline():
       "zebra_scan_S1": {"torch_cudnn_bf16_S1": 2.0, "flashrnn_triton_S8": 0.5},
       "zebra_pallas_S8": {"torch_cudnn_bf16_S1": 6.0,
                           "flashrnn_triton_S8": 1.5}}
+
+
+def test_a_step_that_fails_while_timed_is_an_error_row():
+  """A step that runs once, then raises: the others keep their times."""
+  calls = []
+
+  def flaky():
+    def step():
+      calls.append(1)
+      if len(calls) > 2:
+        raise MemoryError("RESOURCE_EXHAUSTED: out of memory")
+    return step
+  rows = gpu_kernel.time_group(
+      TINY, "float32", 1, [("zebra_scan", lambda: lambda: None),
+                           ("torch_cudnn_fp32", flaky)], rounds=3)
+  assert rows[0]["tokens_per_s"] > 0
+  assert rows[1]["error"] == ("MemoryError: RESOURCE_EXHAUSTED: out of "
+                              "memory")

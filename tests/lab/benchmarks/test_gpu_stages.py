@@ -88,7 +88,7 @@ def test_dry_run_writes_every_section(tmp_path):
   summary = page.split("## Summary")[1].split("\n## ")[0].strip()
   assert len(summary.splitlines()) <= 25
   for heading in ("smoke: tiny Pallas kernels", "kernel: core train step",
-                  "WikiText-103 recipe step", "inference: tokens/s",
+                  "WikiText-103 recipe step", "inference: the serving engine",
                   "precision:", "weak scaling", "profile: three"):
     assert heading in page
 
