@@ -178,11 +178,12 @@ def summary(report: dict) -> list[str]:
   for dtype in ("bfloat16", "float32"):
     for r in _kernel_rows(report, dtype):
       if r["impl"].startswith("zebra") and r["stripes"] > 1:
+        against = _ratio_text(ratios.get(dtype, {}).get(r["name"], {}))
         lines.append(
             f"- {r['name']} ({dtype}): " + (
                 f"error: {r['error']}" if "error" in r else
-                f"{r['tokens_per_s']:,.0f} tok/s; "
-                + _ratio_text(ratios.get(dtype, {}).get(r["name"], {}))))
+                f"{r['tokens_per_s']:,.0f} tok/s"
+                + (f"; {against}" if against else "; no baseline ran")))
   w = report.get("wt103", {})
   if "tokens_per_s" in w:
     lines.append(f"- wt103 recipe ({w['params'] / 1e6:.0f}M parameters): "
