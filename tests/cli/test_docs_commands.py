@@ -4,6 +4,7 @@ The checker itself is tested on small pages that break each rule once, so a
 clean report on the real pages means the rules ran.
 """
 
+import os
 import re
 
 import pytest
@@ -96,3 +97,19 @@ def test_console_blocks_check_only_prompted_lines():
   page = "```console\n$ zebra-jax --bogus\nerror: --bogus\n```\n"
   assert docs_commands.check_page(page) == [
       "page:2: --bogus: zebra-jax defines no such flag"]
+
+
+def test_ci_runs_the_readmes_test_command_as_written():
+  """The quickstart (the README's first shell block) says CI runs exactly
+  its test command: .ci/run holds that line verbatim."""
+  with open(os.path.join(docs_commands.REPO, "README.md"),
+            encoding="utf-8") as f:
+    quickstart = f.read().split("```bash\n", 2)[1].split("```")[0]
+  commands = [line for line in quickstart.splitlines()
+              if line.startswith("python3 -m pip install")]
+  assert len(commands) == 2, quickstart
+  with open(os.path.join(docs_commands.REPO, ".ci", "run"),
+            encoding="utf-8") as f:
+    ci = f.read().splitlines()
+  assert commands[1] == 'python3 -m pip install -e ".[test]" && python3 -m pytest'
+  assert commands[1] in ci
