@@ -242,24 +242,26 @@ class AdaptiveSoftmax(nnx.Module):
   def shortlist(self) -> int:
     return self.bounds[0][1]
 
-  def _project(self, hidden, i):
-    p = self.weights.proj(i)
-    return hidden if p is None else _matmul(hidden, p, self.dtype,
-                                            "nd,dk->nk")
+  def _cluster_logits(self, hidden, i):
+    """hidden [n, d] -> (z [n, d_i], cluster i's word logits [n, n_i])."""
+    return _chunk_logits(hidden, self.weights.proj(i),
+                         self.weights.tables[i][...], self.biases[i][...],
+                         self.dtype)
 
-  def _logits(self, z, i):
-    """z [n, d_i] -> cluster i's word logits [n, n_i] float32."""
-    return (_matmul(z, self.weights.tables[i][...], self.dtype, "nk,vk->nv")
-            + self.biases[i][...])
+  def _head_logits(self, hidden):
+    """hidden [N, d] -> (shortlist logits [N, shortlist], cluster logits
+    [N, tails] or None without tails)."""
+    z, words = self._cluster_logits(hidden, 0)
+    if len(self.bounds) == 1:
+      return words, None
+    return words, (_matmul(z, self.cluster_w[...], self.dtype, "nk,ck->nc")
+                   + self.cluster_b[...])
 
   def head_log_probs(self, hidden: jax.Array) -> jax.Array:
     """[N, d] -> [N, shortlist + tails] float32: words, then clusters."""
-    z = self._project(hidden, 0)
-    words = self._logits(z, 0)
-    if len(self.bounds) == 1:
+    words, clusters = self._head_logits(hidden)
+    if clusters is None:
       return jax.nn.log_softmax(words, -1)
-    clusters = (_matmul(z, self.cluster_w[...], self.dtype, "nk,ck->nc")
-                + self.cluster_b[...])
     return jax.nn.log_softmax(jnp.concatenate([words, clusters], -1), -1)
 
   def log_probs(self, hidden: jax.Array) -> jax.Array:
@@ -267,7 +269,7 @@ class AdaptiveSoftmax(nnx.Module):
     head = self.head_log_probs(hidden)
     parts = [head[:, :self.shortlist]]
     for i in range(1, len(self.bounds)):
-      tail = jax.nn.log_softmax(self._logits(self._project(hidden, i), i), -1)
+      tail = jax.nn.log_softmax(self._cluster_logits(hidden, i)[1], -1)
       parts.append(head[:, self.shortlist + i - 1, None] + tail)
     return jnp.concatenate(parts, -1)
 
@@ -294,14 +296,11 @@ class AdaptiveSoftmax(nnx.Module):
     as `head_log_probs` gives, without concatenating the words' and the
     clusters' logits into one [N, shortlist + tails] array (and slicing
     its gradient apart again): their log-sum-exps combine."""
-    z = self._project(hidden, 0)
-    words = self._logits(z, 0)
+    words, clusters = self._head_logits(hidden)
     lse = jax.nn.logsumexp(words, -1)
     picked = jnp.take_along_axis(
         words, jnp.clip(targets, 0, self.shortlist - 1)[:, None], -1)[:, 0]
-    if len(self.bounds) > 1:
-      clusters = (_matmul(z, self.cluster_w[...], self.dtype, "nk,ck->nc")
-                  + self.cluster_b[...])
+    if clusters is not None:
       lse = jnp.logaddexp(lse, jax.nn.logsumexp(clusters, -1))
       cluster = jnp.take_along_axis(
           clusters, jnp.maximum(tail_id - 1, 0)[:, None], -1)[:, 0]
@@ -346,7 +345,7 @@ class AdaptiveSoftmax(nnx.Module):
     for i in range(1, len(self.bounds)):
       start = self.bounds[i][0]
       tail = (head[:, self.shortlist + i - 1, None]
-              + jax.nn.log_softmax(self._logits(self._project(h, i), i), -1))
+              + jax.nn.log_softmax(self._cluster_logits(h, i)[1], -1))
       tail_id = metrics.argmax(tail)
       value = jnp.take_along_axis(tail, tail_id[:, None], -1)[:, 0]
       # Earlier ids win ties; the first NaN wins, as in one argmax over V.
