@@ -75,6 +75,7 @@ PY
 }
 
 cleanup=()
+trap 'rm -rf "${cleanup[@]}"' EXIT  # reads the list when it fires
 if [[ "$here" == 1 ]]; then
   py=${PYTHON:-$(command -v python3 || command -v python)}
   tree=$(mktemp -d "${TMPDIR:-/tmp}/zebra-gpu-rehearsal-here.XXXXXX")
@@ -140,7 +141,6 @@ fi
 read -r -a stages <<< "${stages_arg}"
 out=$(mktemp -d "${TMPDIR:-/tmp}/zebra-gpu-rehearsal-out.XXXXXX")
 cleanup+=("$out")
-trap 'rm -rf "${cleanup[@]}"' EXIT
 rm -f "$tree/docs/gpu-results.json"  # the call starts with no results
 echo "== the call: bash launch/gpu_report.sh --dry-run${stages_arg:+ $stages_arg}" \
      "(OUT empty${kill_after:+; killed once ${kill_after%%:*} has ${kill_after#*:} rows})"

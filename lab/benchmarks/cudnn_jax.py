@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lab.benchmarks.steps import Runner
+from lab.benchmarks.steps import Runner, adam_step
 
 PRECISIONS = {"fp32": lax.Precision.HIGHEST, "tf32": lax.Precision.HIGH,
               "bf16": lax.Precision.DEFAULT}
@@ -75,14 +75,7 @@ def train_step(shape, stripes: int, precision: str, dtype=jnp.float32):
     return jnp.sum(jnp.square(y.astype(jnp.float32))) / y.size
 
   tx = optax.adam(1e-3)
-
-  def step(weights, opt_state, x):
-    loss, grads = jax.value_and_grad(loss_fn)(weights, x)
-    updates, opt_state = tx.update(grads, opt_state, weights)
-    return optax.apply_updates(weights, updates), opt_state, loss
-
-  return (jax.jit(step, donate_argnums=(0, 1)),
-          (weights, tx.init(weights), x), {0: 0, 1: 1})
+  return adam_step(loss_fn, tx), (weights, tx.init(weights), x), {0: 0, 1: 1}
 
 
 def runner(shape, stripes: int, precision: str, dtype=jnp.float32):

@@ -12,6 +12,8 @@ and the kernel stage turns any other failure into an error row.
 
 import importlib.util
 
+from lab.benchmarks.torch_reference import TorchTrainer
+
 BACKENDS = {"triton": "triton_fused", "cuda": "cuda_fused"}
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -62,11 +64,5 @@ def train_step(shape, stripes: int, precision: str, backend: str):
       y = out[0].reshape(b, t, h)  # states [S=h, c, ...]: h, [B, T, S, d]
     return y.float().square().mean()
 
-  opt = torch.optim.Adam(params, 1e-3)
-
-  def run():
-    opt.zero_grad(set_to_none=True)
-    step().backward()
-    opt.step()
-    torch.cuda.synchronize()
-  return run
+  return TorchTrainer(torch, params, lambda reduction: step(), "cuda", None,
+                      torch.cuda.synchronize)

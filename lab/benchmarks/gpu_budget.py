@@ -42,7 +42,7 @@ def call_seconds(budgets: dict) -> int:
   return sum(budgets.values()) + CALL_OVERHEAD_S
 
 
-def ledger(budgets: dict = STAGE_BUDGET_S) -> list[tuple[str, int]]:
+def ledger() -> list[tuple[str, int]]:
   """The device time of one report, in the order it is spent:
   [(what, seconds)], the rerun margin last."""
   spent = [("start", START_S), ("call", CALL_BUDGET_S),
@@ -65,17 +65,16 @@ def problems(budgets: dict = STAGE_BUDGET_S) -> list[str]:
   if CALL_BUDGET_S > COMMAND_LIMIT_S:
     found.append(f"the call's {CALL_BUDGET_S} s > one command's "
                  f"{COMMAND_LIMIT_S} s")
-  margin = dict(ledger(budgets))["rerun margin"]
+  margin = dict(ledger())["rerun margin"]
   if margin < RERUN_MIN_S:
     found.append(f"the rerun margin {margin} s < {RERUN_MIN_S} s")
   return found
 
 
-def ledger_lines(budgets: dict = STAGE_BUDGET_S) -> list[str]:
+def ledger_lines() -> list[str]:
   """The ledger as printed by the rehearsal and shown in the docs."""
-  rows = ledger(budgets)
-  spent = sum(s for what, s in rows if what in ("start", "call",
-                                                 "copy-back"))
+  rows = ledger()
+  spent = START_S + CALL_BUDGET_S + COPY_BACK_S
   lines = [f"  {what:<13} {s:>4} s" for what, s in rows]
   return ([f"device-time ledger (window {DEVICE_WINDOW_S} s):"] + lines +
           [f"  start + call + copy-back = {spent} s of {DEVICE_WINDOW_S} s;"

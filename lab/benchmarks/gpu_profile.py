@@ -81,14 +81,13 @@ def pack_dump(files, path: str, cap: int = MAX_ARCHIVE_BYTES) -> dict:
                         f"{cap}"}
 
 
-def stage_profile(results: Results, dry: bool, out: str, work: str,
+def stage_profile(results: Results, out: str, work: str,
                   build_step) -> None:
   """Three steps of build_step()'s train step traced, the trace packed into
   OUT, then the XLA dump of the step (where dump_flags were set)."""
   # Here, not above: the driver reads dump_flags without importing JAX.
   import jax  # pylint: disable=g-import-not-at-top
   from lab.benchmarks import traces  # pylint: disable=g-import-not-at-top
-  del dry  # the shapes are build_step's
   got = build_step()
   trace_dir = tempfile.mkdtemp(prefix="zebra_profile_trace_", dir=work)
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):

@@ -81,12 +81,6 @@ def measured(log) -> list[tuple[str, str]]:
   return found
 
 
-def returned(report: dict) -> set[tuple[str, str]]:
-  """(stage, row) of every row the results file holds, as named in the
-  log."""
-  return set(gpu_results.row_ids(report))
-
-
 def too_much(out: str) -> list[str]:
   """Why the node could not send OUT back whole: more files, or larger
   ones, than it returns."""
@@ -107,7 +101,7 @@ def check(out: str, log, stages, killed) -> list[str]:
     return ["no gpu-results.json came back"]
   with open(path) as f:
     report = json.load(f)
-  have = returned(report)
+  have = set(gpu_results.row_ids(report))  # as the log names them
   lost = [f"{s} {r}" for s, r in measured(log) if (s, r) not in have]
   problems = [f"measured but not returned: {', '.join(lost)}"] if lost else []
   problems += too_much(out)

@@ -10,9 +10,6 @@ import textwrap
 from lab.benchmarks import gpu_budget
 from zebra_jax import strict_json
 
-# The one call, and what travels with the tree to a node without network.
-CARRY = ("wheels",)
-RESULT_FILES = ("gpu-results.json", "gpu-results.md")
 
 
 def call_command(stages=()) -> str:
@@ -33,12 +30,11 @@ def sequence_lines() -> list[str]:
   and the device-time ledger, all from gpu_budget.py."""
   wrap = lambda text: textwrap.fill(text, 79, break_on_hyphens=False,
                                      break_long_words=False)
-  carried = " and ".join(f"`{c}/`" for c in CARRY)
   return [
       "1. Here, with network: `bash launch/gpu_wheels.sh` puts the wheels "
       "the node lacks (ml-collections, tensorboardX, flashrnn and its "
       "needs) in `wheels/`.",
-      f"2. On the node, from the repository root, the tree and {carried} "
+      "2. On the node, from the repository root, the tree and `wheels/` "
       f"(git-ignored: copy it by name) copied there: `{call_command()}`, "
       f"with a {gpu_budget.CALL_BUDGET_S} s timeout and `OUT` set to the "
       "folder the node sends back.",

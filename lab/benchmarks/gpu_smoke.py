@@ -124,14 +124,13 @@ SMOKE_ROWS = (("tiny_dot_float32", _tiny_dot, jnp.float32),
               ("stripe_kernel_bfloat16", _tiny_stripes, jnp.bfloat16))
 
 
-def stage_smoke(results: Results, dry: bool) -> None:
+def stage_smoke(results: Results) -> None:
   """The backend first (lowering only: seconds), then the tiny kernels run
   on this device: a 16 x 16 dot in float32 and bfloat16, then the stripe
   kernel's forward and backward against the scan. Each row records ok
   (with its error against the reference and the precision of its lowered
   tt.dots) or the first error line (Triton, ptxas, XLA), and the next row
   runs."""
-  del dry  # the same tiny shapes either way
   interpret = jax.devices()[0].platform != "gpu"
   lowered = kernel_backend()
   results.update("smoke", {

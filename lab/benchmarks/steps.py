@@ -19,7 +19,7 @@ from zebra_jax.config import base
 from lab.benchmarks import sampling_loop as sampling
 from zebra_jax.model import lm
 
-def _adam_step(loss_fn, tx):
+def adam_step(loss_fn, tx):
   """(params, opt_state, *args) -> (params, opt_state, loss); donates state."""
   def step(params, opt_state, *args):
     loss, grads = jax.value_and_grad(loss_fn)(params, *args)
@@ -97,7 +97,7 @@ def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True,
     return jnp.sum(jnp.square(y.astype(jnp.float32))) / y.size
 
   tx = optax.adam(1e-3)
-  return Runner(_adam_step(loss_fn, tx), (params, tx.init(params), x),
+  return Runner(adam_step(loss_fn, tx), (params, tx.init(params), x),
                  {0: 0, 1: 1})
 
 
