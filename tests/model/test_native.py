@@ -138,7 +138,9 @@ CASES = [  # stripes, kind, steps, batch, width
     (4, "grouped", 5, 3, 5),     # odd width, fewer rows than a row block
     (1, "dense", 4, 9, 20),      # one stripe: its rows split over threads
     (2, "grouped", 3, 6, 32),    # whole vectors, 4-column-vector blocks
-    (2, "dense", 2, 5, 80),      # a 64-column block, a vector and a tail
+    (2, "dense", 2, 5, 80),      # packed panels of W and a vector
+    (1, "dense", 3, 11, 57),     # panels, a vector and a scalar tail on
+                                 # every build; a full row block and 3
     (1, "dense", 1, 1, 32),      # one step of one row: sampling, dense
     (4, "grouped", 1, 1, 16),    # ... and grouped
     (1, "grouped", 2, 3, 16),    # one stripe, grouped
