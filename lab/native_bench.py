@@ -12,6 +12,11 @@ ratios the median of each round's ratio):
   train_{S}_scan   the same with the scan
   sample_{S}_b1_{native,scan}  sampling.generate at batch 1, one token at a
               time (T = 1, B = 1 calls), native against the scan
+  split_S1_{rows,units}_{N}  one dense S=1 layer's forward and backward time
+              loops (the FFI calls alone) cut into N parts as on an N-core
+              machine, by batch rows or by hidden units (the parts then run
+              on this CPU's cores): x rows is the units split's time over
+              the rows split's, the work each way of splitting costs
 S1: one dense stripe; S8g: 8 grouped stripes. On a shared CPU compare the
 ratios, not the times.
 """
@@ -71,6 +76,47 @@ def _sampler(shape, stripes, grouped, kernel):
   return lambda: jax.block_until_ready(run())
 
 
+def _split_runner(shape, parts: int, units: bool):
+  """The native forward and backward of one dense S=1 layer's window with
+  its work cut into `parts` parts, by hidden units or by batch rows."""
+  s, t, b, g = 1, shape["seq_len"], shape["batch"], shape["hidden"]
+  rng = np.random.default_rng(0)
+  x_proj = jnp.asarray(0.1 * rng.standard_normal((s, t, b, 4 * g)),
+                       jnp.float32)
+  w_h = jnp.asarray(rng.standard_normal((s, g, 4 * g)) / np.sqrt(g),
+                    jnp.float32)
+  zeros = jnp.zeros((s, b, g), jnp.float32)
+
+  def window(x_proj, w_h):
+    ys, h, c, (cs, gates) = native_recurrence._forward(
+        x_proj, zeros, zeros, w_h, "gates")
+    dz, dh, dc = native_recurrence._backward(ys, gates, cs, zeros, w_h, h, c)
+    return ys, dz, dh, dc
+
+  saved = (native_recurrence.threads, native_recurrence.MIN_UNIT_SPLIT_FLOPS)
+  native_recurrence.threads = lambda flops: parts
+  native_recurrence.MIN_UNIT_SPLIT_FLOPS = 0 if units else 1 << 62
+  try:  # the split is fixed when the call is traced
+    compiled = jax.jit(window).lower(x_proj, w_h).compile()
+  finally:
+    native_recurrence.threads, native_recurrence.MIN_UNIT_SPLIT_FLOPS = saved
+  return lambda: jax.block_until_ready(compiled(x_proj, w_h))
+
+
+def _split_rows(shape, rounds: int) -> list[dict]:
+  """split_S1_* rows: each split's time, and units over rows."""
+  fns = {}
+  for parts in (2, 8, 16):
+    for how in ("rows", "units"):
+      fns[f"split_S1_{how}_{parts}"] = _split_runner(shape, parts,
+                                                     how == "units")
+  times = round_times(fns, rounds)
+  return [{"name": row, "ms": 1e3 * float(np.median(t)),
+           "x_rows": float(np.median(
+               t / times[row.replace("_units_", "_rows_")]))}
+          for row, t in times.items()]
+
+
 def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
   shape = SHAPES["quick" if quick else "A"]
   rounds = rounds or (3 if quick else 7)
@@ -121,12 +167,20 @@ def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
       ("x scan", 8, lambda r: ratio_text(r["x_scan"]))])
   for note in notes:
     print(f"not built: {note}")
+  split = _split_rows(shape, rounds) if not native_recurrence.unavailable(
+      jnp.float32) else []
+  if split:
+    print("one dense S=1 layer's time loops, its work cut into N parts:")
+    print_rows(split, [
+        ("row", 24, lambda r: r["name"]),
+        ("ms/call", 10, lambda r: f"{r['ms']:.2f}"),
+        ("x rows", 8, lambda r: ratio_text(r["x_rows"]))])
   if json_path:
     with open(json_path, "w") as f:
       json.dump({"shape": "quick" if quick else "A", "rounds": rounds,
-                 "rows": rows, "not_built": notes}, f, indent=1,
-                allow_nan=False)
-  return rows
+                 "rows": rows, "split": split, "not_built": notes}, f,
+                indent=1, allow_nan=False)
+  return rows + split
 
 
 def main(argv):

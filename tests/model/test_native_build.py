@@ -281,7 +281,8 @@ def _call(name, args, results, fill=0.0):
   call = jax.ffi.ffi_call(name + suffix,
                           [jax.ShapeDtypeStruct(r, F32) for r in results])
   return jax.block_until_ready(call(
-      *[jnp.full(a, fill, F32) for a in args], threads=np.int64(2)))
+      *[jnp.full(a, fill, F32) for a in args], threads=np.int64(2),
+      unit_parts=np.int64(1)))
 
 
 FORWARD = native_recurrence._FORWARD  # pylint: disable=protected-access

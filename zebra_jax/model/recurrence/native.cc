@@ -9,7 +9,8 @@
 // written once where the backward pass will read it. Stripes never read each
 // other's state, so each thread runs the whole window of its own stripes
 // (or, with fewer stripes than threads, of its own batch rows) with no
-// synchronisation between time steps.
+// synchronisation between time steps; a large dense stripe splits by
+// hidden units instead, its threads in step (ForwardUnits).
 //
 // Layouts are scan.py's: stripe-major, row-major, float32.
 //   x_proj, gates, dz [S, T, B, 4G]   gates [i | f | g | o] within a stripe
@@ -41,6 +42,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -217,54 +219,89 @@ struct Shape {
 // The columns one register block covers: W is packed by panels this wide.
 constexpr int kPanel = kVectors * kLanes;
 
-// W[k, n] (row stride n) as panels of kPanel columns, each panel's k rows
-// one after another: what a register block reads is then contiguous. Read
-// in place, a block's rows lie a whole row of W apart (8 KB at dense S=1,
-// hidden 512): every k touched a new page, where the L2 prefetchers stop,
-// and the recurrent matmul ran at a third of the machine's best. Columns
-// past the last whole panel are not packed (Matmul reads them in place).
-void Pack(int k_size, int n, const float* w, float* panels) {
+// Columns [0, n) of W[k, ldw] (row stride ldw) as panels of kPanel
+// columns, each panel's k rows one after another: what a register block
+// reads is then contiguous. Read in place, a block's rows lie a whole row
+// of W apart (8 KB at dense S=1, hidden 512): every k touched a new page,
+// where the L2 prefetchers stop, and the recurrent matmul ran at a third of
+// the machine's best. Columns past the last whole panel are not packed
+// (Matmul reads them in place).
+void Pack(int k_size, int n, const float* w, Index ldw, float* panels) {
   for (int j = 0; j + kPanel <= n; j += kPanel)
     for (int k = 0; k < k_size; ++k)
-      std::copy(w + Index(k) * n + j, w + Index(k) * n + j + kPanel,
+      std::copy(w + k * ldw + j, w + k * ldw + j + kPanel,
                 panels + Index(j) * k_size + Index(k) * kPanel);
 }
 
-// Floats Pack writes for W[k_size, n].
+// Floats Pack writes for n columns of k_size rows.
 Index PackedSize(int k_size, int n) {
   return Index(n / kPanel) * kPanel * k_size;
 }
 
-// C[rows, n] = X + A[rows, k] W[k, n]; W row-major with row stride n, its
-// whole panels also packed (Pack) in `panels`.
+// C[rows, n] = X + A[rows, k] W[k, n]; W row-major with row stride ldw,
+// its whole panels also packed (Pack) in `panels`.
 void Matmul(int rows, int n, int k_size, const float* a, Index lda,
-            const float* w, const float* panels, const float* x, Index ldx,
-            float* c, Index ldc) {
+            const float* w, Index ldw, const float* panels, const float* x,
+            Index ldx, float* c, Index ldc) {
   int j = 0;
   for (; j + kPanel <= n; j += kPanel)
     Columns<kVectors>(rows, k_size, a, lda, panels + Index(j) * k_size,
                       kPanel, x ? x + j : nullptr, ldx, c + j, ldc);
   for (; j + kLanes <= n; j += kLanes)
-    Columns<1>(rows, k_size, a, lda, w + j, n, x ? x + j : nullptr, ldx, c + j,
-               ldc);
+    Columns<1>(rows, k_size, a, lda, w + j, ldw, x ? x + j : nullptr, ldx,
+               c + j, ldc);
   for (; j < n; ++j)
     for (Index r = 0; r < rows; ++r) {
       float sum = x ? x[r * ldx + j] : 0.0f;
-      for (Index k = 0; k < k_size; ++k) sum += a[r * lda + k] * w[k * n + j];
+      for (Index k = 0; k < k_size; ++k)
+        sum += a[r * lda + k] * w[k * ldw + j];
       c[r * ldc + j] = sum;
     }
 }
 
-// Every stripe's W[k_size, n] packed, or nothing where a call runs one row
-// (RowTimesMatrix reads W in place).
-std::vector<float> PackStripes(const Shape& d, int k_size, int n,
-                               const float* w) {
-  if (d.b <= 1) return {};
-  const Index per = PackedSize(k_size, n);
-  std::vector<float> panels(per * d.s);
-  for (int64_t s = 0; s < d.s; ++s)
-    Pack(k_size, n, w + s * k_size * Index(n), panels.data() + s * per);
-  return panels;
+// Column ranges [first, last) of every stripe's W[k_size, ldw], each
+// range's whole panels packed one after another (nothing where a call runs
+// one row: RowTimesMatrix reads W in place).
+class Packed {
+ public:
+  Packed(const Shape& d, int k_size, int ldw, const float* w,
+         const std::vector<std::pair<int, int>>& ranges) {
+    if (d.b <= 1) return;
+    for (const auto& [first, last] : ranges) {
+      offsets_.push_back(per_stripe_);
+      per_stripe_ += PackedSize(k_size, last - first);
+    }
+    panels_.resize(per_stripe_ * d.s);
+    for (int64_t s = 0; s < d.s; ++s)
+      for (size_t i = 0; i < ranges.size(); ++i)
+        Pack(k_size, ranges[i].second - ranges[i].first,
+             w + (s * k_size) * ldw + ranges[i].first, ldw,
+             panels_.data() + s * per_stripe_ + offsets_[i]);
+  }
+  const float* Panels(int64_t stripe, size_t range) const {
+    return panels_.empty() ? nullptr
+                           : panels_.data() + stripe * per_stripe_ +
+                                 offsets_[range];
+  }
+
+ private:
+  std::vector<float> panels_;
+  std::vector<Index> offsets_;
+  Index per_stripe_ = 0;
+};
+
+// A stripe's hidden units [first, last) for part p of parts: whole vectors
+// but for the last part's.
+std::pair<int, int> Units(int g, int parts, int p) {
+  auto edge = [&](int i) {
+    return i == parts ? g : int(int64_t(g / kLanes) * i / parts) * kLanes;
+  };
+  return {edge(p), edge(p + 1)};
+}
+
+// The parts a stripe's units split into: no more than its whole vectors.
+int UnitParts(int g, int64_t parts) {
+  return int(std::max<int64_t>(1, std::min<int64_t>(parts, g / kLanes)));
 }
 
 // One (stripe, batch rows) share of a window.
@@ -349,18 +386,158 @@ void Run(const std::vector<std::vector<Task>>& plan, ffi::ThreadPool* pool,
   if (shared->error) std::rethrow_exception(shared->error);
 }
 
+// One wait of a spin: a pause, and the core given up now and then (the
+// thread awaited may be waiting for it).
+inline void Spin(int& spins) {
+  if (++spins % 4096 == 0) {
+    std::this_thread::yield();
+  } else {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+}
+
+// Step i of every part after step i - 1 of all of them, parts claimed one
+// at a time as Shared's are: a thread takes part (its rank + k) % parts
+// first, so each keeps its own part (and its columns of W in its cache)
+// step after step, and takes over the parts of a thread that has not come.
+// A thread waits only for steps whose every part it has seen claimed (it
+// tried them all), by threads that are running them: no thread ever waits
+// for one that has not started. Held by shared_ptr, as Shared.
+struct Lockstep {
+  const std::function<void(int, int64_t)>* work;
+  int parts;
+  int64_t steps;
+  std::atomic<int> joined{0};
+  std::atomic<int64_t> done{0};  // parts finished, every step together
+  std::unique_ptr<std::atomic<int64_t>[]> claimed;  // a part's last step
+  std::mutex mu;
+  std::exception_ptr error;  // under mu: the first part's exception
+
+  Lockstep(const std::function<void(int, int64_t)>* w, int p, int64_t n)
+      : work(w), parts(p), steps(n),
+        claimed(new std::atomic<int64_t>[p]) {
+    for (int i = 0; i < p; ++i) claimed[i].store(-1);
+  }
+
+  void Join() {
+    const int rank = joined.fetch_add(1);
+    for (int64_t i = done.load() / parts; i < steps; ++i) {
+      for (int spins = 0; done.load(std::memory_order_acquire) < i * parts;)
+        Spin(spins);
+      for (int k = 0; k < parts; ++k) {
+        const int p = (rank + k) % parts;
+        int64_t before = i - 1;
+        if (!claimed[p].compare_exchange_strong(before, i)) continue;
+        try {
+          (*work)(p, i);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (!error) error = std::current_exception();
+        }
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  }
+};
+
+// Runs work(p, i) for every part p at step i = 0, 1, ..., steps - 1, step
+// by step: on the calling thread and up to parts - 1 of XLA's pool threads.
+template <typename F>
+void RunLockstep(int parts, int64_t steps, ffi::ThreadPool* pool, F&& step) {
+  if (parts <= 0 || steps <= 0) return;
+  const std::function<void(int, int64_t)> work = step;
+  auto shared = std::make_shared<Lockstep>(&work, parts, steps);
+  if (pool != nullptr) {
+    try {
+      for (int i = 1; i < parts; ++i)
+        pool->Schedule([shared] { shared->Join(); });
+    } catch (...) {  // could not hand out more: this thread runs the rest
+    }
+  }
+  shared->Join();
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) <
+                      parts * steps;)
+    Spin(spins);
+  if (shared->error) std::rethrow_exception(shared->error);
+}
+
+// The gates of one row's units [u0, u1): z = act(z) in place, sigmoid(x) =
+// (1 + tanh(x / 2)) / 2 for i, f, o, tanh for g.
+inline void Activate(float* zr, int g, int u0, int u1) {
+  for (int q = 0; q < 4; ++q) {
+    const float half = q == 2 ? 1.0f : 0.5f;
+    float* zq = zr + q * g + u0;
+    Lanes(u1 - u0, [&](int j, auto u) {
+      Put(zq + j, Tanh(Get(zq + j, u) * half) * half + (1.0f - half));
+    });
+  }
+}
+
+// One row's cell on units [u0, u1): c and h from the activated gates; h
+// into y (and hr where not null), c into cr (and csr where not null).
+inline void Cell(const float* zr, int g, int u0, int u1, float* cr,
+                 float* hr, float* yr, float* csr) {
+  Lanes(u1 - u0, [&](int jj, auto u) {
+    using T = decltype(u);
+    const int j = u0 + jj;
+    const T cn = Get(zr + g + j, u) * Get(cr + j, u) +
+                 Get(zr + j, u) * Get(zr + 2 * g + j, u);
+    const T hn = Get(zr + 3 * g + j, u) * Tanh(cn);
+    Put(cr + j, cn);
+    if (hr) Put(hr + j, hn);
+    Put(yr + j, hn);
+    if (csr) Put(csr + j, cn);
+  });
+}
+
+// One row's step back on units [u0, u1): the pre-activation gradients into
+// zr from the carried dh (plus dy) and dc; dc carried on. Each gradient is
+// (carried gradient) x (the scan's factor, multiplied in the scan's order):
+// an overflow or an inf x 0 gives the scan's inf or NaN.
+inline void CellBack(const float* gr, const float* cr, const float* cp,
+                     const float* dyr, const float* dhr, float* dcr,
+                     float* zr, int g, int u0, int u1) {
+  Lanes(u1 - u0, [&](int jj, auto u) {
+    using T = decltype(u);
+    const int j = u0 + jj;
+    const T i = Get(gr + j, u), f = Get(gr + g + j, u);
+    const T gg = Get(gr + 2 * g + j, u), o = Get(gr + 3 * g + j, u);
+    const T tc = Tanh(Get(cr + j, u));
+    const T dhj = Get(dhr + j, u) + Get(dyr + j, u);
+    const T dcj = Get(dcr + j, u) + dhj * (o * (1.0f - tc * tc));
+    Put(zr + j, dcj * (gg * i * (1.0f - i)));
+    Put(zr + g + j, dcj * (Get(cp + j, u) * f * (1.0f - f)));
+    Put(zr + 2 * g + j, dcj * (i * (1.0f - gg * gg)));
+    Put(zr + 3 * g + j, dhj * (tc * o * (1.0f - o)));
+    Put(dcr + j, dcj * f);
+  });
+}
+
 // Forward: gates (which may be x_proj's buffer) = act(x_proj + h W), then
-// c, h; writes ys, the final (h, c) and, when keep, every c_t.
-void Forward(const Shape& d, int threads, ffi::ThreadPool* pool, bool keep,
-             const float* x_proj, const float* h0, const float* c0,
-             const float* w_h, float* ys, float* h_out, float* c_out,
-             float* cs, float* gates) {
+// c, h; writes ys, the final (h, c) and, when keep, every c_t. unit_parts >
+// 1: each stripe's hidden units split over that many threads, in lockstep
+// (ForwardUnits); else whole stripes or batch rows a thread.
+void ForwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
+                  bool keep, const float* x_proj, const float* h0,
+                  const float* c0, const float* w_h, float* ys, float* h_out,
+                  float* c_out, float* cs, float* gates);
+
+void Forward(const Shape& d, int threads, int unit_parts,
+             ffi::ThreadPool* pool, bool keep, const float* x_proj,
+             const float* h0, const float* c0, const float* w_h, float* ys,
+             float* h_out, float* c_out, float* cs, float* gates) {
   const int g = int(d.g), k4 = 4 * g;
-  const std::vector<float> panels = PackStripes(d, g, k4, w_h);
+  if (d.b > 1 && UnitParts(g, unit_parts) > 1)
+    return ForwardUnits(d, UnitParts(g, unit_parts), pool, keep, x_proj, h0,
+                        c0, w_h, ys, h_out, c_out, cs, gates);
+  const Packed packed(d, g, k4, w_h, {{0, k4}});
   Run(Plan(int(d.s), int(d.b), threads), pool, [&](const Task& task) {
     const int s = task.stripe, n = task.rows;
     const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
-    const float* wp = panels.data() + s * PackedSize(g, k4);
     // The carry lives in the results' rows (no allocation per call).
     float* h = h_out + state0;
     float* c = c_out + state0;
@@ -373,33 +550,60 @@ void Forward(const Shape& d, int threads, ffi::ThreadPool* pool, bool keep,
       if (d.b == 1)  // whatever the threads: every row sums as the others
         RowTimesMatrix(k4, g, h, w, x_proj + row * k4, z);
       else
-        Matmul(n, k4, g, h, g, w, wp, x_proj + row * k4, k4, z, k4);
+        Matmul(n, k4, g, h, g, w, k4, packed.Panels(s, 0), x_proj + row * k4,
+               k4, z, k4);
       for (int r = 0; r < n; ++r) {
         float* zr = z + int64_t(r) * k4;
-        for (int q = 0; q < 4; ++q) {  // sigmoid(x) = (1 + tanh(x / 2)) / 2
-          const float half = q == 2 ? 1.0f : 0.5f;  // g: tanh
-          float* zq = zr + q * g;
-          Lanes(g, [&](int j, auto u) {
-            Put(zq + j, Tanh(Get(zq + j, u) * half) * half + (1.0f - half));
-          });
-        }
-        float* hr = h + int64_t(r) * g;
-        float* cr = c + int64_t(r) * g;
-        float* yr = ys + (row + r) * g;
-        float* csr = keep ? cs + (row + r) * g : nullptr;
-        Lanes(g, [&](int j, auto u) {
-          using T = decltype(u);
-          const T cn = Get(zr + g + j, u) * Get(cr + j, u) +
-                       Get(zr + j, u) * Get(zr + 2 * g + j, u);
-          const T hn = Get(zr + 3 * g + j, u) * Tanh(cn);
-          Put(cr + j, cn);
-          Put(hr + j, hn);
-          Put(yr + j, hn);
-          if (csr) Put(csr + j, cn);
-        });
+        Activate(zr, g, 0, g);
+        Cell(zr, g, 0, g, c + int64_t(r) * g, h + int64_t(r) * g,
+             ys + (row + r) * g, keep ? cs + (row + r) * g : nullptr);
       }
     }
   });
+}
+
+// Dense layers on more threads than stripes: each thread owns some hidden
+// units of a stripe (its four gates' columns of W, every batch row) rather
+// than some rows (each thread then reads all of W every step: at dense
+// S=1, hidden 512, 4 MB a step from the shared cache). A step needs all of
+// h_{t-1}, so the parts move step by step (Lockstep). h_{t-1} is read from
+// ys; c stays in c_out, each part updating its units.
+void ForwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
+                  bool keep, const float* x_proj, const float* h0,
+                  const float* c0, const float* w_h, float* ys, float* h_out,
+                  float* c_out, float* cs, float* gates) {
+  const int g = int(d.g), k4 = 4 * g, b = int(d.b);
+  std::vector<std::pair<int, int>> ranges;
+  for (int p = 0; p < parts; ++p)
+    for (int q = 0; q < 4; ++q) {
+      const auto [u0, u1] = Units(g, parts, p);
+      ranges.push_back({q * g + u0, q * g + u1});
+    }
+  const Packed packed(d, g, k4, w_h, ranges);
+  std::copy(c0, c0 + d.s * d.b * g, c_out);
+  RunLockstep(int(d.s) * parts, d.t, pool, [&](int part, int64_t t) {
+    const int s = part / parts, p = part % parts;
+    const auto [u0, u1] = Units(g, parts, p);
+    const int64_t row = (int64_t(s) * d.t + t) * d.b;
+    const float* h = t ? ys + (row - d.b) * g : h0 + int64_t(s) * d.b * g;
+    for (int q = 0; q < 4; ++q) {
+      const int64_t j = q * g + u0;
+      Matmul(b, u1 - u0, g, h, g, w_h + int64_t(s) * g * k4 + j, k4,
+             packed.Panels(s, size_t(p) * 4 + q), x_proj + row * k4 + j, k4,
+             gates + row * k4 + j, k4);
+    }
+    for (int r = 0; r < b; ++r) {
+      float* zr = gates + (row + r) * k4;
+      Activate(zr, g, u0, u1);
+      Cell(zr, g, u0, u1, c_out + (int64_t(s) * d.b + r) * g, nullptr,
+           ys + (row + r) * g, keep ? cs + (row + r) * g : nullptr);
+    }
+  });
+  for (int64_t s = 0; s < d.s; ++s) {
+    const float* last = d.t ? ys + ((s * d.t + d.t - 1) * d.b) * g
+                            : h0 + s * d.b * g;
+    std::copy(last, last + d.b * g, h_out + s * d.b * g);
+  }
 }
 
 // Backward: the reverse loop carries (dh, dc); per step the pre-activation
@@ -407,19 +611,26 @@ void Forward(const Shape& d, int threads, ffi::ThreadPool* pool, bool keep,
 // dh_{t-1} = dz_t W^T. W^T comes transposed by the caller, one copy that
 // every thread reads: a copy per thread cost about 5 ms a call at dense
 // S=1 (what made the reverse loop slower than the forward one) and doubled
-// what the threads read from the shared cache each step. Each gradient is
-// (carried gradient) x (the scan's factor, multiplied in the scan's order):
-// an overflow or an inf x 0 gives the scan's inf or NaN.
-void Backward(const Shape& d, int threads, ffi::ThreadPool* pool,
-              const float* d_ys, const float* gates, const float* cs,
-              const float* c0, const float* w_t, const float* dh_last,
-              const float* dc_last, float* dz, float* dh0, float* dc0) {
+// what the threads read from the shared cache each step. unit_parts as
+// Forward's.
+void BackwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
+                   const float* d_ys, const float* gates, const float* cs,
+                   const float* c0, const float* w_t, const float* dh_last,
+                   const float* dc_last, float* dz, float* dh0, float* dc0);
+
+void Backward(const Shape& d, int threads, int unit_parts,
+              ffi::ThreadPool* pool, const float* d_ys, const float* gates,
+              const float* cs, const float* c0, const float* w_t,
+              const float* dh_last, const float* dc_last, float* dz,
+              float* dh0, float* dc0) {
   const int g = int(d.g), k4 = 4 * g;
-  const std::vector<float> panels = PackStripes(d, k4, g, w_t);
+  if (d.b > 1 && UnitParts(g, unit_parts) > 1)
+    return BackwardUnits(d, UnitParts(g, unit_parts), pool, d_ys, gates, cs,
+                         c0, w_t, dh_last, dc_last, dz, dh0, dc0);
+  const Packed packed(d, k4, g, w_t, {{0, g}});
   Run(Plan(int(d.s), int(d.b), threads), pool, [&](const Task& task) {
     const int s = task.stripe, n = task.rows;
     const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
-    const float* wp = panels.data() + s * PackedSize(k4, g);
     float* dh = dh0 + state0;
     float* dc = dc0 + state0;
     std::copy(dh_last + state0, dh_last + state0 + int64_t(n) * g, dh);
@@ -428,32 +639,58 @@ void Backward(const Shape& d, int threads, ffi::ThreadPool* pool,
     for (int64_t t = d.t - 1; t >= 0; --t) {
       const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
       for (int r = 0; r < n; ++r) {
-        const float* gr = gates + (row + r) * k4;
-        float* zr = dz + (row + r) * k4;
-        const float* cr = cs + (row + r) * g;
         const float* cp =
             t ? cs + (row - d.b + r) * g : c0 + state0 + int64_t(r) * g;
-        const float* dyr = d_ys + (row + r) * g;
-        float* dhr = dh + int64_t(r) * g;
-        float* dcr = dc + int64_t(r) * g;
-        Lanes(g, [&](int j, auto u) {
-          using T = decltype(u);
-          const T i = Get(gr + j, u), f = Get(gr + g + j, u);
-          const T gg = Get(gr + 2 * g + j, u), o = Get(gr + 3 * g + j, u);
-          const T tc = Tanh(Get(cr + j, u));
-          const T dhj = Get(dhr + j, u) + Get(dyr + j, u);
-          const T dcj = Get(dcr + j, u) + dhj * (o * (1.0f - tc * tc));
-          Put(zr + j, dcj * (gg * i * (1.0f - i)));
-          Put(zr + g + j, dcj * (Get(cp + j, u) * f * (1.0f - f)));
-          Put(zr + 2 * g + j, dcj * (i * (1.0f - gg * gg)));
-          Put(zr + 3 * g + j, dhj * (tc * o * (1.0f - o)));
-          Put(dcr + j, dcj * f);
-        });
+        CellBack(gates + (row + r) * k4, cs + (row + r) * g, cp,
+                 d_ys + (row + r) * g, dh + int64_t(r) * g,
+                 dc + int64_t(r) * g, dz + (row + r) * k4, g, 0, g);
       }
       if (d.b == 1)
         RowTimesMatrix(g, k4, dz + row * k4, wt, nullptr, dh);
       else
-        Matmul(n, g, k4, dz + row * k4, k4, wt, wp, nullptr, 0, dh, g);
+        Matmul(n, g, k4, dz + row * k4, k4, wt, g, packed.Panels(s, 0),
+               nullptr, 0, dh, g);
+    }
+  });
+}
+
+// Forward's split by hidden units, backward: phase i (0..T) runs step t =
+// T - 1 - i; each part first gets its units of dh_t = dz_{t+1} W^T (all of
+// dz_{t+1}: the step before), then its units' dz_t. Phase T is that matmul
+// alone: dh0.
+void BackwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
+                   const float* d_ys, const float* gates, const float* cs,
+                   const float* c0, const float* w_t, const float* dh_last,
+                   const float* dc_last, float* dz, float* dh0, float* dc0) {
+  const int g = int(d.g), k4 = 4 * g, b = int(d.b);
+  std::vector<std::pair<int, int>> ranges;
+  for (int p = 0; p < parts; ++p) ranges.push_back(Units(g, parts, p));
+  const Packed packed(d, k4, g, w_t, ranges);
+  std::copy(dc_last, dc_last + d.s * d.b * g, dc0);
+  RunLockstep(int(d.s) * parts, d.t + 1, pool, [&](int part, int64_t i) {
+    const int s = part / parts, p = part % parts;
+    const auto [u0, u1] = Units(g, parts, p);
+    const int64_t t = d.t - 1 - i, state0 = int64_t(s) * d.b * g;
+    float* dh = dh0 + state0;
+    if (i == 0) {
+      for (int r = 0; r < b; ++r)
+        std::copy(dh_last + state0 + int64_t(r) * g + u0,
+                  dh_last + state0 + int64_t(r) * g + u1,
+                  dh + int64_t(r) * g + u0);
+    } else {
+      const int64_t next = (int64_t(s) * d.t + t + 1) * d.b;
+      Matmul(b, u1 - u0, k4, dz + next * k4, k4,
+             w_t + int64_t(s) * k4 * g + u0, g, packed.Panels(s, p), nullptr,
+             0, dh + u0, g);
+    }
+    if (t < 0) return;
+    const int64_t row = (int64_t(s) * d.t + t) * d.b;
+    for (int r = 0; r < b; ++r) {
+      const float* cp =
+          t ? cs + (row - d.b + r) * g : c0 + state0 + int64_t(r) * g;
+      CellBack(gates + (row + r) * k4, cs + (row + r) * g, cp,
+               d_ys + (row + r) * g, dh + int64_t(r) * g,
+               dc0 + state0 + int64_t(r) * g, dz + (row + r) * k4, g, u0, u1);
     }
   });
 }
@@ -522,7 +759,8 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
                        ffi::ResultBuffer<ffi::F32> h,
                        ffi::ResultBuffer<ffi::F32> c,
                        ffi::ResultBuffer<ffi::F32> cs,
-                       ffi::ResultBuffer<ffi::F32> gates, int64_t threads) {
+                       ffi::ResultBuffer<ffi::F32> gates, int64_t threads,
+                       int64_t unit_parts) {
   Shape d;
   std::string why = WindowShape("x_proj", x_proj.dimensions(), &d);
   const bool keep = cs->element_count() > 0;
@@ -538,7 +776,8 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
     if (!why.empty()) break;  // no shape to check the others against
   }
   return Guarded("zebra_native_forward", [&] {
-    Forward(d, int(std::min<int64_t>(threads, 1 << 16)), &pool, keep,
+    Forward(d, int(std::min<int64_t>(threads, 1 << 16)),
+            int(std::min<int64_t>(unit_parts, 1 << 16)), &pool, keep,
             x_proj.typed_data(), h0.typed_data(), c0.typed_data(),
             w_h.typed_data(), ys->typed_data(), h->typed_data(),
             c->typed_data(), keep ? cs->typed_data() : nullptr,
@@ -553,7 +792,8 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> d_ys,
                         ffi::Buffer<ffi::F32> dc_last,
                         ffi::ResultBuffer<ffi::F32> dz,
                         ffi::ResultBuffer<ffi::F32> dh0,
-                        ffi::ResultBuffer<ffi::F32> dc0, int64_t threads) {
+                        ffi::ResultBuffer<ffi::F32> dc0, int64_t threads,
+                        int64_t unit_parts) {
   Shape d;
   std::string why = WindowShape("gates", gates.dimensions(), &d);
   for (const std::string& m :
@@ -570,7 +810,8 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> d_ys,
     if (!why.empty()) break;
   }
   return Guarded("zebra_native_backward", [&] {
-    Backward(d, int(std::min<int64_t>(threads, 1 << 16)), &pool,
+    Backward(d, int(std::min<int64_t>(threads, 1 << 16)),
+             int(std::min<int64_t>(unit_parts, 1 << 16)), &pool,
              d_ys.typed_data(), gates.typed_data(), cs.typed_data(),
              c0.typed_data(), w_t.typed_data(), dh_last.typed_data(),
              dc_last.typed_data(), dz->typed_data(), dh0->typed_data(),
@@ -714,7 +955,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraForward, ForwardImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // c
                                   .Ret<ffi::Buffer<ffi::F32>>()  // cs
                                   .Ret<ffi::Buffer<ffi::F32>>()  // gates
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("unit_parts"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackward, BackwardImpl,
                               ffi::Ffi::Bind()
@@ -729,4 +971,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackward, BackwardImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dz
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dh0
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dc0
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("unit_parts"));

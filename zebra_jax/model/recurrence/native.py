@@ -378,6 +378,23 @@ def threads(flops: int) -> int:
                     flops // MIN_FLOPS_PER_THREAD))
 
 
+# Multiply-adds of one time step's recurrent matmul per thread at or above
+# which a stripe's hidden units split over the threads (in step: a wait a
+# time step, about 1 us) instead of its batch rows (each thread then reads
+# the stripe's whole W_h every step).
+MIN_UNIT_SPLIT_FLOPS = 1 << 21
+
+
+def unit_parts(s: int, b: int, g: int, threads: int) -> int:
+  """Parts each stripe's hidden units split into: the threads a stripe
+  gets, where a time step's share of the matmul is worth a wait; else 1
+  (whole stripes, or batch rows, a thread)."""
+  parts = threads // max(s, 1)
+  if parts < 2 or b < 2 or 2 * b * 4 * g * g // parts < MIN_UNIT_SPLIT_FLOPS:
+    return 1
+  return parts
+
+
 # A single step with nothing kept for a gradient (sampling, serving) of
 # fewer FLOPs than this runs as the scan's one step, which XLA fuses into
 # its neighbours: there a call's fixed cost, about 1 us, is the step's
@@ -398,12 +415,13 @@ def _forward(x_proj, h0, c0, w_h, keep):
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
   window = jax.ShapeDtypeStruct((s, t, b, g4 // 4), f32)
   cs = window if keep else jax.ShapeDtypeStruct((0,), f32)
+  n = threads(2 * s * t * b * g4 * (g4 // 4))
   ys, h, c, cs, gates = jax.ffi.ffi_call(
       _FORWARD + _loaded()[1], (window, state, state, cs, jax.ShapeDtypeStruct(
           x_proj.shape, f32)), input_output_aliases={0: 4},
       vmap_method="sequential")(
-          x_proj, h0.astype(f32), c0.astype(f32), w_h,
-          threads=np.int64(threads(2 * s * t * b * g4 * (g4 // 4))))
+          x_proj, h0.astype(f32), c0.astype(f32), w_h, threads=np.int64(n),
+          unit_parts=np.int64(unit_parts(s, b, g4 // 4, n)))
   saved = {None: (), "states": (cs,), "gates": (cs, gates)}[keep]
   return ys, h, c, saved
 
@@ -414,13 +432,14 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
   s, t, b, g4 = gates.shape
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
+  n = threads(2 * s * t * b * g4 * (g4 // 4))
   return jax.ffi.ffi_call(
       _BACKWARD + _loaded()[1],
       (jax.ShapeDtypeStruct(gates.shape, f32), state, state),
       input_output_aliases={1: 0}, vmap_method="sequential")(
           d_ys.astype(f32), gates, cs, c0.astype(f32),
-          jnp.swapaxes(w_h, 1, 2), d_h, d_c,
-          threads=np.int64(threads(2 * s * t * b * g4 * (g4 // 4))))
+          jnp.swapaxes(w_h, 1, 2), d_h, d_c, threads=np.int64(n),
+          unit_parts=np.int64(unit_parts(s, b, g4 // 4, n)))
 
 
 _native_layer = scan.kernel_layer(_forward, _backward)
