@@ -234,20 +234,20 @@ def test_any_thread_split_gives_the_same_bits(native, monkeypatch, threads):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-@pytest.mark.parametrize("stripes,threads", [(1, 2), (1, 3), (1, 7),
-                                             (2, 7)])
+@pytest.mark.parametrize("stripes,threads,batch", [
+    (1, 2, 9), (1, 3, 9), (1, 7, 9), (2, 7, 9), (1, 2, 1)])
 def test_a_split_by_hidden_units_gives_the_same_bits(march, monkeypatch,
-                                                     stripes, threads):
+                                                     stripes, threads, batch):
   """A dense stripe's hidden units split over threads that move in step
   (each its own columns of W, every row; 2, 3 or 7 parts of 80 units, so
-  parts end inside a vector on some builds): the bits of one thread, which
-  match the scan."""
-  args = _args(stripes, "dense", steps=4, batch=9, width=80, seed=6)
+  parts end inside a vector on some builds; one row, as sampling): the
+  bits of one thread, which match the scan."""
+  args = _args(stripes, "dense", steps=4, batch=batch, width=80, seed=6)
   monkeypatch.setattr(native_recurrence, "threads", lambda flops: 1)
   one = _native()(*args)
   monkeypatch.setattr(native_recurrence, "threads", lambda flops: threads)
   monkeypatch.setattr(native_recurrence, "MIN_UNIT_SPLIT_FLOPS", 0)
-  assert native_recurrence.unit_parts(stripes, 9, 80, threads) > 1
+  assert native_recurrence.unit_parts(stripes, batch, 80, threads) > 1
   many = _native()(*args)
   for name, a, b in zip(NAMES, jax.tree.leaves(one), jax.tree.leaves(many)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
@@ -256,12 +256,14 @@ def test_a_split_by_hidden_units_gives_the_same_bits(march, monkeypatch,
 
 def test_only_large_dense_stripes_split_by_units():
   """Units split where each thread's share of a time step is worth a wait
-  a step; never for one row (sampling) or with a stripe a thread."""
+  a step (sampling's one row too, at hidden 512); never with a stripe a
+  thread."""
   assert native_recurrence.unit_parts(1, 32, 512, 2) == 2   # dense S=1
   assert native_recurrence.unit_parts(1, 32, 512, 16) == 16
   assert native_recurrence.unit_parts(2, 32, 512, 8) == 4
   assert native_recurrence.unit_parts(8, 32, 64, 16) == 1   # grouped S=8
   assert native_recurrence.unit_parts(2, 32, 512, 2) == 1
+  assert native_recurrence.unit_parts(1, 1, 512, 2) == 2   # sampling
   assert native_recurrence.unit_parts(1, 1, 512, 8) == 1
   assert native_recurrence.unit_parts(1, 32, 16, 2) == 1    # too little
 

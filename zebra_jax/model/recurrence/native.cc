@@ -201,11 +201,11 @@ inline void Put(float* p, Vec v) { Store(p, v); }
 // of a whole row, which the prefetchers follow badly: a dense S=1 layer's
 // step at B = 1 took 1.2x the time.
 void RowTimesMatrix(int n, int k_size, const float* a, const float* w,
-                    const float* x, float* c) {
+                    Index ldw, const float* x, float* c) {
   for (int j = 0; j < n; ++j) c[j] = x ? x[j] : 0.0f;
   for (int k = 0; k < k_size; ++k) {
     const float ak = a[k];
-    const float* wk = w + int64_t(k) * n;
+    const float* wk = w + k * ldw;
     Lanes(n, [&](int j, auto u) {
       Put(c + j, Get(c + j, u) + ak * Get(wk + j, u));
     });
@@ -531,7 +531,7 @@ void Forward(const Shape& d, int threads, int unit_parts,
              const float* h0, const float* c0, const float* w_h, float* ys,
              float* h_out, float* c_out, float* cs, float* gates) {
   const int g = int(d.g), k4 = 4 * g;
-  if (d.b > 1 && UnitParts(g, unit_parts) > 1)
+  if (d.b > 0 && UnitParts(g, unit_parts) > 1)
     return ForwardUnits(d, UnitParts(g, unit_parts), pool, keep, x_proj, h0,
                         c0, w_h, ys, h_out, c_out, cs, gates);
   const Packed packed(d, g, k4, w_h, {{0, k4}});
@@ -548,7 +548,7 @@ void Forward(const Shape& d, int threads, int unit_parts,
       const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
       float* z = gates + row * k4;
       if (d.b == 1)  // whatever the threads: every row sums as the others
-        RowTimesMatrix(k4, g, h, w, x_proj + row * k4, z);
+        RowTimesMatrix(k4, g, h, w, k4, x_proj + row * k4, z);
       else
         Matmul(n, k4, g, h, g, w, k4, packed.Panels(s, 0), x_proj + row * k4,
                k4, z, k4);
@@ -565,7 +565,8 @@ void Forward(const Shape& d, int threads, int unit_parts,
 // Dense layers on more threads than stripes: each thread owns some hidden
 // units of a stripe (its four gates' columns of W, every batch row) rather
 // than some rows (each thread then reads all of W every step: at dense
-// S=1, hidden 512, 4 MB a step from the shared cache). A step needs all of
+// S=1, hidden 512, 4 MB a step from the shared cache; at batch 1, where a
+// step is W read once, one thread read it all). A step needs all of
 // h_{t-1}, so the parts move step by step (Lockstep). h_{t-1} is read from
 // ys; c stays in c_out, each part updating its units.
 void ForwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
@@ -588,9 +589,14 @@ void ForwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
     const float* h = t ? ys + (row - d.b) * g : h0 + int64_t(s) * d.b * g;
     for (int q = 0; q < 4; ++q) {
       const int64_t j = q * g + u0;
-      Matmul(b, u1 - u0, g, h, g, w_h + int64_t(s) * g * k4 + j, k4,
-             packed.Panels(s, size_t(p) * 4 + q), x_proj + row * k4 + j, k4,
-             gates + row * k4 + j, k4);
+      const float* w = w_h + int64_t(s) * g * k4 + j;
+      if (b == 1)
+        RowTimesMatrix(u1 - u0, g, h, w, k4, x_proj + row * k4 + j,
+                       gates + row * k4 + j);
+      else
+        Matmul(b, u1 - u0, g, h, g, w, k4,
+               packed.Panels(s, size_t(p) * 4 + q), x_proj + row * k4 + j,
+               k4, gates + row * k4 + j, k4);
     }
     for (int r = 0; r < b; ++r) {
       float* zr = gates + (row + r) * k4;
@@ -624,7 +630,7 @@ void Backward(const Shape& d, int threads, int unit_parts,
               const float* dh_last, const float* dc_last, float* dz,
               float* dh0, float* dc0) {
   const int g = int(d.g), k4 = 4 * g;
-  if (d.b > 1 && UnitParts(g, unit_parts) > 1)
+  if (d.b > 0 && UnitParts(g, unit_parts) > 1)
     return BackwardUnits(d, UnitParts(g, unit_parts), pool, d_ys, gates, cs,
                          c0, w_t, dh_last, dc_last, dz, dh0, dc0);
   const Packed packed(d, k4, g, w_t, {{0, g}});
@@ -646,7 +652,7 @@ void Backward(const Shape& d, int threads, int unit_parts,
                  dc + int64_t(r) * g, dz + (row + r) * k4, g, 0, g);
       }
       if (d.b == 1)
-        RowTimesMatrix(g, k4, dz + row * k4, wt, nullptr, dh);
+        RowTimesMatrix(g, k4, dz + row * k4, wt, g, nullptr, dh);
       else
         Matmul(n, g, k4, dz + row * k4, k4, wt, g, packed.Panels(s, 0),
                nullptr, 0, dh, g);
@@ -679,9 +685,12 @@ void BackwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
                   dh + int64_t(r) * g + u0);
     } else {
       const int64_t next = (int64_t(s) * d.t + t + 1) * d.b;
-      Matmul(b, u1 - u0, k4, dz + next * k4, k4,
-             w_t + int64_t(s) * k4 * g + u0, g, packed.Panels(s, p), nullptr,
-             0, dh + u0, g);
+      const float* w = w_t + int64_t(s) * k4 * g + u0;
+      if (b == 1)
+        RowTimesMatrix(u1 - u0, k4, dz + next * k4, w, g, nullptr, dh + u0);
+      else
+        Matmul(b, u1 - u0, k4, dz + next * k4, k4, w, g, packed.Panels(s, p),
+               nullptr, 0, dh + u0, g);
     }
     if (t < 0) return;
     const int64_t row = (int64_t(s) * d.t + t) * d.b;

@@ -378,11 +378,12 @@ def threads(flops: int) -> int:
                     flops // MIN_FLOPS_PER_THREAD))
 
 
-# Multiply-adds of one time step's recurrent matmul per thread at or above
-# which a stripe's hidden units split over the threads (in step: a wait a
-# time step, about 1 us) instead of its batch rows (each thread then reads
-# the stripe's whole W_h every step).
-MIN_UNIT_SPLIT_FLOPS = 1 << 21
+# FLOPs of one time step's recurrent matmul per thread at or above which a
+# stripe's hidden units split over the threads (in step: a wait a time
+# step, about 1 us; 10 us of one core's work) instead of its batch rows
+# (each thread then reads the stripe's whole W_h every step; at batch 1 one
+# thread reads it all).
+MIN_UNIT_SPLIT_FLOPS = 1 << 20
 
 
 def unit_parts(s: int, b: int, g: int, threads: int) -> int:
@@ -390,7 +391,7 @@ def unit_parts(s: int, b: int, g: int, threads: int) -> int:
   gets, where a time step's share of the matmul is worth a wait; else 1
   (whole stripes, or batch rows, a thread)."""
   parts = threads // max(s, 1)
-  if parts < 2 or b < 2 or 2 * b * 4 * g * g // parts < MIN_UNIT_SPLIT_FLOPS:
+  if parts < 2 or 2 * b * 4 * g * g // parts < MIN_UNIT_SPLIT_FLOPS:
     return 1
   return parts
 
@@ -399,7 +400,8 @@ def unit_parts(s: int, b: int, g: int, threads: int) -> int:
 # fewer FLOPs than this runs as the scan's one step, which XLA fuses into
 # its neighbours: there a call's fixed cost, about 1 us, is the step's
 # price (sampling at hidden 32 took 1.1-1.25x the scan's time). Above it the
-# kernel's matrix-vector product is the faster (dense S=1, hidden 512: 0.9x).
+# kernel's matrix-vector product was the faster on an AMD EPYC (dense S=1,
+# hidden 512: 0.9x the scan's time; 1.1x on an Intel Xeon, lab.native_bench).
 ONE_STEP_FLOPS = 1 << 20
 
 
