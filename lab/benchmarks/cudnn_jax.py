@@ -85,6 +85,8 @@ def runner(shape, stripes: int, precision: str, dtype=jnp.float32):
   (its shape rule asks cuDNN for its workspace), the one-line reason."""
   jitted, args, feedback = train_step(shape, stripes, precision, dtype)
   platform = jax.devices()[0].platform
+  no_lowering = RuntimeError(f"jax.experimental.rnn.lstm lowers for CUDA "
+                             f"and ROCm only: no {platform} lowering")
   try:
     jitted.trace(*args)
   except NotImplementedError:
@@ -92,9 +94,7 @@ def runner(shape, stripes: int, precision: str, dtype=jnp.float32):
   except Exception as e:  # pylint: disable=broad-except
     if platform == "gpu":
       raise
-    raise RuntimeError(f"jax.experimental.rnn.lstm lowers for CUDA and ROCm "
-                       f"only: no {platform} lowering") from e
+    raise no_lowering from e
   if platform != "gpu":
-    raise RuntimeError(f"jax.experimental.rnn.lstm lowers for CUDA and ROCm "
-                       f"only: no {platform} lowering")
+    raise no_lowering
   return Runner(jitted, args, feedback)

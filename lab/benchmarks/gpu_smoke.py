@@ -163,10 +163,15 @@ def cuda_target():
       (1,), ("x",), abstract_device=device))
 
 
+def custom_calls(stablehlo: str) -> list[str]:
+  """The custom-call targets a lowered program names, sorted."""
+  return sorted(set(re.findall(r"custom_call @([\w$.]+)", stablehlo)))
+
+
 def backend_of(stablehlo: str) -> str:
   """The Pallas GPU backend a lowered program calls: triton, mosaic_gpu,
   both, or none (no Pallas GPU kernel in it)."""
-  targets = set(re.findall(r"custom_call @([\w$.]+)", stablehlo))
+  targets = custom_calls(stablehlo)
   found = [name for name, key in (("triton", "triton"),
                                   ("mosaic_gpu", "mosaic_gpu"))
            if any(key in t for t in targets)]
@@ -198,8 +203,7 @@ def kernel_backend() -> dict:
       info["backend"] = f"error: {first_error_line(e)}"
       return info
   info["backend"] = backend_of(text)
-  info["custom_calls"] = sorted(set(re.findall(r"custom_call @([\w$.]+)",
-                                               text)))
+  info["custom_calls"] = custom_calls(text)
   pallas_warnings = [str(w.message) for w in caught
                      if "pallas" in str(w.message).lower()]
   info["warning"] = pallas_warnings[0] if pallas_warnings else None
