@@ -57,9 +57,10 @@ namespace {
 // kVectors of W and one broadcast, within the register file (AVX-512 and
 // NEON 32 registers, AVX2 and SSE 16). A vector wider than a register
 // would make AVX2 spill its accumulators: that build ran 7.9x slower.
-// AVX-512: 8 x 2 ran dense S=1 (hidden 512) 1.2x faster than 4 x 4, 6 x 4
-// or 8 x 3 (fewer W loads a multiply-add than 4 x 4, a panel of W that
-// stays nearer L1 than 8 x 3's); AVX2's 6 x 2 beat 4 x 3, 4 x 2 and 5 x 2.
+// AVX-512: at dense S=1 (hidden 512) 8 x 2 ran about 1.25x faster than
+// 4 x 4 (half the W loads a multiply-add) and 1.05-1.2x faster than 6 x 4
+// and 8 x 3 (a narrower panel of W); AVX2's 6 x 2 beat 4 x 3, 4 x 2 and
+// 5 x 2.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16, kRows = 8, kVectors = 2;  // 16 + 2 + 1 of 32 zmm
 #elif defined(__AVX__)
