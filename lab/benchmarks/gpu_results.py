@@ -11,7 +11,6 @@ from lab.benchmarks import gpu_budget
 from zebra_jax import strict_json
 
 
-
 def call_command(stages=()) -> str:
   return " ".join(["bash launch/gpu_report.sh", *stages])
 

@@ -396,6 +396,14 @@ def unit_parts(s: int, b: int, g: int, threads: int) -> int:
   return parts
 
 
+def _split(s: int, t: int, b: int, g4: int) -> dict:
+  """A call's `threads` and `unit_parts` attributes for a [S, T, B, 4G]
+  window."""
+  n = threads(2 * s * t * b * g4 * (g4 // 4))
+  return {"threads": np.int64(n),
+          "unit_parts": np.int64(unit_parts(s, b, g4 // 4, n))}
+
+
 # A single step with nothing kept for a gradient (sampling, serving) of
 # fewer FLOPs than this runs as the scan's one step, which XLA fuses into
 # its neighbours: there a call's fixed cost, about 1 us, is the step's
@@ -417,13 +425,12 @@ def _forward(x_proj, h0, c0, w_h, keep):
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
   window = jax.ShapeDtypeStruct((s, t, b, g4 // 4), f32)
   cs = window if keep else jax.ShapeDtypeStruct((0,), f32)
-  n = threads(2 * s * t * b * g4 * (g4 // 4))
   ys, h, c, cs, gates = jax.ffi.ffi_call(
       _FORWARD + _loaded()[1], (window, state, state, cs, jax.ShapeDtypeStruct(
           x_proj.shape, f32)), input_output_aliases={0: 4},
       vmap_method="sequential")(
-          x_proj, h0.astype(f32), c0.astype(f32), w_h, threads=np.int64(n),
-          unit_parts=np.int64(unit_parts(s, b, g4 // 4, n)))
+          x_proj, h0.astype(f32), c0.astype(f32), w_h,
+          **_split(s, t, b, g4))
   saved = {None: (), "states": (cs,), "gates": (cs, gates)}[keep]
   return ys, h, c, saved
 
@@ -434,14 +441,12 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
   s, t, b, g4 = gates.shape
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
-  n = threads(2 * s * t * b * g4 * (g4 // 4))
   return jax.ffi.ffi_call(
       _BACKWARD + _loaded()[1],
       (jax.ShapeDtypeStruct(gates.shape, f32), state, state),
       input_output_aliases={1: 0}, vmap_method="sequential")(
           d_ys.astype(f32), gates, cs, c0.astype(f32),
-          jnp.swapaxes(w_h, 1, 2), d_h, d_c, threads=np.int64(n),
-          unit_parts=np.int64(unit_parts(s, b, g4 // 4, n)))
+          jnp.swapaxes(w_h, 1, 2), d_h, d_c, **_split(s, t, b, g4))
 
 
 _native_layer = scan.kernel_layer(_forward, _backward)
