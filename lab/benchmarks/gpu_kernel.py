@@ -7,8 +7,9 @@ Groups, in order of value: (bf16, S=1), (bf16, S=8 grouped), (fp32, S=1),
 (fp32, S=8 grouped); each group's rows are written as soon as it is timed,
 a row that cannot be built or run at once as an error row with its reason
 (one line), so a stage killed at any moment keeps every group before it.
-FlashRNN's CUDA backend compiles for minutes: its rows come last, after
-every other group, and run only if the stage's budget lets them.
+FlashRNN's Triton backend autotunes and its CUDA backend compiles for
+minutes: the stage times their rows last, after every other group, and
+only as far as its budget lets them.
 """
 
 import importlib.util
@@ -111,13 +112,20 @@ def time_group(shape, dtype, stripes, cands, rounds: int) -> list[dict]:
   timed interleaved; error rows say why, in the candidates' order."""
   steps, errors = {}, {}
   for name, build in cands:
+    print(f"| building {name}_S{stripes} ({dtype})", flush=True)
     start = time.perf_counter()
     step, why = _ready(build)
+    print(f"| {name}_S{stripes} ({dtype}): "
+          f"{why or f'ready in {time.perf_counter() - start:.1f} s'}",
+          flush=True)
     if step is None:
       errors[name] = why
     else:
       steps[name] = (step, time.perf_counter() - start)
+  start = time.perf_counter()
   sec = _timed({n: s for n, (s, _) in steps.items()}, rounds, errors)
+  print(f"| timed {len(steps)} rows in {time.perf_counter() - start:.1f} s",
+        flush=True)
   tokens = shape["batch"] * shape["seq_len"]
   rows = []
   for name, _ in cands:

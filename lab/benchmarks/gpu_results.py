@@ -211,8 +211,10 @@ def summary(report: dict) -> list[str]:
         f"error: {profile['error']}" if profile.get("error") else
         f"{profile['trace_archive']}, {profile.get('dump_archive', '-')}"))
   for stage, st in report.get("stages", {}).items():
-    lines.append(f"- stage {stage}: {st.get('status', '-')}, "
-                 f"{st.get('rows', 0)} rows, {_fmt(st.get('seconds'))} s of "
+    status = st.get("status", "-")
+    rows = "" if "rows" in status else f"{st.get('rows', 0)} rows, "
+    lines.append(f"- stage {stage}: {status}, {rows}"
+                 f"{_fmt(st.get('seconds'))} s of "
                  f"{st.get('budget_s', '-')} s"
                  + (f" ({st['device']})" if st.get("device") else ""))
   return lines

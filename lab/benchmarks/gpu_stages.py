@@ -73,25 +73,29 @@ def _rounds(dry: bool) -> int:
 def stage_kernel(results: Results, dry: bool,
                  flashrnn_cuda: bool = True) -> None:
   """The headline rows (gpu_kernel.py), group by group, each group written
-  as soon as it is timed; then FlashRNN's CUDA backend, whose compile
-  takes minutes, last."""
+  as soon as it is timed; then FlashRNN's rows, whose Triton autotuning
+  and CUDA compile take minutes, last: first its Triton backend for every
+  group, then its CUDA backend."""
   shape, rounds = _shape(dry), _rounds(dry)
   results.update("kernel", {"shape": {k: shape[k] for k in (
       "hidden", "batch", "seq_len", "layers")}, "ratios": {}}, rows=0)
   dtypes = ("bfloat16", "float32")
   groups = [(d, s) for d in dtypes for s in gpu_kernel.group_stripes(shape)]
+  later = []
   for dtype, stripes in groups:
+    cands = gpu_kernel.candidates(shape, dtype, stripes)
+    later += [(dtype, stripes, c) for c in cands if c[0].startswith("flashrnn")]
     rows = gpu_kernel.time_group(
-        shape, dtype, stripes, gpu_kernel.candidates(shape, dtype, stripes),
-        rounds)
+        shape, dtype, stripes,
+        [c for c in cands if not c[0].startswith("flashrnn")], rounds)
     _add_kernel_rows(results, rows)
   if flashrnn_cuda:
-    for dtype, stripes in groups:
-      prec = gpu_kernel.SHORT[dtype]
-      rows = gpu_kernel.time_group(
-          shape, dtype, stripes, [("flashrnn_cuda", gpu_kernel.flashrnn_builder(
-              {**shape, "dtype": dtype}, stripes, prec, "cuda"))], rounds)
-      _add_kernel_rows(results, rows)
+    later += [(dtype, stripes, ("flashrnn_cuda", gpu_kernel.flashrnn_builder(
+        {**shape, "dtype": dtype}, stripes, gpu_kernel.SHORT[dtype], "cuda")))
+              for dtype, stripes in groups]
+  for dtype, stripes, cand in later:
+    _add_kernel_rows(results, gpu_kernel.time_group(shape, dtype, stripes,
+                                                    [cand], rounds))
 
 
 def _add_kernel_rows(results: Results, rows: list[dict]) -> None:
