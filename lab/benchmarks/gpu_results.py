@@ -268,7 +268,9 @@ def render(report: dict) -> str:
   if report.get("dry_run"):
     lines += ["**DRY RUN: tiny shapes, figures mean nothing.**", ""]
   lines += ["## Summary", ""] + summary(report) + [""]
-  lines += ["## How this page is made", ""] + sequence_lines() + [""]
+  lines += ["## How this page is made", ""] + sequence_lines() + [
+      "", "Each stage, its budget and how to rehearse the report on a CPU: "
+      "[the GPU report](gpu-report.md).", ""]
   versions = report.get("versions", {})
   if versions.get("installed"):
     lines += ["Installed: " + ", ".join(

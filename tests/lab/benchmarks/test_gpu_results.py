@@ -22,11 +22,12 @@ def test_results_rewrite_json_and_page_after_every_row(tmp_path):
 
 
 def test_docs_and_script_give_the_sequence():
-  """docs/gpu-results.md holds the sequence the code runs (the three
+  """docs/gpu-results.md and gpu-report.md hold the sequence the code runs (the three
   steps, the budget file's table and ledger), and gpu_report.sh's help
   names the same call and timeout."""
-  docs = open(os.path.join(REPO, "docs", "gpu-results.md")).read()
-  assert "\n".join(gpu_results.sequence_lines()) in docs
+  for page in ("gpu-results.md", "gpu-report.md"):
+    docs = open(os.path.join(REPO, "docs", page)).read()
+    assert "\n".join(gpu_results.sequence_lines()) in docs, page
   script = open(os.path.join(REPO, "launch", "gpu_report.sh")).read()
   assert f"#   {gpu_results.call_command()}\n" in script
   assert f"with a {gpu_budget.CALL_BUDGET_S} s timeout" in script
