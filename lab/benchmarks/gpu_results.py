@@ -189,6 +189,8 @@ def summary(report: dict) -> list[str]:
   elif "compile_s" in w:
     lines.append(f"- wt103 recipe ({w['params'] / 1e6:.0f}M parameters): "
                  f"compiled in {w['compile_s']:.0f} s, no step timed")
+  if "pallas" in w:
+    lines.append(f"- wt103 recipe, model.recurrence=pallas: {_pallas_row(w['pallas'])}")
   curves = report.get("precision", {}).get("curves", {})
   if curves:
     lines.append("- precision, max |loss - fp32| after warm-up: " + ", ".join(
@@ -218,6 +220,16 @@ def summary(report: dict) -> list[str]:
                  f"{st.get('budget_s', '-')} s"
                  + (f" ({st['device']})" if st.get("device") else ""))
   return lines
+
+
+def _pallas_row(row: dict) -> str:
+  """The recipe's step with the fused kernel, in one line: its plan and
+  speed against the scan's, or why it did not run."""
+  if "tokens_per_s" in row:
+    return (f"{row['tokens_per_s']:,.0f} tok/s, {row['ms_per_step']:.1f} "
+            f"ms/step, {row['x_scan']:.2f} x the scan; compile "
+            f"{row['compile_s']:.0f} s ({row['plan']})")
+  return f"error: {row['error']}" if "error" in row else row["plan"]
 
 
 def _precisions(found) -> str:
@@ -309,7 +321,10 @@ def render(report: dict) -> str:
               f"- peak memory {_mib(w['peak_bytes'])} MB "
               f"({w['peak_source']}); XLA plan {_mib(w['xla_bytes'])} MB",
               f"- the recipe's {w['recipe_tokens']:,} tokens: "
-              f"{w['projected_hours']:.1f} hours on one GPU", ""]
+              f"{w['projected_hours']:.1f} hours on one GPU"]
+    if "pallas" in w:
+      lines.append(f"- with model.recurrence=pallas: {_pallas_row(w['pallas'])}")
+    lines.append("")
   p = report.get("precision", {})
   if p.get("curves"):
     lines += [f"## precision: demo corpus, {p['steps']} steps per dtype", "",

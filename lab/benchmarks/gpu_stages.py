@@ -17,11 +17,13 @@ import jax
 import numpy as np
 
 from lab.benchmarks import gpu_kernel, gpu_profile
-from lab.benchmarks.gpu_results import Results
+from lab.benchmarks.gpu_results import Results, first_error_line
 from lab.benchmarks.gpu_smoke import stage_smoke
 from lab.benchmarks.shapes import SHAPES, model_config, zipf_probs
 from lab.benchmarks.steps import train_batch, train_step
 from lab.benchmarks.timing import time_interleaved
+from zebra_jax.model import lm
+from zebra_jax.model.recurrence import pallas as pallas_recurrence
 from zebra_jax.runtime import profiling
 
 
@@ -180,6 +182,39 @@ def stage_wt103(results: Results, dry: bool, seconds: float) -> None:
       "peak_bytes": peak, "peak_source": source,
       "xla_bytes": profiling.compiled_bytes(got["compiled"]),
       "final_loss": got["loss"]})
+  del got
+  stage_wt103_pallas(results, cfg, dry, seconds / 2, tok_s)
+
+
+def stage_wt103_pallas(results: Results, cfg, dry: bool, seconds: float,
+                       scan_tok_s: float) -> None:
+  """The same step with model.recurrence=pallas, after the scan's figures
+  are written: the recipe keeps the scan until this row says the fused
+  kernel is faster at its stripes (G=256, bfloat16, whose U_s streams from
+  L2 every step). Off a GPU the kernel runs in interpret mode: the row
+  then checks the code path, not the speed."""
+  m, d = cfg.model, cfg.data
+  launch = pallas_recurrence.launch_plan(
+      d.batch_size, m.hidden_size // m.num_stripes,
+      lm.compute_dtype(m.dtype), triton=jax.default_backend() == "gpu")
+  row = {"plan": pallas_recurrence.describe(launch)}
+  if launch.rows is None:
+    results.update("wt103", {"pallas": row})
+    return
+  variant = cfg.copy_and_resolve_references()
+  variant.model.recurrence = "pallas"
+  try:
+    got = wt103_step(variant, dry, seconds)
+  except Exception as e:  # pylint: disable=broad-except
+    row["error"] = first_error_line(e)
+    results.update("wt103", {"pallas": row})
+    return
+  tokens = d.batch_size * d.seq_len
+  tok_s = tokens / got["sec_per_step"]
+  row.update(compile_s=got["compile_s"], steps_timed=got["steps"],
+             ms_per_step=1e3 * got["sec_per_step"], tokens_per_s=tok_s,
+             x_scan=tok_s / scan_tok_s, final_loss=got["loss"])
+  results.update("wt103", {"pallas": row})
 
 
 def _config(name: str, variant: str = ""):

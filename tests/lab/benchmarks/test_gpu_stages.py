@@ -56,7 +56,13 @@ def test_dry_run_writes_every_section(tmp_path):
                          for s in stripes}
 
   wt = report["wt103"]
-  assert report["stages"]["wt103"]["rows"] == 2  # compiled, then timed
+  # compiled, timed, then the same step with the fused kernel
+  assert report["stages"]["wt103"]["rows"] == 3
+  fused = wt["pallas"]
+  assert fused["plan"].startswith("fused") and fused["tokens_per_s"] > 0
+  assert fused["x_scan"] == pytest.approx(
+      fused["tokens_per_s"] / wt["tokens_per_s"])
+  assert fused["final_loss"] == pytest.approx(wt["final_loss"], rel=1e-5)
   assert wt["tokens_per_s"] > 0 and wt["model"]["head"] == "adaptive"
   assert wt["compile_s"] > 0 and wt["params"] > 0
   assert wt["projected_hours"] == pytest.approx(
