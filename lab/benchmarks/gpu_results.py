@@ -190,7 +190,8 @@ def summary(report: dict) -> list[str]:
     lines.append(f"- wt103 recipe ({w['params'] / 1e6:.0f}M parameters): "
                  f"compiled in {w['compile_s']:.0f} s, no step timed")
   if "pallas" in w:
-    lines.append(f"- wt103 recipe, model.recurrence=pallas: {_pallas_row(w['pallas'])}")
+    lines.append("- wt103 recipe, model.recurrence=pallas: "
+                 + _pallas_row(w["pallas"]))
   curves = report.get("precision", {}).get("curves", {})
   if curves:
     lines.append("- precision, max |loss - fp32| after warm-up: " + ", ".join(
@@ -323,7 +324,8 @@ def render(report: dict) -> str:
               f"- the recipe's {w['recipe_tokens']:,} tokens: "
               f"{w['projected_hours']:.1f} hours on one GPU"]
     if "pallas" in w:
-      lines.append(f"- with model.recurrence=pallas: {_pallas_row(w['pallas'])}")
+      lines.append("- with model.recurrence=pallas: "
+                   + _pallas_row(w["pallas"]))
     lines.append("")
   p = report.get("precision", {})
   if p.get("curves"):

@@ -22,9 +22,9 @@ def test_results_rewrite_json_and_page_after_every_row(tmp_path):
 
 
 def test_docs_and_script_give_the_sequence():
-  """docs/gpu-results.md and gpu-report.md hold the sequence the code runs (the three
-  steps, the budget file's table and ledger), and gpu_report.sh's help
-  names the same call and timeout."""
+  """docs/gpu-results.md and gpu-report.md hold the sequence the code runs
+  (the three steps, the budget file's table and ledger), and
+  gpu_report.sh's help names the same call and timeout."""
   for page in ("gpu-results.md", "gpu-report.md"):
     docs = open(os.path.join(REPO, "docs", page)).read()
     assert "\n".join(gpu_results.sequence_lines()) in docs, page
