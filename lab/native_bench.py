@@ -10,6 +10,10 @@ ratios the median of each round's ratio):
               x86-64-v3 (avx2) and x86-64 (sse2) on x86-64; x avx512 is its
               time over the AVX-512 build's (or this CPU's build's)
   train_{S}_scan   the same with the scan
+  loops_{S}_{isa}  one layer's forward and backward time loops alone (the
+              FFI calls, no XLA work around them) with each build: what
+              the build's vector width changes, undiluted by the step's
+              matmuls
   sample_{S}_b1_{native,scan}  sampling.generate at batch 1, one token at a
               time (T = 1, B = 1 calls), native against the scan
   split_S1_{rows,units}_{N}  one dense S=1 layer's forward and backward time
@@ -76,10 +80,15 @@ def _sampler(shape, stripes, grouped, kernel):
   return lambda: jax.block_until_ready(run())
 
 
-def _split_runner(shape, parts: int, units: bool):
-  """The native forward and backward of one dense S=1 layer's window with
-  its work cut into `parts` parts, by hidden units or by batch rows."""
-  s, t, b, g = 1, shape["seq_len"], shape["batch"], shape["hidden"]
+def _loops_runner(shape, stripes: int, parts: int | None = None,
+                  units: bool = False):
+  """One layer's native forward and backward time loops alone (the FFI
+  calls, and the copy of the projected window they overwrite, as in the
+  step) at S stripes of width hidden / S. parts: the work cut into that
+  many parts, by hidden units or by batch rows (None: as the library
+  splits it on this CPU)."""
+  s, t, b = stripes, shape["seq_len"], shape["batch"]
+  g = shape["hidden"] // s
   rng = np.random.default_rng(0)
   x_proj = jnp.asarray(0.1 * rng.standard_normal((s, t, b, 4 * g)),
                        jnp.float32)
@@ -94,8 +103,9 @@ def _split_runner(shape, parts: int, units: bool):
     return ys, dz, dh, dc
 
   saved = (native_recurrence.threads, native_recurrence.MIN_UNIT_SPLIT_FLOPS)
-  native_recurrence.threads = lambda flops: parts
-  native_recurrence.MIN_UNIT_SPLIT_FLOPS = 0 if units else 1 << 62
+  if parts is not None:
+    native_recurrence.threads = lambda flops: parts
+    native_recurrence.MIN_UNIT_SPLIT_FLOPS = 0 if units else 1 << 62
   try:  # the split is fixed when the call is traced
     compiled = jax.jit(window).lower(x_proj, w_h).compile()
   finally:
@@ -108,7 +118,7 @@ def _split_rows(shape, rounds: int) -> list[dict]:
   fns = {}
   for parts in (2, 8, 16):
     for how in ("rows", "units"):
-      fns[f"split_S1_{how}_{parts}"] = _split_runner(shape, parts,
+      fns[f"split_S1_{how}_{parts}"] = _loops_runner(shape, 1, parts,
                                                      how == "units")
   times = round_times(fns, rounds)
   return [{"name": row, "ms": 1e3 * float(np.median(t)),
@@ -130,6 +140,10 @@ def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
         continue
       fns[f"train_{name}_{isa}"] = runner
       isas[f"train_{name}_{isa}"] = isa
+      loops, _ = _with_target(target, functools.partial(
+          _loops_runner, shape, stripes))
+      fns[f"loops_{name}_{isa}"] = loops
+      isas[f"loops_{name}_{isa}"] = isa
     fns[f"train_{name}_scan"] = core_runner(shape, stripes, grouped=grouped)
   for name, (stripes, grouped) in SETTINGS.items():
     for kernel in ("native", "scan"):
@@ -143,18 +157,18 @@ def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
   rows = []
   for row in times:
     kind, setting = row.split("_")[:2]
-    if kind == "train":
+    if kind in ("train", "loops"):
       # Against the AVX-512 build, else this CPU's build (the first built).
-      builds = [r for r in isas if r.startswith(f"train_{setting}_")]
+      builds = [r for r in isas if r.startswith(f"{kind}_{setting}_")]
       reference = next((r for r in builds if isas[r] == "avx512f"),
                        builds[0] if builds else None)
-      scan = f"train_{setting}_scan"
+      scan = f"train_{setting}_scan" if kind == "train" else None
     else:
       reference, scan = None, f"sample_{setting}_b1_scan"
     rows.append({"name": row, "ms": 1e3 * seconds[row],
                  "x_avx512": (ratio(row, reference) if reference
                               and row in isas else None),
-                 "x_scan": ratio(row, scan)})
+                 "x_scan": ratio(row, scan) if scan else None})
   print(f"native time loops, shape {'quick' if quick else 'A'} "
         f"(hidden {shape['hidden']}, batch {shape['batch']}, "
         f"seq {shape['seq_len']}; sampling {shape['gen_tokens']} tokens), "
