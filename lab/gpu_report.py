@@ -111,6 +111,8 @@ def _flags() -> None:
                       "this process.")
   flags.DEFINE_string("work", None, "Internal: the folder of the precision "
                       "stage's runs, shared with infer.")
+  flags.DEFINE_float("stage_deadline", None, "Internal: time.time() at which "
+                     "the driver kills this stage.")
 
 
 def _release(version: str) -> tuple:
@@ -202,6 +204,13 @@ def stage_env(stage: str, work: str) -> dict:
   return env
 
 
+def _kill_group(pgid: int) -> None:
+  try:
+    os.killpg(pgid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass  # every process of the group had ended
+
+
 def drive(stages, out: str, dry: bool, budgets: dict | None = None,
           child_args=(), carry_from: str = "", deadline: float | None = None
           ) -> dict:
@@ -247,14 +256,16 @@ def drive(stages, out: str, dry: bool, budgets: dict | None = None,
         [sys.executable, "-m", "lab.gpu_report",
          f"--stage_child={stage}", f"--out={out}",
          "--dry_run" if dry else "--nodry_run", f"--work={work}",
-         *child_args],
+         f"--stage_deadline={time.time() + budget:.1f}", *child_args],
         env=stage_env(stage, work), start_new_session=True)
     try:
       returncode = child.wait(timeout=budget)
     except subprocess.TimeoutExpired:
-      os.killpg(child.pid, signal.SIGKILL)  # its own processes too
-      child.wait()
       returncode = None
+    # Its own processes too, also those it left running when it ended (a
+    # compiler a build started): they would hold the call's output open.
+    _kill_group(child.pid)
+    child.wait()
     results = Results(out)
     status = results.data["stages"][stage]
     status.update(seconds=round(time.perf_counter() - start, 1),
@@ -309,7 +320,7 @@ def main(argv):
   if f.stage_child:
     from lab.benchmarks.gpu_stages import run_stage  # pylint: disable=g-import-not-at-top
     run_stage(f.stage_child, f.out, f.dry_run, f.wt103_seconds,
-              f.precision_steps, f.flashrnn_cuda, f.work)
+              f.precision_steps, f.flashrnn_cuda, f.work, f.stage_deadline)
     return
   # Before anything could start a JAX backend here: children see the GPU
   # whole.

@@ -9,10 +9,16 @@ a row that cannot be built or run at once as an error row with its reason
 (one line), so a stage killed at any moment keeps every group before it.
 FlashRNN's Triton backend autotunes and its CUDA backend compiles for
 minutes: the stage times their rows last, after every other group, and
-only as far as its budget lets them.
+only as far as its budget lets them: a build still running at the stage's
+deadline is left behind and its row says so, so the stage ends on time.
+
+A step of 2-15 ms timed once per round varies by a third between calls of
+one node; each row's round is as many steps as fill ROUND_S, calibrated
+from one step after its build.
 """
 
 import importlib.util
+import threading
 import time
 
 import jax
@@ -27,6 +33,9 @@ from zebra_jax.model.recurrence import pallas as pallas_recurrence
 
 OURS = ("zebra_scan", "zebra_pallas")
 SHORT = {"bfloat16": "bf16", "float32": "fp32"}
+ROUND_S = 0.05     # each row's steps per round fill about this long
+MAX_CALLS = 200    # steps per round at most (a step of microseconds)
+_BUILDS = []       # build threads started by _ready_by
 
 
 def group_stripes(shape) -> tuple[int, int]:
@@ -91,30 +100,84 @@ def _ready(build):
     return None, first_error_line(e)
 
 
+def _ready_by(build, deadline: float | None):
+  """_ready, given until deadline (time.time()) when there is one: the
+  build runs in a daemon thread, and one still running then is left behind
+  ((None, why), the caller's process ends without waiting for it)."""
+  if deadline is None or isinstance(build, str):
+    return _ready(build)
+  left = deadline - time.time()
+  if left <= 0:
+    return None, "not built: the stage's budget was spent"
+  box = {}
+  thread = threading.Thread(target=lambda: box.update(got=_ready(build)),
+                            daemon=True)
+  _BUILDS.append(thread)
+  thread.start()
+  thread.join(left)
+  if thread.is_alive():
+    return None, (f"still building after {left:.0f} s, what the stage's "
+                  "budget had left")
+  return box["got"]
+
+
+def left_behind() -> bool:
+  """Whether a build given up at its deadline is still running: then the
+  process must end with os._exit, since CUDA and Triton code in that
+  thread can hold the interpreter's exit."""
+  return any(t.is_alive() for t in _BUILDS)
+
+
+def _calls(step) -> int:
+  """Steps per round so that a round of this step lasts about ROUND_S."""
+  start = time.perf_counter()
+  step()
+  took = time.perf_counter() - start
+  return max(1, min(MAX_CALLS, int(ROUND_S / max(took, 1e-9))))
+
+
+def _repeated(step, calls: int):
+  def run():
+    for _ in range(calls):
+      step()
+  return run
+
+
+def _time_rows(steps: dict, rounds: int) -> dict:
+  """Seconds per step of each, rounds interleaved, each row's round
+  `_calls` steps long."""
+  calls = {name: _calls(step) for name, step in steps.items()}
+  sec = time_interleaved({name: _repeated(step, calls[name])
+                          for name, step in steps.items()}, rounds)
+  return {name: s / calls[name] for name, s in sec.items()}
+
+
 def _timed(steps: dict, rounds: int, errors: dict) -> dict:
   """Seconds per step of each, timed interleaved; if that raises (one step
   failing at a later call), each timed alone and a failing one added to
   errors."""
   try:
-    return time_interleaved(steps, rounds) if steps else {}
+    return _time_rows(steps, rounds) if steps else {}
   except Exception:  # pylint: disable=broad-except
     sec = {}
     for name, step in steps.items():
       try:
-        sec.update(time_interleaved({name: step}, rounds))
+        sec.update(_time_rows({name: step}, rounds))
       except Exception as e:  # pylint: disable=broad-except
         errors[name] = first_error_line(e)
     return sec
 
 
-def time_group(shape, dtype, stripes, cands, rounds: int) -> list[dict]:
-  """The group's rows: each candidate built (guarded), the ones that run
-  timed interleaved; error rows say why, in the candidates' order."""
+def time_group(shape, dtype, stripes, cands, rounds: int,
+               deadline: float | None = None) -> list[dict]:
+  """The group's rows: each candidate built (guarded; before deadline,
+  time.time(), when given), the ones that run timed interleaved; error rows
+  say why, in the candidates' order."""
   steps, errors = {}, {}
   for name, build in cands:
     print(f"| building {name}_S{stripes} ({dtype})", flush=True)
     start = time.perf_counter()
-    step, why = _ready(build)
+    step, why = _ready_by(build, deadline)
     print(f"| {name}_S{stripes} ({dtype}): "
           f"{why or f'ready in {time.perf_counter() - start:.1f} s'}",
           flush=True)

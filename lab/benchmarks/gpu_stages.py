@@ -26,6 +26,10 @@ from zebra_jax.model import lm
 from zebra_jax.model.recurrence import pallas as pallas_recurrence
 from zebra_jax.runtime import profiling
 
+# Before its deadline the kernel stage stops building FlashRNN rows, to time
+# what it built and write its rows.
+KERNEL_TIMING_S = 10
+
 
 def machine() -> dict:
   """GPU names and driver from nvidia-smi; JAX's versions, devices and
@@ -72,12 +76,13 @@ def _rounds(dry: bool) -> int:
   return 2 if dry else 5
 
 
-def stage_kernel(results: Results, dry: bool,
-                 flashrnn_cuda: bool = True) -> None:
+def stage_kernel(results: Results, dry: bool, flashrnn_cuda: bool = True,
+                 deadline: float | None = None) -> None:
   """The headline rows (gpu_kernel.py), group by group, each group written
   as soon as it is timed; then FlashRNN's rows, whose Triton autotuning
   and CUDA compile take minutes, last: first its Triton backend for every
-  group, then its CUDA backend."""
+  group, then its CUDA backend, each built only until deadline
+  (time.time(), the stage's end less the time to time a row)."""
   shape, rounds = _shape(dry), _rounds(dry)
   results.update("kernel", {"shape": {k: shape[k] for k in (
       "hidden", "batch", "seq_len", "layers")}, "ratios": {}}, rows=0)
@@ -96,8 +101,9 @@ def stage_kernel(results: Results, dry: bool,
         {**shape, "dtype": dtype}, stripes, gpu_kernel.SHORT[dtype], "cuda")))
               for dtype, stripes in groups]
   for dtype, stripes, cand in later:
-    _add_kernel_rows(results, gpu_kernel.time_group(shape, dtype, stripes,
-                                                    [cand], rounds))
+    _add_kernel_rows(results, gpu_kernel.time_group(
+        shape, dtype, stripes, [cand], rounds,
+        deadline=deadline and deadline - KERNEL_TIMING_S))
 
 
 def _add_kernel_rows(results: Results, rows: list[dict]) -> None:
@@ -360,10 +366,11 @@ def stage_scaling(results: Results, dry: bool) -> None:
 
 def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 10.0,
               precision_steps: int = 150, flashrnn_cuda: bool = True,
-              work: str | None = None) -> None:
+              work: str | None = None, deadline: float | None = None) -> None:
   """One stage in this process (what a stage's child process runs). work:
   the folder of the precision stage's runs, which infer reads (None: a new
-  temporary folder); never under out, whose files a node sends back."""
+  temporary folder); never under out, whose files a node sends back.
+  deadline: time.time() at which the driver kills the stage, if known."""
   results = Results(out)
   results.data["machine"] = machine()
   gpus = results.data["machine"]["gpus"]
@@ -375,7 +382,12 @@ def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 10.0,
   if stage == "smoke":
     stage_smoke(results)  # the same tiny shapes either way
   elif stage == "kernel":
-    stage_kernel(results, dry, flashrnn_cuda)
+    stage_kernel(results, dry, flashrnn_cuda, deadline)
+    if gpu_kernel.left_behind():
+      # Every row is on disk; a build thread left in CUDA code could hold
+      # the interpreter's exit until the driver kills the stage.
+      sys.stdout.flush()
+      os._exit(0)  # pylint: disable=protected-access
   elif stage == "wt103":
     stage_wt103(results, dry, wt103_seconds)
   elif stage == "precision":

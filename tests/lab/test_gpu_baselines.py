@@ -5,6 +5,7 @@ CUDA; FlashRNN's row says why it cannot run; a baseline that raises is a
 row that says why and the others are timed."""
 
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -165,7 +166,7 @@ def test_flashrnn_installed_without_cuda_says_so(tmp_path, monkeypatch):
                                      "sees no CUDA device")
 
 
-def test_a_baseline_that_raises_is_an_error_row():
+def test_a_baseline_that_raises_is_an_error_row(monkeypatch):
   """A candidate that raises at its first call: its first error line; the
   others are timed and the ratios only count rows that ran."""
   ptxas = ("Triton compilation failed\nptxas line 4; error   : too much "
@@ -180,17 +181,60 @@ def test_a_baseline_that_raises_is_an_error_row():
            ("torch_cudnn_bf16", fail),
            ("flashrnn_triton", "flashrnn not installed: why"),
            ("jax_cudnn_tf32", lambda: lambda: None)]
+  monkeypatch.setattr(gpu_kernel, "ROUND_S", 0.0)  # one step a round
   rows = gpu_kernel.time_group(TINY, "bfloat16", 8, cands, rounds=3)
   assert [r["name"] for r in rows] == [
       "zebra_scan_S8", "torch_cudnn_bf16_S8", "flashrnn_triton_S8",
       "jax_cudnn_tf32_S8"]
-  assert len(calls) == 1 + 1 + 3  # built, untimed, timed rounds
+  assert len(calls) == 1 + 1 + 1 + 3  # built, calibrated, untimed, rounds
   assert rows[1]["error"] == ("RuntimeError: ptxas line 4; error   : too "
                               "much shared data")
   assert rows[2]["error"] == "flashrnn not installed: why"
   ratios = gpu_kernel.ratios(rows)
   assert list(ratios) == ["zebra_scan_S8"]
   assert list(ratios["zebra_scan_S8"]) == ["jax_cudnn_tf32_S8"]
+
+
+def test_a_short_step_is_timed_over_several_calls_a_round(monkeypatch):
+  """A 10 ms step in rounds of 50 ms: several calls a round, and the row
+  is the time of one step, not of a round."""
+  monkeypatch.setattr(gpu_kernel, "ROUND_S", 0.05)
+  calls = []
+
+  def build():
+    def step():
+      calls.append(1)
+      time.sleep(0.01)
+    return step
+  (row,) = gpu_kernel.time_group(TINY, "float32", 1, [("zebra_scan", build)],
+                                 rounds=2)
+  per_round = (len(calls) - 2) // 3  # built, calibrated; untimed + 2 rounds
+  assert 2 <= per_round <= 5
+  assert len(calls) == 2 + 3 * per_round
+  assert 10.0 <= row["ms_per_step"] < 20.0
+
+
+def test_a_build_past_the_deadline_is_left_behind():
+  """A build still running at the deadline: its row says so at once, the
+  next build is not started, and the thread is reported left behind."""
+  started = []
+
+  def slow():
+    started.append(1)
+    time.sleep(3)
+    return lambda: None
+  start = time.monotonic()
+  rows = gpu_kernel.time_group(
+      TINY, "bfloat16", 2, [("flashrnn_triton", slow)], rounds=1,
+      deadline=time.time() + 0.3)
+  assert time.monotonic() - start < 2
+  assert rows[0]["error"].startswith("still building after 0 s")
+  assert gpu_kernel.left_behind()
+  (row,) = gpu_kernel.time_group(
+      TINY, "bfloat16", 2, [("flashrnn_cuda", slow)], rounds=1,
+      deadline=time.time() - 1)
+  assert row["error"] == "not built: the stage's budget was spent"
+  assert started == [1]
 
 
 def test_ratios_are_ours_over_each_baseline():

@@ -71,6 +71,35 @@ def test_a_stage_killed_midway_keeps_its_rows(tmp_path):
   assert report["smoke"]["lowered_for_cuda"]  # the earlier stage's rows stay
 
 
+def _running(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def test_a_stage_leaves_no_process_behind(tmp_path, monkeypatch):
+  """A stage process that ends leaving one of its own running (a compiler
+  a build started): the driver kills it, so nothing holds the call's
+  output open. The stage here is a shell script in the child's place."""
+  left = tmp_path / "left.pid"
+  stage = tmp_path / "stage.sh"
+  stage.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {left}\n")
+  stage.chmod(0o755)
+  monkeypatch.setattr(gpu_report.sys, "executable", str(stage))
+  start = time.monotonic()
+  report = gpu_report.drive(["scaling"], str(tmp_path / "out"), dry=True,
+                            budgets={"scaling": 60})
+  assert time.monotonic() - start < 30
+  assert report["stages"]["scaling"]["status"] != "running"
+  pid = int(left.read_text())
+  deadline = time.monotonic() + 10
+  while _running(pid) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not _running(pid)
+
+
 def test_stages_past_the_calls_deadline_do_not_start(tmp_path):
   """The call's budget is spent: the stages left are marked, none starts
   (no child process: this returns in well under a stage's start)."""
