@@ -196,14 +196,18 @@ def _lowered_dots(fn, *specs):
 
 @pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("dtype,want", [(jnp.float32, "ieee"),
-                                        (jnp.bfloat16, "ieee")])
-def test_stripe_kernel_dots_are_at_their_precision(dtype, want):
-  """float32 rows measure IEEE float32 products, not TF32: every tt.dot of
-  the forward and backward kernels, lowered for CUDA, is inputPrecision
-  ieee (bf16 operands: the attribute only matters for float32)."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("default,want", [(None, "tf32"),
+                                          ("highest", "ieee")])
+def test_stripe_kernel_dots_follow_the_default_matmul_precision(
+    dtype, default, want):
+  """Every tt.dot of the forward and backward kernels, lowered for CUDA,
+  takes jax's default matmul precision, as the scan's XLA matmuls do: TF32
+  by default, IEEE float32 under jax_default_matmul_precision=highest (the
+  attribute only matters for float32 operands)."""
   fn, specs = pallas_layer_grad(s=2, t=2, b=16, g=16, n_in=32, dtype=dtype)
-  dots = _lowered_dots(fn, *specs)
+  with jax.default_matmul_precision(default):
+    dots = _lowered_dots(fn, *specs)
   assert dots == [[want] * 4] * 2  # forward, backward: one dot per gate
 
 
