@@ -7,10 +7,11 @@ Groups, in order of value: (bf16, S=1), (bf16, S=8 grouped), (fp32, S=1),
 (fp32, S=8 grouped); each group's rows are written as soon as it is timed,
 a row that cannot be built or run at once as an error row with its reason
 (one line), so a stage killed at any moment keeps every group before it.
-FlashRNN's Triton backend autotunes and its CUDA backend compiles for
-minutes: the stage times their rows last, after every other group, and
-only as far as its budget lets them: a build still running at the stage's
-deadline is left behind and its row says so, so the stage ends on time.
+FlashRNN's builds take minutes (its Triton build of one 1024-unit head
+was still running after 200 s on an H100): the stage times their rows
+last, after every other group, and only as far as its budget lets them: a
+build still running at the stage's deadline is left behind and its row
+says so, so the stage ends on time.
 
 A step of 2-15 ms timed once per round varies by a third between calls of
 one node; each row's round is as many steps as fill ROUND_S, calibrated

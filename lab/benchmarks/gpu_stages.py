@@ -79,10 +79,12 @@ def _rounds(dry: bool) -> int:
 def stage_kernel(results: Results, dry: bool, flashrnn_cuda: bool = True,
                  deadline: float | None = None) -> None:
   """The headline rows (gpu_kernel.py), group by group, each group written
-  as soon as it is timed; then FlashRNN's rows, whose Triton autotuning
-  and CUDA compile take minutes, last: first its Triton backend for every
-  group, then its CUDA backend, each built only until deadline
-  (time.time(), the stage's end less the time to time a row)."""
+  as soon as it is timed; then FlashRNN's rows, whose builds take minutes,
+  last, each built only until deadline (time.time(), the stage's end less
+  the time to time a row): the widest S first (heads of H/S units, the
+  shape FlashRNN is made for; its Triton build of one 1024-unit head at
+  S = 1 was still running after 200 s on an H100), its Triton backend
+  before its CUDA one."""
   shape, rounds = _shape(dry), _rounds(dry)
   results.update("kernel", {"shape": {k: shape[k] for k in (
       "hidden", "batch", "seq_len", "layers")}, "ratios": {}}, rows=0)
@@ -100,6 +102,7 @@ def stage_kernel(results: Results, dry: bool, flashrnn_cuda: bool = True,
     later += [(dtype, stripes, ("flashrnn_cuda", gpu_kernel.flashrnn_builder(
         {**shape, "dtype": dtype}, stripes, gpu_kernel.SHORT[dtype], "cuda")))
               for dtype, stripes in groups]
+  later.sort(key=lambda row: (-row[1], row[2][0] != "flashrnn_triton"))
   for dtype, stripes, cand in later:
     _add_kernel_rows(results, gpu_kernel.time_group(
         shape, dtype, stripes, [cand], rounds,

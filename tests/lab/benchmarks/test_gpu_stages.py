@@ -127,13 +127,15 @@ def test_first_error_line():
 
 def test_the_kernel_stage_goes_on_past_errors(tmp_path, monkeypatch):
   """Every candidate of every group raising but one: error rows, group
-  after group, then FlashRNN's CUDA rows (here: why they cannot run); the
-  ratios count the rows that ran; the page renders."""
+  after group, then FlashRNN's rows (here: why they cannot run), the
+  widest S first, Triton before CUDA; the ratios count the rows that ran;
+  the page renders."""
   def fail():
     raise RuntimeError(_PTXAS)
   monkeypatch.setattr(gpu_kernel, "candidates", lambda shape, d, s: [
       ("zebra_pallas", lambda: fail), ("torch_cudnn_bf16", fail),
-      ("zebra_scan", lambda: lambda: None)])
+      ("zebra_scan", lambda: lambda: None),
+      ("flashrnn_triton", "flashrnn not installed: why")])
   monkeypatch.setattr(gpu_kernel, "flashrnn_builder",
                       lambda *a: "flashrnn not installed: why")
   results = gpu_results.Results(str(tmp_path))
@@ -144,8 +146,8 @@ def test_the_kernel_stage_goes_on_past_errors(tmp_path, monkeypatch):
                    for s in (1, 4)
                    for k in ("zebra_pallas", "torch_cudnn_bf16",
                              "zebra_scan")] + [
-      (f"flashrnn_cuda_S{s}", d) for d in ("bfloat16", "float32")
-      for s in (1, 4)]
+      (f"flashrnn_{b}_S{s}", d) for s in (4, 1) for b in ("triton", "cuda")
+      for d in ("bfloat16", "float32")]
   assert [r["error"] for r in kernel["rows"][:2]] == [
       "RuntimeError: ptxas /tmp/k.ptx, line 412; error   : Entry function "
       "uses too much shared data"] * 2
