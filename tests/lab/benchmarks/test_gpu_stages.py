@@ -38,14 +38,16 @@ def test_dry_run_writes_every_section(tmp_path):
   assert all(r["max_abs_err"] < 1e-4 for r in smoke["rows"])
 
   # kernel: every group's rows in order, ours timed, jax's cuDNN rows
-  # error rows off CUDA, then FlashRNN's CUDA rows last
+  # error rows off CUDA, then FlashRNN's rows, the widest S first
   rows = report["kernel"]["rows"]
   stripes = gpu_kernel.group_stripes(gpu_stages.SHAPES["quick"])
   groups = [(d, s) for d in ("bfloat16", "float32") for s in stripes]
   heads = [(r["dtype"], r["stripes"]) for r in rows
            if r["impl"] == "zebra_scan"]
   assert heads == groups
-  assert [r["impl"] for r in rows[-4:]] == ["flashrnn_cuda"] * 4
+  assert [(r["impl"], r["stripes"]) for r in rows[-8:]] == [
+      (f"flashrnn_{b}", s) for s in stripes[::-1]
+      for b in ("triton", "cuda") for _ in ("bfloat16", "float32")]
   for r in rows:
     if r["impl"].startswith("zebra"):
       assert r["tokens_per_s"] > 0, r
