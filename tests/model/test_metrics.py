@@ -1,5 +1,6 @@
 """Loss math against NumPy: the argmax (first largest, NaN first), the
-summed cross-entropy, the correct count and the loss's gradient."""
+correct predictions, the summed cross-entropy, the correct count and the
+loss's gradient."""
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,23 @@ def test_argmax_ties_nans_and_infinities_as_numpy():
   np.testing.assert_array_equal(metrics.argmax(x), np.argmax(x, axis=-1))
   np.testing.assert_array_equal(metrics.argmax(x.astype(jnp.bfloat16)),
                                 np.argmax(x, axis=-1))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_correct_is_numpys_argmax_equal_to_the_target(dtype):
+  """Every target of every row: ties, NaNs, infinities and random rows."""
+  special = np.array([[1, 3, 3, 0], [2, 2, 2, 2], [np.nan, 1, np.nan, 5],
+                      [0, 1, np.nan, 9], [-np.inf] * 4,
+                      [-np.inf, -1, np.inf, np.inf]], np.float32)
+  rng = np.random.default_rng(2)
+  rows = np.concatenate([special, rng.integers(0, 3, (20, 4)).astype(
+      np.float32), rng.standard_normal((20, 4)).astype(np.float32)])
+  want = np.argmax(rows, axis=-1)
+  for target in range(4):
+    targets = np.full(len(rows), target, np.int32)
+    got = metrics.correct(jnp.asarray(rows, dtype), jnp.asarray(targets))
+    assert got.dtype == jnp.bool_
+    np.testing.assert_array_equal(got, want == target)
 
 
 def test_token_sums_against_numpy():

@@ -31,6 +31,28 @@ def argmax(x: jax.Array) -> jax.Array:
                  axis=-1)
 
 
+def correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """`argmax(logits) == targets` (bool [...]), without the argmax on a CPU.
+
+  `argmax` returns the first entry that is the row's max or NaN; that is
+  the target exactly when the target's entry is one and no entry before it
+  is: one fused pass that reduces to a bool per row, its max the one the
+  cross-entropy beside it computes. In the LM train step (tied 8,192-word
+  head, shape A, Intel Xeon, 2 cores) XLA's plan then holds 219 MB of
+  temporaries instead of 286 (no int32 array of the logits' size), and the
+  step took 0.98x argmax's time (median of 40 interleaved rounds' ratios,
+  which spread 0.75-1.16). Elsewhere argmax is one fused reduction.
+  """
+  if jax.default_backend() != "cpu":
+    return argmax(logits) == targets
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  hit = (logits == top) | jnp.isnan(logits)
+  index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  before = jnp.any(hit & (index < targets[..., None]), axis=-1)
+  at = jnp.take_along_axis(hit, targets[..., None], axis=-1)[..., 0]
+  return at & ~before
+
+
 def token_sums(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
   """Summed cross-entropy, correct top-1 predictions and token count.
 
@@ -42,8 +64,8 @@ def token_sums(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
   """
   logits = logits.astype(jnp.float32)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  correct = (argmax(logits) == targets).astype(jnp.float32)
-  return {"loss_sum": losses.sum(), "correct": correct.sum(),
+  hits = correct(logits, targets).astype(jnp.float32)
+  return {"loss_sum": losses.sum(), "correct": hits.sum(),
           "count": jnp.asarray(targets.size, jnp.float32)}
 
 
