@@ -25,10 +25,16 @@ def argmax(x: jax.Array) -> jax.Array:
   """
   if jax.default_backend() != "cpu":
     return jnp.argmax(x, axis=-1).astype(jnp.int32)
+  hit, index = _hits(x)
+  return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
+def _hits(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(where x is its row's max or NaN, each entry's index in its row): the
+  first hit is what `argmax` returns."""
   top = jnp.max(x, axis=-1, keepdims=True)
   index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-  return jnp.min(jnp.where((x == top) | jnp.isnan(x), index, x.shape[-1]),
-                 axis=-1)
+  return (x == top) | jnp.isnan(x), index
 
 
 def correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -45,9 +51,7 @@ def correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """
   if jax.default_backend() != "cpu":
     return argmax(logits) == targets
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  hit = (logits == top) | jnp.isnan(logits)
-  index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  hit, index = _hits(logits)
   before = jnp.any(hit & (index < targets[..., None]), axis=-1)
   at = jnp.take_along_axis(hit, targets[..., None], axis=-1)[..., 0]
   return at & ~before
