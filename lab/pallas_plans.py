@@ -96,8 +96,11 @@ def _forced(plan: Plan | None, precision: str | None):
 def _traced_under(build, plan, precision):
   """build() with the plan and precision in force at every call: the
   precision is part of jit's cache key, so a call outside it would trace
-  the step again at the default."""
+  the step again at the default. The plan is not part of that key: the
+  caches are cleared first, so that a step traced under another plan is
+  never served again."""
   def built():
+    jax.clear_caches()
     with _forced(plan, precision):
       step = build()
       step()
