@@ -26,10 +26,16 @@ DUMP_DIR = "xla_dump"   # under the stage's work folder
 
 def dump_flags(work: str, flags: str = "") -> str:
   """XLA_FLAGS for the profile stage's process: the caller's own, plus the
-  dump of every compiled module into work/xla_dump as text."""
+  dump of every compiled module into work/xla_dump as text, and no CUDA
+  graphs. Inside a graph (XLA's command buffers) a trace's kernels all
+  name the graph's thunk as their HLO op, and cuBLAS kernels have no other
+  name to match the step's HLO by: none of the step's time could be given
+  to a part of the model. One launch per kernel costs little beside a
+  40 ms step."""
   dump = os.path.join(work, DUMP_DIR)
   return " ".join(filter(None, [flags, f"--xla_dump_to={dump}",
-                                "--xla_dump_hlo_as_text"]))
+                                "--xla_dump_hlo_as_text",
+                                "--xla_gpu_enable_command_buffer="]))
 
 
 def tensorboard_command(archive: str = TRACE_ARCHIVE) -> str:

@@ -61,6 +61,7 @@ def test_an_archive_over_the_cap_keeps_the_hlo_text(tmp_path):
 
 def test_the_dump_flags_keep_the_callers_own(tmp_path):
   assert gpu_profile.dump_flags(str(tmp_path), "--xla_foo=1") == (
-      f"--xla_foo=1 --xla_dump_to={tmp_path}/xla_dump --xla_dump_hlo_as_text")
+      f"--xla_foo=1 --xla_dump_to={tmp_path}/xla_dump --xla_dump_hlo_as_text "
+      "--xla_gpu_enable_command_buffer=")
   assert gpu_profile.tensorboard_command().endswith(
       "tensorboard --logdir trace")

@@ -123,7 +123,7 @@ def test_profile_stage_gets_the_xla_dump_flags(tmp_path, monkeypatch):
   env = gpu_report.stage_env("profile", str(tmp_path))
   assert env["XLA_FLAGS"] == (
       f"--xla_gpu_autotune_level=2 --xla_dump_to={tmp_path}/xla_dump "
-      "--xla_dump_hlo_as_text")
+      "--xla_dump_hlo_as_text --xla_gpu_enable_command_buffer=")
   assert env["XLA_FLAGS"] not in gpu_report.stage_env("wt103",
                                                       str(tmp_path)).values()
   assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"

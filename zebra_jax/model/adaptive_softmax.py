@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zebra_jax.errors import UserError
-from zebra_jax.model import metrics
+from zebra_jax.model import metrics, mixed_precision
 
 
 def cluster_bounds(vocab_size: int, cutoffs: Sequence[int]) -> tuple:
@@ -95,8 +95,7 @@ def auto_chunk_rows(widest: int, platform: str | None = None) -> int:
 
 
 def _matmul(x, w, dtype, spec):
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
-                    preferred_element_type=jnp.float32)
+  return mixed_precision.matmul(spec, x, w, dtype)
 
 
 def _chunk_logits(h, proj, table, bias, dtype):

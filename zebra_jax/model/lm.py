@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zebra_jax.model import adaptive_softmax as asm, metrics
-from zebra_jax.model import stripe_parallel
+from zebra_jax.model import mixed_precision, stripe_parallel
 from zebra_jax.model.config import DTYPES, ModelConfig
 from zebra_jax.model.layer import ZebraLSTMLayer, stripe_shuffle
 
@@ -171,14 +171,12 @@ class ZebraLM(nnx.Module):
         return self.adaptive_softmax.log_probs(
             hidden.reshape(b * t, h)).reshape(b, t, -1)
       b, t, h = hidden.shape
-      flat = hidden.reshape(b * t, h).astype(self.dtype)
+      flat = hidden.reshape(b * t, h)
       if self.tied:  # [V, H]: contracted on its H axis as it is stored
-        w, axis = self.embed[...], 1
+        w, spec = self.embed[...], "nh,vh->nv"
       else:
-        w, axis = self.head_w[...], 0
-      logits = jax.lax.dot_general(flat, w.astype(self.dtype),
-                                   (((1,), (axis,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        w, spec = self.head_w[...], "nh,hv->nv"
+      logits = mixed_precision.matmul(spec, flat, w, self.dtype)
       return (logits + self.head_b[...]).reshape(b, t, -1)
 
   def target_log_probs(self, hidden: jax.Array, targets: jax.Array,
