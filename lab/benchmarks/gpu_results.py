@@ -17,10 +17,15 @@ def call_command(stages=()) -> str:
 
 def first_error_line(exc: BaseException) -> str:
   """The line of an exception that names the error (Triton's, ptxas' or
-  XLA's first line saying error), else its first line; with its type."""
+  XLA's first line saying error), else its first line; with its type. A
+  first line that only points at a place ("at 251:27:", Triton's
+  CompilationError, whose source excerpt follows) gets the message's last
+  line, where the cause is."""
   lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
   named = [l for l in lines if "error" in l.lower()]
   line = (named or lines or [""])[0]
+  if not named and len(lines) > 1 and line.endswith(":"):
+    line = f"{line} ... {lines[-1]}"
   return f"{type(exc).__name__}: {line}"[:400]
 
 

@@ -25,10 +25,13 @@ run is not, so the perplexity is a TARGET.
   optimizer  Adam 1e-3 (b2 0.999), 2,000 warmup steps, cosine to 1e-5 over
              100,000 steps (1.64B tokens, ~16 epochs), global-norm clip 0.25
 
-MEASURED speed (one H100, jax 0.11.2, 2026-11-26; `bash launch/gpu_report.sh
-wt103` from the repository root, synthetic Zipf ids, two reports): 42.8-42.9
-ms a step, 381,863-383,025 tokens/s, 7.4 GB peak, compile 18-21 s; the
-100,000 steps' 1.64B tokens in 1.2 hours on one GPU. Several GPUs are not
+MEASURED speed (one H100, jax 0.11.2, 2026-11-27; `bash launch/gpu_report.sh
+wt103` from the repository root, synthetic Zipf ids): 38.0 ms a step,
+431,222 tokens/s, 7.3 GB peak, compile 17 s; the 100,000 steps' 1.64B
+tokens in 1.06 hours on one GPU. The head's gradient dots in bf16
+(zebra_jax/model/mixed_precision.py) made the step 1.12x faster than with
+float32 ones, timed side by side (`python -m lab.mixed_grads`); three
+earlier reports with float32 ones: 42.8-42.9 ms. Several GPUs are not
 measured yet.
 
 The recurrence: the recipe keeps base's model.recurrence=scan, which runs
@@ -37,11 +40,11 @@ stripes (G=256, bfloat16) in the fused kernel
 (zebra_jax/model/recurrence/pallas.py): 16 batch rows per program, 8 warps,
 U_s (512 KiB a stripe, more than a program's registers or shared memory)
 re-read from L2 every step in 64-row blocks; 8 stripes x 128/16 = 64
-programs a layer on one GPU. MEASURED on the same H100: 39.9 ms a step,
-410,724 tokens/s, 1.08x the scan, compile 6 s (the report's wt103 stage);
+programs a layer on one GPU. MEASURED on the same H100: 34.4 ms a step,
+475,668 tokens/s, 1.10x the scan, compile 7 s (the report's wt103 stage);
 `python -m lab.pallas_plans --groups=wt103` timed 6 plans beside the scan
-and this one was the fastest (1.07x; 32-row blocks 1.04x, 4 warps 0.95x,
-32 batch rows 0.90x).
+and this one was the fastest (1.07x with float32 head gradients; 32-row
+blocks 1.04x, 4 warps 0.95x, 32 batch rows 0.90x).
 
 TARGET test perplexity: 36-48, the band recurrent models of this class reach
 on WikiText-103. References: Rae et al. 2018 (Fast Parametric Learning with

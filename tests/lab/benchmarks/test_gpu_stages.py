@@ -125,6 +125,12 @@ def test_first_error_line():
       "uses too much shared data")
   assert gpu_results.first_error_line(ValueError("\nno fit\nat all")) == (
       "ValueError: no fit")
+  # Triton's CompilationError: a place, the source, then the cause
+  compile_error = type("CompilationError", (Exception,), {})(
+      "at 251:27:\n    acc = tl.dot(a, b)\n          ^\n"
+      "Unsupported dtype fp8 in tl.dot")
+  assert gpu_results.first_error_line(compile_error) == (
+      "CompilationError: at 251:27: ... Unsupported dtype fp8 in tl.dot")
 
 
 def test_the_kernel_stage_goes_on_past_errors(tmp_path, monkeypatch):
