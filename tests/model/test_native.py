@@ -464,3 +464,56 @@ def test_symbolic_shapes_run_the_scan():
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6,
                                atol=1e-6)
+
+
+def _lm_program(recurrence: str, dtype: str = "float32") -> str:
+  """The lowered loss gradient of a small ZebraLM."""
+  from zebra_jax.configs import base  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  cfg = base.get_config().model
+  cfg.update(vocab_size=37, embed_size=16, hidden_size=16, num_layers=2,
+             num_stripes=4, stripe_input="grouped", dropout_embed=0.0,
+             dropout_hidden=0.0, dropout_output=0.0, dtype=dtype,
+             recurrence=recurrence)
+  graphdef, params = nnx.split(lm.ZebraLM(cfg, rngs=nnx.Rngs(0)))
+  tokens = jnp.zeros((3, 6), jnp.int32)
+  carry = lm.init_carry(cfg, 3)
+
+  def loss(p):
+    return jnp.sum(lm.apply(graphdef, p, tokens, carry)[0])
+  return jax.jit(jax.grad(loss)).lower(params).as_text()
+
+
+def test_auto_is_the_default_and_runs_native_on_a_cpu_in_float32(
+    native, caplog, monkeypatch):
+  """base's model.recurrence=auto: the native loops on a CPU in float32
+  (the same program as asking for them), the scan in bfloat16, neither
+  with a warning."""
+  from zebra_jax.configs import base  # pylint: disable=g-import-not-at-top
+  assert base.get_config().model.recurrence == "auto"
+  monkeypatch.setattr(recurrence, "_warned", set())
+  with caplog.at_level(logging.WARNING):
+    auto = _lm_program("auto")
+    auto_bf16 = _lm_program("auto", "bfloat16")
+  assert "zebra_native" in auto
+  assert auto == _lm_program("native")
+  assert "zebra_native" not in auto_bf16
+  assert auto_bf16 == _lm_program("scan", "bfloat16")
+  assert not [r for r in caplog.records if "recurrence" in r.getMessage()]
+
+
+def test_auto_without_the_library_runs_the_scan_and_says_why_once(
+    caplog, monkeypatch):
+  monkeypatch.setattr(recurrence, "_warned", set())
+  monkeypatch.setattr(native_recurrence, "_loaded",
+                      lambda: ("no C++ compiler found (set CXX)", ""))
+  with caplog.at_level(logging.WARNING):
+    got = _lm_program("auto")
+    _lm_program("auto")
+  assert "zebra_native" not in got
+  assert got == _lm_program("scan")
+  lines = [r.getMessage() for r in caplog.records
+           if "model.recurrence=auto" in r.getMessage()]
+  assert lines == ["model.recurrence=auto: the native time loops are "
+                   "unavailable (no C++ compiler found (set CXX)); running "
+                   "the scan"]

@@ -88,7 +88,8 @@ FIELDS = dict(
         unroll=F(1, POSITIVE_INT, "lax.scan unroll factor"),
         remat=F(False, BOOL, "recompute the gates in the backward pass (long "
                 "windows, less memory)"),
-        recurrence=F("scan", one_of(model_config.RECURRENCES), "scan "
+        recurrence=F("auto", one_of(model_config.RECURRENCES), "auto: "
+                     "native on CPUs in float32, the scan elsewhere | scan "
                      "(lax.scan) | pallas: one fused kernel per stripe on "
                      "GPUs (interpret mode elsewhere: slow) | native: the "
                      "time loops as compiled C++ on CPUs, float32 (built on "

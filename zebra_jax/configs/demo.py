@@ -17,9 +17,10 @@ time and ends lower (test ppl 4.16 against 4.45); over words dense stripes
 (S=8) beat every grouped setting in every column. Grouped S=8 is the fastest
 to a loose target but ends above dense S=8 at both levels (seeds apart).
 
-Why model.recurrence=native: the same model with its time loops as compiled
-C++ (zebra_jax/model/recurrence/native.py), to the same perplexities as the
-scan. Without a C++ compiler it runs the scan, with one warning line.
+Its time loops: base's model.recurrence=auto, on a CPU compiled C++
+(zebra_jax/model/recurrence/native.py), to the same perplexities as the
+scan; on a GPU the scan. Without a C++ compiler it runs the scan, with one
+warning line.
 
 Timing (the README's quickstart): on a 2-core Intel Xeon (AVX-512) virtual
 machine shared with other jobs (load average 4), Python 3.11, 2026-11-26,
@@ -35,7 +36,6 @@ from zebra_jax.config import base
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c = base.get_config()  # the embedded corpus, characters, 2 x 256 in 4 stripes
-  c.model.recurrence = "native"
   c.train.update(
       num_steps=1500,           # the timing: in the docstring
       time_budget_minutes=6.0,  # stop (and save) after this long whatever the step

@@ -34,8 +34,9 @@ float32 ones, timed side by side (`python -m lab.mixed_grads`); three
 earlier reports with float32 ones: 42.8-42.9 ms. Several GPUs are not
 measured yet.
 
-The recurrence: the recipe keeps base's model.recurrence=scan, which runs
-on every backend. On a GPU, --config.model.recurrence=pallas runs its
+The recurrence: the recipe keeps base's model.recurrence=auto: the scan on
+a GPU, the native C++ loops on a CPU (float32). On a GPU,
+--config.model.recurrence=pallas runs its
 stripes (G=256, bfloat16) in the fused kernel
 (zebra_jax/model/recurrence/pallas.py): 16 batch rows per program, 8 warps,
 U_s (512 KiB a stripe, more than a program's registers or shared memory)

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 DTYPES = ("float32", "bfloat16", "float16")   # compute dtypes; parameters stay float32
 HEADS = ("full", "adaptive")                  # softmax heads
 STRIPE_INPUTS = ("dense", "grouped")          # how a stripe reads its layer's input
-RECURRENCES = ("scan", "pallas", "native")    # the layer's time loop
+RECURRENCES = ("auto", "scan", "pallas", "native")  # the layer's time loop
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,8 @@ class ZebraLSTMLayer(nnx.Module):
     # custom_vjp=False: JAX's autodiff of the scan (a reference for tests and
     # the benchmark; it ignores remat).
     self.custom_vjp = custom_vjp
-    # scan | pallas | native (recurrence/: the same math)
+    # auto | scan | pallas | native (recurrence/: the same math); auto:
+    # native where its loops run (CPUs, float32), else the scan
     self.kernel = kernel
     # PyTorch nn.LSTM's uniform init range, 1/sqrt(H). A grouped unit reads
     # S times fewer inputs and recurrent units, so 1/sqrt(H/S) keeps its
@@ -93,9 +94,11 @@ class ZebraLSTMLayer(nnx.Module):
     args = (inputs.astype(dt), w_x.astype(dt), bias,
             to_stripes(h0), to_stripes(c0), w_h.astype(dt))
     if self.custom_vjp:
+      kernel = self.kernel
+      if kernel == "auto":
+        kernel = native.chosen(dt, inputs.shape)
       layer_fn = {"pallas": pallas.zebra_layer,
-                  "native": native.zebra_layer}.get(
-                      self.kernel, scan.zebra_layer)
+                  "native": native.zebra_layer}.get(kernel, scan.zebra_layer)
       ys, h, c = layer_fn(*args, self.unroll, self.remat)
     else:
       ys, h, c = scan.zebra_layer_autodiff(*args, self.unroll)

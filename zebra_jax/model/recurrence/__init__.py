@@ -1,5 +1,6 @@
 """A ZebraLSTM layer's time loops, one backend per module, the same math:
-`scan` (lax.scan, the reference and default), `pallas` (fused GPU kernels)
-and `native` (compiled C++ from `native.cc`, for CPUs); `model.recurrence`
-picks one.
+`scan` (lax.scan, the reference, on every backend), `pallas` (fused GPU
+kernels) and `native` (compiled C++ from `native.cc`, for CPUs);
+`model.recurrence` picks one, or `auto` (the default): native where its
+loops run (CPUs, float32), else the scan (`native.chosen`).
 """

@@ -360,6 +360,21 @@ def unavailable(dtype, shape=()) -> str:
   return _loaded()[0]
 
 
+def chosen(dtype, shape=()) -> str:
+  """model.recurrence=auto's backend for a layer: "native" where its loops
+  run (a CPU, float32, a concrete window, the library built or loaded),
+  else "scan", the same math on every backend. Only a library that would
+  not build or load warns (once): the other cases are what auto is for."""
+  why = unavailable(dtype, shape)
+  if not why:
+    return "native"
+  if (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+      and all(isinstance(d, int) for d in shape)):
+    scan.warn_once(f"model.recurrence=auto: the native time loops are "
+                   f"unavailable ({why}); running the scan")
+  return "scan"
+
+
 # Multiply-adds of a loop's matmuls per thread, at least: about 50 us of
 # one core's work, where waking one of XLA's pool threads costs 10-20 us.
 MIN_FLOPS_PER_THREAD = 1 << 20
