@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from lab.benchmarks import gpu_kernel
+from lab.benchmarks import gpu_kernel, table
 from lab.benchmarks.gpu_stages import _wt103_config, wt103_step
 from zebra_jax.cli import entry
 from zebra_jax.errors import UserError
@@ -98,13 +98,8 @@ def main(argv):
     raise UserError("this compares GPU matmuls: run on a GPU, or pass "
                     "--dry_run to check the tool on this CPU")
   rows = time_rows(f.dry_run)
-  print(f"\nwt103 step ({jax.devices()[0].device_kind})")
-  for r in rows:
-    figure = (f"{r['ms_per_step']:8.2f} ms/step"
-              + (f"  {r['x_f32_grads']:.3f} x f32 grads"
-                 if "x_f32_grads" in r else "")
-              if "ms_per_step" in r else f"  {r['error']}")
-    print(f"  {r['name']:<20} {figure}")
+  table.print_step_rows(f"wt103 step ({jax.devices()[0].device_kind})",
+                        rows, "x_f32_grads", "f32 grads", 20, digits=3)
   if f.out:
     with open(f.out, "w") as out:
       json.dump(rows, out, indent=1)

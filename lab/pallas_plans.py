@@ -30,7 +30,7 @@ import json
 import jax
 from absl import flags
 
-from lab.benchmarks import gpu_kernel
+from lab.benchmarks import gpu_kernel, table
 from lab.benchmarks.gpu_stages import _wt103_config, wt103_step
 from lab.benchmarks.shapes import SHAPES
 from lab.benchmarks.steps import core_runner
@@ -179,12 +179,8 @@ def main(argv):
   for group in f.groups:
     got = time_plans(group, f.dry_run)
     rows += got
-    print(f"\n{group} ({jax.devices()[0].device_kind})")
-    for r in got:
-      figure = (f"{r['ms_per_step']:8.2f} ms/step"
-                + (f"  {r['x_scan']:.2f} x scan" if "x_scan" in r else "")
-                if "ms_per_step" in r else f"  {r['error']}")
-      print(f"  {r['name']:<26} {figure}")
+    table.print_step_rows(f"{group} ({jax.devices()[0].device_kind})", got,
+                          "x_scan", "scan", 26)
     if f.out:
       with open(f.out, "w") as out:
         json.dump(rows, out, indent=1)

@@ -33,3 +33,19 @@ def print_rows(rows: Sequence[dict], columns: Sequence[Column]) -> None:
   print(line([title for title, _, _ in columns]))
   for r in rows:
     print(line([text(r) for _, _, text in columns]))
+
+
+def print_step_rows(title: str, rows: Sequence[dict], ratio_key: str,
+                    ratio_label: str, name_width: int,
+                    digits: int = 2) -> None:
+  """A GPU tool's rows under a title: the name, ms/step and the row's
+  ratio (where it has one), or its error."""
+  print(f"\n{title}")
+  for r in rows:
+    if "ms_per_step" not in r:
+      figure = f"  {r['error']}"
+    else:
+      figure = f"{r['ms_per_step']:8.2f} ms/step" + (
+          f"  {r[ratio_key]:.{digits}f} x {ratio_label}"
+          if ratio_key in r else "")
+    print(f"  {r['name']:<{name_width}} {figure}")
