@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from lab.benchmarks import gpu_kernel, table
-from lab.benchmarks.gpu_stages import _wt103_config, wt103_step
+from lab.benchmarks import gpu_kernel, gpu_stages, table
 from zebra_jax.cli import entry
 from zebra_jax.errors import UserError
 from zebra_jax.model import mixed_precision
@@ -55,21 +54,13 @@ def _build(cfg, recurrence: str, fn, dry: bool):
   not part of their key."""
   def built():
     jax.clear_caches()
-    variant = cfg.copy_and_resolve_references()
-    variant.model.recurrence = recurrence
     with _matmul(fn):
-      got = wt103_step(variant, dry, 0)
-    calls = [0]
-
-    def step():
-      calls[0] += 1
-      jax.block_until_ready(got["run"](calls[0]))
-    return step
+      return gpu_stages.wt103_step_runner(cfg, recurrence, dry)
   return built
 
 
 def time_rows(dry: bool) -> list[dict]:
-  cfg = _wt103_config(dry)
+  cfg = gpu_stages._wt103_config(dry)  # pylint: disable=protected-access
   cfg.model.dtype = "bfloat16"  # the recipe's; tiny's is float32
   m, d = cfg.model, cfg.data
   shape = {"batch": d.batch_size, "seq_len": d.seq_len}

@@ -31,7 +31,7 @@ import jax
 from absl import flags
 
 from lab.benchmarks import gpu_kernel, table
-from lab.benchmarks.gpu_stages import _wt103_config, wt103_step
+from lab.benchmarks.gpu_stages import _wt103_config, wt103_step_runner
 from lab.benchmarks.shapes import SHAPES
 from lab.benchmarks.steps import core_runner
 from zebra_jax.cli import entry
@@ -126,17 +126,7 @@ def _wt103(dry: bool):
   shape = {"batch": d.batch_size, "seq_len": d.seq_len}
 
   def build(kernel):
-    def built():
-      variant = cfg.copy_and_resolve_references()
-      variant.model.recurrence = kernel
-      got = wt103_step(variant, dry, 0)
-      calls = [0]
-
-      def step():
-        calls[0] += 1
-        jax.block_until_ready(got["run"](calls[0]))
-      return step
-    return built
+    return lambda: wt103_step_runner(cfg, kernel, dry)
   return shape, m.num_stripes, build
 
 

@@ -164,6 +164,21 @@ def wt103_step(cfg, dry: bool, seconds: float, on_compiled=None):
           "compiled": compiled, "run": run}
 
 
+def wt103_step_runner(cfg, recurrence: str, dry: bool):
+  """The recipe's step with model.recurrence=recurrence, compiled (under
+  whatever the caller has in force): a callable that runs one step and
+  waits for it, for `gpu_kernel.time_group`."""
+  variant = cfg.copy_and_resolve_references()
+  variant.model.recurrence = recurrence
+  got = wt103_step(variant, dry, 0)
+  calls = [0]
+
+  def step():
+    calls[0] += 1
+    jax.block_until_ready(got["run"](calls[0]))
+  return step
+
+
 def stage_wt103(results: Results, dry: bool, seconds: float) -> None:
   """The recipe's model and batch (hidden 2048, S=8, the 267,735-word
   adaptive softmax, bfloat16) through the product's train step on
