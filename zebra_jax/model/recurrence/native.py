@@ -348,16 +348,22 @@ def vector_isa() -> str:
   return "" if why else _TARGETS[suffix]
 
 
-def unavailable(dtype, shape=()) -> str:
-  """Why the kernels cannot run a layer of this compute dtype and window
-  shape here ("" when they can)."""
+def _unsupported(dtype, shape=()) -> str:
+  """Why the kernels are not made for a layer of this compute dtype and
+  window shape on this backend ("" when they are), before any library."""
   if jax.default_backend() != "cpu":
     return f"it runs on CPUs, not {jax.default_backend()}"
   if jnp.dtype(dtype) != jnp.float32:
     return f"it computes in float32, not {jnp.dtype(dtype).name}"
   if not all(isinstance(d, int) for d in shape):
     return "the window's shape is symbolic (jax.export)"
-  return _loaded()[0]
+  return ""
+
+
+def unavailable(dtype, shape=()) -> str:
+  """Why the kernels cannot run a layer of this compute dtype and window
+  shape here ("" when they can)."""
+  return _unsupported(dtype, shape) or _loaded()[0]
 
 
 def chosen(dtype, shape=()) -> str:
@@ -365,14 +371,14 @@ def chosen(dtype, shape=()) -> str:
   run (a CPU, float32, a concrete window, the library built or loaded),
   else "scan", the same math on every backend. Only a library that would
   not build or load warns (once): the other cases are what auto is for."""
-  why = unavailable(dtype, shape)
-  if not why:
-    return "native"
-  if (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
-      and all(isinstance(d, int) for d in shape)):
+  if _unsupported(dtype, shape):
+    return "scan"
+  why = _loaded()[0]
+  if why:
     scan.warn_once(f"model.recurrence=auto: the native time loops are "
                    f"unavailable ({why}); running the scan")
-  return "scan"
+    return "scan"
+  return "native"
 
 
 # Multiply-adds of a loop's matmuls per thread, at least: about 50 us of
