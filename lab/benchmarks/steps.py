@@ -166,7 +166,10 @@ def head_runner(shape, head="full"):
   calls it): the mean cross-entropy's gradient with respect to the head's
   parameters and to fixed hidden states [batch, window, hidden], no
   optimizer. head: "full" (tied to the embedding, as the LM rows) or
-  "adaptive" (tied to the adaptive input)."""
+  "adaptive" (tied to the adaptive input). The loss's value is computed
+  too, as the train step and torch's row compute it: under `jax.grad`
+  alone XLA drops the work only the value needs (the adaptive tails'
+  forward loops)."""
   cfg = model_config(shape, 1, head=head)
   graphdef, params = _create(cfg)
   b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
@@ -178,7 +181,8 @@ def head_runner(shape, head="full"):
     sums = nnx.merge(graphdef, params).token_sums(hidden, targets,
                                                   with_accuracy=False)
     return sums["loss_sum"] / targets.size
-  return Runner(jax.jit(jax.grad(loss, argnums=(0, 1))), (hidden, params), {})
+  return Runner(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))),
+                (hidden, params), {})
 
 
 def lm_runner(shape, stripes, *, seq_len=None, remat=False, grouped=False,
