@@ -42,8 +42,9 @@ first layer's input gradient where nothing needs it: the core rows' inputs
 are data (JAX never computes it; torch's autograd skips it too, the input not
 requiring grad); the LM rows need it for the embedding. Remat's recomputed
 matmuls are not counted (model FLOPs). The peak is the best measured matmul
-of several shapes in the compute dtype, the steps' own among them, each call
-at least 10 ms of work even at the datasheet's rate, shown beside the
+of several shapes in the compute dtype, the steps' own among them, XLA's and
+(torch installed) torch's timed interleaved, each call at least 10 ms of
+work even at the datasheet's rate, both printed by shape, shown beside the
 datasheet's dense bf16 figure where the device is known; a row above 100% of
 it would mean the peak is wrong, and the output says so.
 """
@@ -60,7 +61,8 @@ from lab.benchmarks.steps import (core_runner, eval_runner, gen_runner,
                                   head_runner, lm_runner, word_runner)
 from lab.benchmarks.table import print_rows, speed_columns
 from lab.benchmarks.timing import datasheet, matmul_peak, time_interleaved
-from lab.benchmarks.torch_reference import TORCH_GROUPS, torch_runners
+from lab.benchmarks.torch_reference import (TORCH_GROUPS, torch_matmuls,
+                                            torch_runners)
 from lab.benchmarks import traces
 from lab.benchmarks.traces import trace_rows
 from zebra_jax import strict_json
@@ -166,14 +168,15 @@ def speed_rows(shape, rounds, trace_dir=None, groups=None):
                     if groups is None or g in groups}
   torch_fns, torch_note = torch_runners(
       shape, tuple(g for g in TORCH_GROUPS if g in specs_by_group))
-  peak, peak_by_shape = matmul_peak(shape, rounds)
+  peak, peak_by_shape, torch_by_shape = matmul_peak(shape, rounds,
+                                                    torch_matmuls(shape))
   rows, breakdown = [], {}
   for group, specs in specs_by_group.items():
     group_rows, group_breakdown = time_group(shape, group, specs, torch_fns,
                                              rounds, peak, trace_dir)
     rows += group_rows
     breakdown.update(group_breakdown)
-  return rows, peak, peak_by_shape, torch_note, breakdown
+  return rows, peak, peak_by_shape, torch_by_shape, torch_note, breakdown
 
 
 def _row(name, group, sec, tokens, flops, peak, torch_sec, compiled=None):
@@ -204,8 +207,11 @@ def peak_text(result) -> str:
 def print_table(result, trace_dir=None) -> None:
   print(f"\n{result['device']} | shape {result['shape']} | "
         f"{peak_text(result)} | {result['torch']}")
-  print("matmul GFLOP/s by shape: " + ", ".join(
-      f"{k} {v:,.0f}" for k, v in result["matmul_gflops_by_shape"].items()))
+  for who, key in (("XLA", "matmul_gflops_by_shape"),
+                   ("torch", "torch_matmul_gflops_by_shape")):
+    if result.get(key):
+      print(f"{who} matmul GFLOP/s by shape: " + ", ".join(
+          f"{k} {v:,.0f}" for k, v in result[key].items()))
   print_rows(result["rows"], speed_columns(28, 11) + [
       ("model GFLOP/s", 14, lambda r: f"{r['gflops']:.1f}"),
       ("% peak", 8, lambda r: f"{100 * r['frac_of_peak']:.0f}%"),
@@ -243,8 +249,8 @@ def run(quick: bool = False, shape_name: str = "A", json_path=None,
   (and optionally writes) it."""
   shape = SHAPES["quick" if quick else shape_name]
   rounds = rounds or (3 if quick else 7)
-  rows, peak, peak_by_shape, torch_note, breakdown = speed_rows(
-      shape, rounds, trace_dir, groups)
+  rows, peak, peak_by_shape, torch_by_shape, torch_note, breakdown = (
+      speed_rows(shape, rounds, trace_dir, groups))
   notes = [torch_note] if torch_note else []
   over = [r["name"] for r in rows if r["frac_of_peak"] > 1.0]
   if over:  # nothing is clamped: the peak, not the row, is wrong
@@ -260,6 +266,7 @@ def run(quick: bool = False, shape_name: str = "A", json_path=None,
             "datasheet_bf16_tflops": sheet and sheet / 1e12,
             "datasheet": sheet_name,
             "matmul_gflops_by_shape": peak_by_shape,
+            "torch_matmul_gflops_by_shape": torch_by_shape,
             "torch": torch_note or "-",
             "rows": rows, "notes": notes}
   if breakdown:

@@ -78,21 +78,38 @@ def peak_shapes(shape: dict) -> dict:
   return shapes
 
 
-def matmul_peak(shape: dict, rounds: int) -> tuple[float, dict]:
-  """(FLOP/s, {shape name: GFLOP/s}): the best measured matmul of
-  `peak_shapes`, each a batched matmul in the compute dtype with float32
-  accumulation (as the steps run them), repeated inside one compiled loop
-  so that every timed call lasts at least PEAK_CALL_SECONDS even at the
-  datasheet's rate (`peak_reps`)."""
-  dt = lm.compute_dtype(shape["dtype"])
+def device_flops() -> float:
+  """FLOP/s no device of this kind exceeds: its datasheet's, else the
+  platform's ceiling (`peak_reps` sizes calls with it)."""
   device = jax.devices()[0]
-  device_flops = (datasheet(device.device_kind)[0]
-                  or _FLOPS_CEILING.get(device.platform, 2.5e15))
+  return (datasheet(device.device_kind)[0]
+          or _FLOPS_CEILING.get(device.platform, 2.5e15))
+
+
+def shape_reps(shape: dict, flops_per_matmul: float) -> int:
+  """`peak_reps` for this device; at most 4 for the quick shapes (a smoke
+  test)."""
+  reps = peak_reps(flops_per_matmul, device_flops())
+  return min(reps, 4) if shape["hidden"] <= 64 else reps
+
+
+def matmul_peak(shape: dict, rounds: int,
+                torch_matmuls: dict | None = None) -> tuple[float, dict,
+                                                             dict]:
+  """(FLOP/s, {shape name: GFLOP/s}, torch's {shape name: GFLOP/s}): the
+  best measured matmul of `peak_shapes`, each a batched matmul in the
+  compute dtype with float32 accumulation (as the steps run them),
+  repeated inside one compiled loop so that every timed call lasts at
+  least PEAK_CALL_SECONDS even at the datasheet's rate (`peak_reps`).
+
+  torch_matmuls: {shape name: (call, FLOPs a call)} of the same shapes
+  (`torch_reference.torch_matmuls`), timed interleaved with XLA's: the peak
+  is the best of both, so that a torch row faster than every XLA matmul
+  does not read above 100%."""
+  dt = lm.compute_dtype(shape["dtype"])
   fns, flops = {}, {}
   for name, (s, m, k, n) in peak_shapes(shape).items():
-    reps = peak_reps(2.0 * s * m * k * n, device_flops)
-    if shape["hidden"] <= 64:  # quick: a smoke test
-      reps = min(reps, 4)
+    reps = shape_reps(shape, 2.0 * s * m * k * n)
     a = jnp.full((s, m, k), 0.01, dt)
     w = jnp.full((s, k, n), 0.01, dt)
 
@@ -109,6 +126,11 @@ def matmul_peak(shape: dict, rounds: int) -> tuple[float, dict]:
     fns[name] = functools.partial(
         lambda f, a, w: jax.block_until_ready(f(a, w)), loop, a, w)
     flops[name] = 2.0 * s * m * k * n * reps
+  for name, (call, call_flops) in (torch_matmuls or {}).items():
+    fns[f"torch {name}"], flops[f"torch {name}"] = call, call_flops
   sec = time_interleaved(fns, rounds)
-  per_shape = {name: flops[name] / sec[name] / 1e9 for name in fns}
-  return max(per_shape.values()) * 1e9, per_shape
+  gflops = {name: flops[name] / sec[name] / 1e9 for name in fns}
+  per_shape = {n: g for n, g in gflops.items() if not n.startswith("torch ")}
+  torch_per_shape = {n[len("torch "):]: g for n, g in gflops.items()
+                     if n.startswith("torch ")}
+  return max(gflops.values()) * 1e9, per_shape, torch_per_shape

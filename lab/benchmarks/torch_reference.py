@@ -11,6 +11,7 @@ import numpy as np
 
 from lab.benchmarks.shapes import word_shape
 from lab.benchmarks.steps import random_tokens
+from lab.benchmarks.timing import peak_shapes, shape_reps
 
 TORCH_GROUPS = ("core", "lm", "head", "eval", "word", "word_adaptive",
                 "head_adaptive")
@@ -202,3 +203,35 @@ def torch_runners(shape, groups=TORCH_GROUPS) -> tuple[dict, str | None]:
              + ("; autocast runs cuDNN's LSTM in float16 (same tensor-core "
                 "rate)" if cuda else ""))
   return fns, note
+
+
+def torch_matmuls(shape) -> dict:
+  """{shape name: (call, FLOPs a call)}: torch's batched matmul of each of
+  `timing.peak_shapes` in the compute dtype, on every core (GPU: cuBLAS),
+  `reps` of them a call as XLA's loop runs them, the peak's rows beside
+  XLA's (`timing.matmul_peak`); {} when torch is missing."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {}
+  cuda = torch.cuda.is_available() and jax.devices()[0].platform == "gpu"
+  device = "cuda" if cuda else "cpu"
+  dtype = torch.bfloat16 if shape["dtype"] == "bfloat16" else torch.float32
+  sync = torch.cuda.synchronize if cuda else (lambda: None)
+  threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+      else os.cpu_count()
+  calls = {}
+  for name, (s, m, k, n) in peak_shapes(shape).items():
+    flops = 2.0 * s * m * k * n
+    reps = shape_reps(shape, flops)
+    a = torch.full((s, m, k), 0.01, dtype=dtype, device=device)
+    w = torch.full((s, k, n), 0.01, dtype=dtype, device=device)
+    out = torch.empty((s, m, n), dtype=dtype, device=device)
+
+    def call(a=a, w=w, out=out, reps=reps):
+      torch.set_num_threads(threads)
+      for _ in range(reps):
+        torch.bmm(a, w, out=out)
+      sync()
+    calls[name] = (call, flops * reps)
+  return calls
