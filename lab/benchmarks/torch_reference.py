@@ -208,8 +208,11 @@ def torch_runners(shape, groups=TORCH_GROUPS) -> tuple[dict, str | None]:
 def torch_matmuls(shape) -> dict:
   """{shape name: (call, FLOPs a call)}: torch's batched matmul of each of
   `timing.peak_shapes` in the compute dtype, on every core (GPU: cuBLAS),
-  `reps` of them a call as XLA's loop runs them, the peak's rows beside
-  XLA's (`timing.matmul_peak`); {} when torch is missing."""
+  the peak's rows beside XLA's (`timing.matmul_peak`); {} when torch is
+  missing. A call runs what XLA's loop runs, `reps` times: the product
+  added to an accumulator (one `baddbmm`) and the left operand negated,
+  so that both sides pay for the same memory traffic besides the
+  matmul."""
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -226,12 +229,13 @@ def torch_matmuls(shape) -> dict:
     reps = shape_reps(shape, flops)
     a = torch.full((s, m, k), 0.01, dtype=dtype, device=device)
     w = torch.full((s, k, n), 0.01, dtype=dtype, device=device)
-    out = torch.empty((s, m, n), dtype=dtype, device=device)
+    acc = torch.zeros((s, m, n), dtype=dtype, device=device)
 
-    def call(a=a, w=w, out=out, reps=reps):
+    def call(a=a, w=w, acc=acc, reps=reps):
       torch.set_num_threads(threads)
       for _ in range(reps):
-        torch.bmm(a, w, out=out)
+        torch.baddbmm(acc, a, w, out=acc)
+        a.neg_()
       sync()
     calls[name] = (call, flops * reps)
   return calls
