@@ -54,6 +54,12 @@ class TorchTrainer:
     self.sync()
 
 
+def _cores() -> int:
+  """The cores this process may run on."""
+  return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+          else os.cpu_count())
+
+
 def torch_steps(shape, groups=TORCH_GROUPS, device="cpu") -> dict:
   """{group: step} of nn.LSTM rows of the same shape (torch imported).
 
@@ -180,8 +186,7 @@ def torch_runners(shape, groups=TORCH_GROUPS) -> tuple[dict, str | None]:
   except ImportError:
     return {}, "torch not installed (pip install torch): torch rows skipped"
   cuda = torch.cuda.is_available() and jax.devices()[0].platform == "gpu"
-  threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-      else os.cpu_count()
+  threads = _cores()
   torch.set_num_threads(threads)
   steps = torch_steps(shape, groups, "cuda" if cuda else "cpu")
 
@@ -221,8 +226,7 @@ def torch_matmuls(shape) -> dict:
   device = "cuda" if cuda else "cpu"
   dtype = torch.bfloat16 if shape["dtype"] == "bfloat16" else torch.float32
   sync = torch.cuda.synchronize if cuda else (lambda: None)
-  threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-      else os.cpu_count()
+  threads = _cores()
   calls = {}
   for name, (s, m, k, n) in peak_shapes(shape).items():
     flops = 2.0 * s * m * k * n
