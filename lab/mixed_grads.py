@@ -60,7 +60,7 @@ def _build(cfg, recurrence: str, fn, dry: bool):
 
 
 def time_rows(dry: bool) -> list[dict]:
-  cfg = gpu_stages._wt103_config(dry)  # pylint: disable=protected-access
+  cfg = gpu_stages.wt103_config(dry)
   cfg.model.dtype = "bfloat16"  # the recipe's; tiny's is float32
   m, d = cfg.model, cfg.data
   shape = {"batch": d.batch_size, "seq_len": d.seq_len}

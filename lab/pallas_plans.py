@@ -31,7 +31,7 @@ import jax
 from absl import flags
 
 from lab.benchmarks import gpu_kernel, table
-from lab.benchmarks.gpu_stages import _wt103_config, wt103_step_runner
+from lab.benchmarks.gpu_stages import wt103_config, wt103_step_runner
 from lab.benchmarks.shapes import SHAPES
 from lab.benchmarks.steps import core_runner
 from zebra_jax.cli import entry
@@ -121,7 +121,7 @@ def _core(dtype: str, dry: bool):
 
 
 def _wt103(dry: bool):
-  cfg = _wt103_config(dry)
+  cfg = wt103_config(dry)
   m, d = cfg.model, cfg.data
   shape = {"batch": d.batch_size, "seq_len": d.seq_len}
 

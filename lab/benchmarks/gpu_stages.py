@@ -120,7 +120,9 @@ def _add_kernel_rows(results: Results, rows: list[dict]) -> None:
   results.append("kernel", "rows", rows)
 
 
-def _wt103_config(dry: bool):
+def wt103_config(dry: bool):
+  """The wt103 recipe's config (dry: its tiny variant), with the
+  vocabulary's size set as the stages use it (no data is read)."""
   cfg = _config("wt103", "tiny" if dry else "")
   cfg.model.vocab_size = 64 if dry else 267_735
   return cfg
@@ -185,7 +187,7 @@ def stage_wt103(results: Results, dry: bool, seconds: float) -> None:
   synthetic ids of its real vocabulary: compile time (written as soon as
   it is known), tok/s, peak device memory, and the hours its token budget
   (train.num_steps x batch x window) would take on one GPU."""
-  cfg = _wt103_config(dry)
+  cfg = wt103_config(dry)
   m, d = cfg.model, cfg.data
   results.update("wt103", {
       "model": {k: m[k] for k in ("hidden_size", "num_layers", "num_stripes",
@@ -416,4 +418,4 @@ def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 10.0,
     stage_scaling(results, dry)
   elif stage == "profile":
     gpu_profile.stage_profile(results, out, work,
-                              lambda: wt103_step(_wt103_config(dry), dry, 0))
+                              lambda: wt103_step(wt103_config(dry), dry, 0))
