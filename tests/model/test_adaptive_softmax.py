@@ -71,16 +71,36 @@ def test_no_cutoffs_is_the_full_softmax():
       rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("div_val", [1, 2])
-def test_gradients_finite_and_match_dense_reference(div_val):
+def _tail_targets(owned, n, seed=5):
+  """n targets in a shuffled order, owned[i] of them in tail i + 1 (CUTOFFS),
+  the rest in the shortlist."""
+  rng = np.random.default_rng(seed)
+  bounds = asm.cluster_bounds(V, CUTOFFS)
+  parts = [rng.integers(*bounds[i + 1], size=k) for i, k in enumerate(owned)]
+  parts.append(rng.integers(*bounds[0], size=n - sum(owned)))
+  return jnp.asarray(rng.permutation(np.concatenate(parts)))
+
+
+@pytest.mark.parametrize("div_val,chunk_rows,owned", [
+    (1, 4, None), (2, 4, None),
+    # 221 rows: a whole 128-row chunk, then pieces of 64 and 32 rows on a
+    # CPU (PLATFORM_PIECE_ROWS); 1 row: one piece; 0 rows: nothing runs.
+    (2, 128, (221, 1, 0)),
+    (1, 64, (64, 65, 0))])  # exactly a chunk; a chunk and one row
+def test_gradients_finite_and_match_dense_reference(div_val, chunk_rows,
+                                                    owned):
   """nll's hand-written tail backward against autodiff of the dense
   log-probabilities: the parameters' and the hidden states' gradients,
   with rows weighted unequally and chunks (4 rows) that the tails own,
-  share and skip; div_val=1: tails without projections."""
-  head = randomize(make(div_val=div_val, chunk_rows=4))
+  share and skip, or chunks and pieces of the counts `owned`; div_val=1:
+  tails without projections."""
+  head = randomize(make(div_val=div_val, chunk_rows=chunk_rows))
   graphdef, params = nnx.split(head)
-  h, targets = hidden(), jnp.arange(37) * 5 % V
-  weights = jnp.linspace(0.5, 2.0, 37)
+  n = 37 if owned is None else 300
+  h = hidden(n=n)
+  targets = (jnp.arange(n) * 5 % V if owned is None
+             else _tail_targets(owned, n))
+  weights = jnp.linspace(0.5, 2.0, n)
 
   def loss(p, h, dense):
     m = nnx.merge(graphdef, p)
@@ -254,9 +274,9 @@ def test_predict_breaks_ties_and_nans_as_one_argmax_over_the_vocabulary():
 
 def test_auto_chunk_rows_fit_the_platform_budget():
   """chunk_rows=0: the largest power of two whose [rows, widest cluster]
-  float32 block fits the platform's budget, within [16, the platform's
-  cap]: 128 on a CPU, 1024 elsewhere."""
-  for platform, cap in (("cpu", 128), ("gpu", 1024)):
+  float32 block fits the platform's budget, within [16, 1024]."""
+  cap = asm.MAX_CHUNK_ROWS
+  for platform in ("cpu", "gpu"):
     budget = asm.CHUNK_BUDGET_BYTES.get(platform,
                                         asm.ACCELERATOR_CHUNK_BUDGET_BYTES)
     for widest in (1_000, 20_003, 160_000, 10_000_000):
@@ -267,9 +287,23 @@ def test_auto_chunk_rows_fit_the_platform_budget():
   # WikiText-103's clusters (the 160k-word one is the widest)
   assert asm.auto_chunk_rows(160_000, "cpu") == 64
   assert asm.auto_chunk_rows(160_000, "gpu") == 1024
-  # a 16,384-word vocabulary: capped on a CPU, by the budget nowhere
-  assert asm.auto_chunk_rows(8_192, "cpu") == 128
+  # a 16,384-word vocabulary: capped, by the budget nowhere
+  assert asm.auto_chunk_rows(8_192, "cpu") == 1024
   assert asm.auto_chunk_rows(8_192, "gpu") == 1024
   head = make(chunk_rows=0)  # this test's backend, this vocabulary
   assert head.chunk_rows == asm.auto_chunk_rows(13)  # head: 10 + 3 clusters
   assert make(chunk_rows=7).chunk_rows == 7
+
+
+def test_tails_run_pieces_on_a_cpu_and_whole_chunks_elsewhere():
+  """A CPU rounds a tail's last chunk up to 32-row pieces, and no chunk
+  exceeds the rows rounded up to a piece; accelerators, and chunks that
+  32 does not divide, run whole chunks of at most the rows."""
+  assert asm.chunk_and_piece(1024, 2048, "cpu") == (1024, 32)
+  assert asm.chunk_and_piece(1024, 1000, "cpu") == (1024, 32)
+  assert asm.chunk_and_piece(1024, 37, "cpu") == (64, 32)
+  assert asm.chunk_and_piece(64, 2048, "cpu") == (64, 32)
+  assert asm.chunk_and_piece(16, 2048, "cpu") == (16, 16)
+  assert asm.chunk_and_piece(100, 2048, "cpu") == (100, 100)
+  assert asm.chunk_and_piece(1024, 2048, "gpu") == (1024, 1024)
+  assert asm.chunk_and_piece(1024, 37, "gpu") == (37, 37)

@@ -66,32 +66,45 @@ def cluster_widths(d_model: int, num_clusters: int, div_val: int) -> tuple:
 CHUNK_BUDGET_BYTES = {"cpu": 64 << 20}
 ACCELERATOR_CHUNK_BUDGET_BYTES = 2 << 30
 MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 1024
-# At most this many rows a chunk, by platform. A tail scores whole chunks,
-# so it computes up to a chunk of rows it does not own: a rare cluster with
-# 5-15% of 2,048 rows ran 1,024-row chunks, 4-7 times its rows. On a CPU,
-# whose time is FLOPs, 128-row chunks made the word-level adaptive train
-# step (hidden 256, 16,384 words, lab.bench's word_*_adaptive rows) 1.36x
-# (dense S=1) and 1.48x (grouped S=8) faster than 1,024-row ones; 64 and 32
-# were slower again (a scan iteration a chunk). Accelerators keep large
-# chunks to fill their matmul units.
-PLATFORM_MAX_CHUNK_ROWS = {"cpu": 128}
+# The rows a tail's last, partial chunk is rounded up to, by platform. A
+# tail scores its owned rows as whole chunks in a loop, then the rest as
+# one piece per set bit of (rest / piece rows): 289 owned rows of 1,024-row
+# chunks run as pieces of 256 and 64 rows (320 scored), where whole chunks
+# scored 1,024, and 128-row chunks 384 in three loop iterations. On a CPU,
+# whose time is FLOPs, that made the word-level adaptive head (hidden 256,
+# 16,384 words, lab.bench's head_adaptive) about 1.15x faster than 128-row
+# chunks. Elsewhere the piece is the whole chunk: accelerators want rows
+# to fill their matmul units more than they lose to padding.
+PLATFORM_PIECE_ROWS = {"cpu": 32}
 
 
 def auto_chunk_rows(widest: int, platform: str | None = None) -> int:
   """The power of two of rows whose [rows, widest] float32 block fits the
-  platform's budget (`CHUNK_BUDGET_BYTES`), within [16, the platform's
-  cap] (`PLATFORM_MAX_CHUNK_ROWS`, else 1024).
+  platform's budget (`CHUNK_BUDGET_BYTES`), within [16, 1024].
 
   widest: the largest cluster (the shortlist with its cluster logits, or a
   tail). WikiText-103's 160k-word cluster gets 64 rows on a CPU, 1024 on a
-  GPU; a 10k vocabulary gets 128 on a CPU, 1024 on a GPU.
+  GPU; a 10k vocabulary gets 1024 on both.
   """
   platform = platform or jax.default_backend()
   budget = CHUNK_BUDGET_BYTES.get(platform, ACCELERATOR_CHUNK_BUDGET_BYTES)
-  cap = PLATFORM_MAX_CHUNK_ROWS.get(platform, MAX_CHUNK_ROWS)
   rows = max(1, budget // (4 * max(1, widest)))
   rows = 1 << (rows.bit_length() - 1)  # the power of two at or below
-  return int(min(cap, max(MIN_CHUNK_ROWS, rows)))
+  return int(min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, rows)))
+
+
+def chunk_and_piece(chunk_rows: int, n: int,
+                    platform: str | None = None) -> tuple[int, int]:
+  """(chunk, piece) rows of a tail's loss over n rows: pieces of the
+  platform's `PLATFORM_PIECE_ROWS` where that divides chunk_rows, the chunk
+  no longer than n rounded up to a piece; else whole chunks of
+  min(chunk_rows, n) rows, the piece a whole chunk."""
+  piece = PLATFORM_PIECE_ROWS.get(platform or jax.default_backend(),
+                                  chunk_rows)
+  if piece >= chunk_rows or chunk_rows % piece:
+    c = max(1, min(chunk_rows, n))
+    return c, c
+  return min(chunk_rows, -(-n // piece) * piece), piece
 
 
 def _matmul(x, w, dtype, spec):
@@ -104,44 +117,85 @@ def _chunk_logits(h, proj, table, bias, dtype):
   return z, _matmul(z, table, dtype, "nk,vk->nv") + bias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _owned_chunks_nll(rows, words, chunks, proj, table, bias, c, dtype):
-  """-log p(word | cluster) of rows [chunks * c, ...] of rows [M, d] whose
-  local word ids are words [M]; rows past them score 0.
+@jax.custom_vjp
+def _permute_rows(x, order, inverse):
+  """x[order], whose gradient is g[inverse]: a gather, where autodiff's
+  transpose of a gather is a scatter-add, one row at a time on a CPU (about
+  6% of the word-level adaptive head's step, for two tails)."""
+  return jnp.take(x, order, axis=0)
 
-  Why a hand-written backward pass: `chunks` is only known at run time, and
+
+def _permute_rows_fwd(x, order, inverse):
+  return jnp.take(x, order, axis=0), inverse
+
+
+def _permute_rows_bwd(inverse, g):
+  return jnp.take(g, inverse, axis=0), None, None
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def _over_owned_rows(owned, c, piece, run, state):
+  """state after run(start, rows, state) over rows [0, owned rounded up to
+  `piece`): whole chunks of c in a loop whose trip count is known only at
+  run time, then the rest as one static piece of piece * 2**k rows per set
+  bit k of rest // piece, each under a cond (in no loop: 289 rows run as
+  256 + 64 with c=1024 and piece=32, where whole 128-row chunks scored 384
+  in three iterations). The state's arrays pass through every run."""
+  total = (owned + piece - 1) // piece * piece
+  whole = total // c
+  state = jax.lax.fori_loop(0, whole, lambda k, s: run(k * c, c, s), state)
+  start, rest = whole * c, (total - whole * c) // piece
+  for k in reversed(range((c // piece - 1).bit_length())):
+    taken = (rest >> k) & 1 == 1
+    state = jax.lax.cond(taken, functools.partial(run, start, piece << k),
+                         lambda s: s, state)
+    start = start + jnp.where(taken, piece << k, 0)
+  return state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _owned_rows_nll(rows, words, owned, proj, table, bias, c, piece, dtype):
+  """-log p(word | cluster) of the first `owned` rows of rows [M, d] whose
+  local word ids are words [M] (rows past them score 0 or garbage, and are
+  masked by the caller); M is a multiple of `piece`, which divides c.
+
+  Why a hand-written backward pass: `owned` is only known at run time, and
   JAX differentiates no loop whose trip count is. Under autodiff a scan over
   every chunk had to skip the others with a cond, whose backward still
   built and summed zero gradients of the whole cluster's weights per
-  skipped chunk. Here both loops stop at `chunks`, and the backward
-  recomputes each chunk's logits from its rows (nothing [M, n_i] is kept).
-  proj None: the cluster reads the hidden state as it is.
+  skipped chunk. Here forward and backward score the same chunks and
+  pieces (`_over_owned_rows`), and the backward recomputes their logits
+  from their rows (nothing [M, n_i] is kept). proj None: the cluster reads
+  the hidden state as it is.
   """
-  return _owned_chunks_nll_fwd(rows, words, chunks, proj, table, bias, c,
-                               dtype)[0]
+  return _owned_rows_nll_fwd(rows, words, owned, proj, table, bias, c, piece,
+                             dtype)[0]
 
 
-def _owned_chunks_nll_fwd(rows, words, chunks, proj, table, bias, c, dtype):
-  def body(k, scores):
-    h = jax.lax.dynamic_slice_in_dim(rows, k * c, c)
-    t = jax.lax.dynamic_slice_in_dim(words, k * c, c)
+def _owned_rows_nll_fwd(rows, words, owned, proj, table, bias, c, piece,
+                        dtype):
+  def run(start, n, scores):
+    h = jax.lax.dynamic_slice_in_dim(rows, start, n)
+    t = jax.lax.dynamic_slice_in_dim(words, start, n)
     _, logits = _chunk_logits(h, proj, table, bias, dtype)
     target = jnp.take_along_axis(logits, t[:, None], -1)[:, 0]
     return jax.lax.dynamic_update_slice_in_dim(
-        scores, jax.nn.logsumexp(logits, -1) - target, k * c, 0)
-  scores = jax.lax.fori_loop(0, chunks, body,
-                             jnp.zeros(rows.shape[:1], jnp.float32))
-  return scores, (rows, words, chunks, proj, table, bias)
+        scores, jax.nn.logsumexp(logits, -1) - target, start, 0)
+  scores = _over_owned_rows(owned, c, piece, run,
+                            jnp.zeros(rows.shape[:1], jnp.float32))
+  return scores, (rows, words, owned, proj, table, bias)
 
 
-def _owned_chunks_nll_bwd(c, dtype, residuals, g):
-  rows, words, chunks, proj, table, bias = residuals
+def _owned_rows_nll_bwd(c, piece, dtype, residuals, g):
+  rows, words, owned, proj, table, bias = residuals
 
-  def body(k, grads):
+  def run(start, n, grads):
     d_rows, d_proj, d_table, d_bias = grads
-    h = jax.lax.dynamic_slice_in_dim(rows, k * c, c)
-    t = jax.lax.dynamic_slice_in_dim(words, k * c, c)
-    g_k = jax.lax.dynamic_slice_in_dim(g, k * c, c)
+    h = jax.lax.dynamic_slice_in_dim(rows, start, n)
+    t = jax.lax.dynamic_slice_in_dim(words, start, n)
+    g_k = jax.lax.dynamic_slice_in_dim(g, start, n)
     z, logits = _chunk_logits(h, proj, table, bias, dtype)
     one_hot = jnp.arange(logits.shape[-1]) == t[:, None]
     d_logits = g_k[:, None] * (jax.nn.softmax(logits, -1) - one_hot)
@@ -154,19 +208,19 @@ def _owned_chunks_nll_bwd(c, dtype, residuals, g):
       d_proj = d_proj + _matmul(h, d_z, dtype, "nd,nk->dk")
       d_h = _matmul(d_z, proj, dtype, "nk,dk->nd")
     d_rows = jax.lax.dynamic_update_slice_in_dim(
-        d_rows, d_h.astype(rows.dtype), k * c, 0)
+        d_rows, d_h.astype(rows.dtype), start, 0)
     return d_rows, d_proj, d_table, d_bias
 
   zeros = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
-  d_rows, d_proj, d_table, d_bias = jax.lax.fori_loop(
-      0, chunks, body, (jnp.zeros_like(rows), zeros(proj), zeros(table),
-                        zeros(bias)))
+  d_rows, d_proj, d_table, d_bias = _over_owned_rows(
+      owned, c, piece, run,
+      (jnp.zeros_like(rows), zeros(proj), zeros(table), zeros(bias)))
   cast = lambda d, x: None if x is None else d.astype(x.dtype)
   return (d_rows, None, None, cast(d_proj, proj), cast(d_table, table),
           cast(d_bias, bias))
 
 
-_owned_chunks_nll.defvjp(_owned_chunks_nll_fwd, _owned_chunks_nll_bwd)
+_owned_rows_nll.defvjp(_owned_rows_nll_fwd, _owned_rows_nll_bwd)
 
 
 class AdaptiveInput(nnx.Module):
@@ -277,9 +331,10 @@ class AdaptiveSoftmax(nnx.Module):
 
     Tail clusters never build [N, n_i]: each tail sorts its rows to the front
     and scores them in chunks of `chunk_rows`, in a loop that stops after
-    the last chunk holding rows it owns (`_owned_chunks_nll`), forward and
-    backward, so memory is one [chunk_rows, n_i] block per cluster and the
-    rows a tail does not own cost nothing.
+    the last whole chunk of rows it owns, then the rest in power-of-two
+    pieces (`_owned_rows_nll`), forward and backward, so memory is one
+    [chunk_rows, n_i] block per cluster and the rows a tail does not own
+    cost at most a piece.
     """
     tail_id = sum((targets >= start).astype(jnp.int32)
                   for start, _ in self.bounds[1:])  # 0 = shortlist
@@ -309,17 +364,18 @@ class AdaptiveSoftmax(nnx.Module):
   def _tail_nll(self, hidden, local, inside, i):
     """-log p(word | cluster i) for rows `inside`, 0 elsewhere: [N]."""
     n = hidden.shape[0]
-    c = max(1, min(self.chunk_rows, n))
-    num_chunks = -(-n // c)
+    c, piece = chunk_and_piece(self.chunk_rows, n)
+    padded = -(-n // piece) * piece
     order = jnp.argsort(jnp.logical_not(inside), stable=True)  # owned first
-    owned_chunks = (inside.sum() + c - 1) // c
-    pad = num_chunks * c - n
-    rows = jnp.pad(jnp.take(hidden, order, axis=0), ((0, pad), (0, 0)))
-    words = jnp.pad(jnp.take(local, order), (0, pad))
-    scores = _owned_chunks_nll(rows, words, owned_chunks, self.weights.proj(i),
-                               self.weights.tables[i][...],
-                               self.biases[i][...], c, self.dtype)
-    scores = jnp.zeros((n,), jnp.float32).at[order].set(scores[:n])
+    inverse = jnp.zeros_like(order).at[order].set(
+        jnp.arange(n, dtype=order.dtype))
+    rows = jnp.pad(_permute_rows(hidden, order, inverse),
+                   ((0, padded - n), (0, 0)))
+    words = jnp.pad(jnp.take(local, order), (0, padded - n))
+    scores = _owned_rows_nll(rows, words, inside.sum(), self.weights.proj(i),
+                             self.weights.tables[i][...],
+                             self.biases[i][...], c, piece, self.dtype)
+    scores = _permute_rows(scores[:n], inverse, order)
     return jnp.where(inside, scores, 0.0)
 
   def predict(self, hidden: jax.Array) -> jax.Array:
