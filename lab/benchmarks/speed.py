@@ -15,9 +15,11 @@ best matmul measured in this run, XLA's planned bytes per step):
               a layer split in S blocks, stripes shuffled between layers
   *_native    the same with model.recurrence=native: the time loops as
               compiled C++ (model/recurrence/native.py; CPU shapes)
-  word_S{s}[_grouped][_adaptive]  the LM train step at the word-level shape
-              (hidden 256, 16,384 words, Zipf-distributed tokens), full or
-              adaptive head: where the softmax, not the recurrence, costs
+  word_S{s}[_grouped][_adaptive][_native]  the LM train step at the
+              word-level shape (hidden 256, 16,384 words, Zipf-distributed
+              tokens), full or adaptive head: where the softmax, not the
+              recurrence, costs; _native as the product's default
+              (model.recurrence=auto) runs it on a CPU
   head_tied   the head alone at the LM rows' shape: the tied 8,192-word
               matrix, bias and cross-entropy, forward and backward (the
               hidden states' gradient too), no optimizer
@@ -125,11 +127,14 @@ def row_specs(shape) -> dict:
   }
   for head in ("full", "adaptive"):
     name = "word" if head == "full" else "word_adaptive"
+    tag = "" if head == "full" else "_adaptive"
+    rows = [(s, g, "scan") for s, g in ((1, False), (last, True))] + [
+        (s, g, "native") for s, g in native_rows]
     groups[name] = {
-        f"word_S{s}{suffix(g)}{'' if head == 'full' else '_adaptive'}": (
-            p(word_runner, word, s, grouped=g, head=head), b * t,
+        f"word_S{s}{suffix(g)}{tag}{'' if k == 'scan' else '_native'}": (
+            p(word_runner, word, s, grouped=g, head=head, kernel=k), b * t,
             step_flops(word, s, grouped=g, head=head))
-        for s, g in ((1, False), (last, True))}
+        for s, g, k in rows}
   groups["head_adaptive"] = {"head_adaptive": (
       p(head_runner, word, "adaptive"), b * t,
       head_step_flops(word, "adaptive"))}

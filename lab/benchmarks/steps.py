@@ -154,10 +154,11 @@ def _train_runner(model, shape, tokens) -> Runner:
   return Runner(step, (state, train_batch(mesh, tokens)), {0: 0})
 
 
-def word_runner(shape, stripes, *, grouped=False, head="full"):
+def word_runner(shape, stripes, *, grouped=False, head="full",
+                kernel="scan"):
   """The product's train step at the word-level shape (word_shape), full or
-  adaptive head."""
-  cfg = model_config(shape, stripes, grouped, head)
+  adaptive head. kernel: the layers' recurrence (model.recurrence)."""
+  cfg = model_config(shape, stripes, grouped, head, recurrence=kernel)
   return _train_runner(cfg, shape, random_tokens(shape))
 
 

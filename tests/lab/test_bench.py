@@ -74,7 +74,8 @@ def test_quick_bench_writes_every_row(tmp_path):
   # model.recurrence=native rows: their time loops are the kernels' calls.
   native = {n for n in rows if n.endswith("_native")}
   assert {"core_S1_native", "core_S4_grouped_native", "lm_S1_native",
-          "eval_S4_grouped_native"} <= native
+          "eval_S4_grouped_native", "word_S1_native",
+          "word_S4_grouped_adaptive_native"} <= native
   for name in native:
     assert breakdown[name]["native time loops"] > 0, (name, breakdown[name])
   assert all(b["native time loops"] == 0 for n, b in breakdown.items()
