@@ -292,7 +292,12 @@ def test_auto_chunk_rows_fit_the_platform_budget():
   assert asm.auto_chunk_rows(8_192, "gpu") == 1024
   head = make(chunk_rows=0)  # this test's backend, this vocabulary
   assert head.chunk_rows == asm.auto_chunk_rows(13)  # head: 10 + 3 clusters
-  assert make(chunk_rows=7).chunk_rows == 7
+  assert head.predict_rows == asm.auto_predict_rows(13)
+  assert make(chunk_rows=7).chunk_rows == make(chunk_rows=7).predict_rows == 7
+  # predict's chunks: capped on a CPU (cache), as the loss's are nowhere
+  assert asm.auto_predict_rows(8_192, "cpu") == 128
+  assert asm.auto_predict_rows(160_000, "cpu") == 64
+  assert asm.auto_predict_rows(8_192, "gpu") == 1024
 
 
 def test_tails_run_pieces_on_a_cpu_and_whole_chunks_elsewhere():
