@@ -9,14 +9,18 @@ gradient dots ran as TF32 cuBLAS kernels, about a fifth of the step's time.
 Here the cotangent is cast to the compute dtype first, as mixed-precision
 training does elsewhere (PyTorch's autocast): the gradient dots read bf16
 (or fp16) operands, accumulate in float32 and return float32, cast once to
-each operand's own dtype (float32 for a parameter). In float32 it is
-exactly the plain einsum, its gradient included.
+each operand's own dtype (float32 for a parameter). In float32 it is the
+plain einsum; on a CPU its weight gradient runs as
+`row_contraction.contract_rows` (the same product in the form XLA hands to
+its matmul library), elsewhere the einsum's own gradient.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+
+from zebra_jax.model import row_contraction
 
 
 def matmul(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
@@ -26,16 +30,15 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   spec: "ab,cb->ac"-style, two operands, each index of an operand found in
   the other or in the result; x may lead with "..." (e.g. "...k,dk->...d").
   """
-  if jnp.dtype(dtype) == jnp.float32:
+  if jnp.dtype(dtype) == jnp.float32 and jax.default_backend() != "cpu":
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
                       preferred_element_type=jnp.float32)
   if not spec.startswith("..."):
-    return _low_precision_matmul(spec, jnp.dtype(dtype), x, w)
+    return _matmul(spec, jnp.dtype(dtype), x, w)
   # "...": its leading axes flattened into one row axis.
   flat = spec.replace("...", "z")  # z: a letter no spec here uses
   lead = x.shape[:-1]
-  out = _low_precision_matmul(flat, jnp.dtype(dtype),
-                              x.reshape(-1, x.shape[-1]), w)
+  out = _matmul(flat, jnp.dtype(dtype), x.reshape(-1, x.shape[-1]), w)
   return out.reshape(lead + out.shape[1:])
 
 
@@ -46,8 +49,21 @@ def _transposed(spec: str) -> tuple[str, str]:
   return f"{result},{b}->{a}", f"{a},{result}->{b}"
 
 
+def _weight_grad(dw_spec: str, x, g):
+  """einsum(dw_spec, x, g) into float32: `contract_rows` where x and g
+  are [rows, a] and [rows, b] and the weight [a, b] or [b, a]."""
+  inputs, w = dw_spec.split("->")
+  xs, gs = inputs.split(",")
+  if len(xs) == len(gs) == 2 and xs[0] == gs[0] and w in (
+      xs[1] + gs[1], gs[1] + xs[1]):
+    if w == xs[1] + gs[1]:
+      return row_contraction.contract_rows(x, g)
+    return row_contraction.contract_rows(g, x)
+  return jnp.einsum(dw_spec, x, g, preferred_element_type=jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _low_precision_matmul(spec, dtype, x, w):
+def _matmul(spec, dtype, x, w):
   return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
                     preferred_element_type=jnp.float32)
 
@@ -65,8 +81,8 @@ def _backward(spec, dtype, residuals, g):
   g = g.astype(dtype)
   dx_spec, dw_spec = _transposed(spec)
   dx = jnp.einsum(dx_spec, g, low_w, preferred_element_type=jnp.float32)
-  dw = jnp.einsum(dw_spec, low_x, g, preferred_element_type=jnp.float32)
+  dw = _weight_grad(dw_spec, low_x, g)
   return dx.astype(x_kind.dtype), dw.astype(w_kind.dtype)
 
 
-_low_precision_matmul.defvjp(_forward, _backward)
+_matmul.defvjp(_forward, _backward)
