@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zebra_jax.errors import UserError
-from zebra_jax.model import metrics, mixed_precision, row_contraction
+from zebra_jax.model import metrics, mixed_precision, library_dots
 
 
 def cluster_bounds(vocab_size: int, cutoffs: Sequence[int]) -> tuple:
@@ -125,7 +125,7 @@ def _matmul(x, w, dtype, spec):
 
 def _contract_rows(a, b, dtype):
   """aᵀb ("nv,nk->vk") on operands cast to dtype, float32."""
-  return row_contraction.contract_rows(a.astype(dtype), b.astype(dtype))
+  return library_dots.contract_rows(a.astype(dtype), b.astype(dtype))
 
 
 def _chunk_logits(h, proj, table, bias, dtype):

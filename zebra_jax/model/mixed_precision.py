@@ -10,9 +10,9 @@ Here the cotangent is cast to the compute dtype first, as mixed-precision
 training does elsewhere (PyTorch's autocast): the gradient dots read bf16
 (or fp16) operands, accumulate in float32 and return float32, cast once to
 each operand's own dtype (float32 for a parameter). In float32 it is the
-plain einsum; on a CPU its weight gradient runs as
-`row_contraction.contract_rows` (the same product in the form XLA hands to
-its matmul library), elsewhere the einsum's own gradient.
+plain einsum and its gradient, except that on a CPU its weight gradient
+runs in the form XLA hands to its matmul library (`library_dots`: the same
+product, summed in another order).
 """
 
 import functools
@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zebra_jax.model import row_contraction
+from zebra_jax.model import library_dots
 
 
 def matmul(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
@@ -49,39 +49,38 @@ def _transposed(spec: str) -> tuple[str, str]:
   return f"{result},{b}->{a}", f"{a},{result}->{b}"
 
 
-def _weight_grad(dw_spec: str, x, g):
-  """einsum(dw_spec, x, g) into float32: `contract_rows` where x and g
-  are [rows, a] and [rows, b] and the weight [a, b] or [b, a]."""
-  inputs, w = dw_spec.split("->")
-  xs, gs = inputs.split(",")
-  if len(xs) == len(gs) == 2 and xs[0] == gs[0] and w in (
-      xs[1] + gs[1], gs[1] + xs[1]):
-    if w == xs[1] + gs[1]:
-      return row_contraction.contract_rows(x, g)
-    return row_contraction.contract_rows(g, x)
-  return jnp.einsum(dw_spec, x, g, preferred_element_type=jnp.float32)
+def _einsum(spec: str, x, w):
+  """einsum(spec, x, w) into float32, through `library_dots.contract_rows`
+  where x and w are [rows, a] and [rows, b] and the result (a weight's
+  gradient) [a, b] or [b, a]."""
+  inputs, out = spec.split("->")
+  xs, ws = inputs.split(",")
+  if len(xs) == len(ws) == len(out) == 2:
+    if xs[0] == ws[0] and out == xs[1] + ws[1]:
+      return library_dots.contract_rows(x, w)
+    if xs[0] == ws[0] and out == ws[1] + xs[1]:
+      return library_dots.contract_rows(w, x)
+  return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _matmul(spec, dtype, x, w):
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
-                    preferred_element_type=jnp.float32)
+  return _einsum(spec, x.astype(dtype), w.astype(dtype))
 
 
 def _forward(spec, dtype, x, w):
   low_x, low_w = x.astype(dtype), w.astype(dtype)
   # Zero-size arrays carry the operands' own dtypes to the backward pass.
   kinds = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-  return (jnp.einsum(spec, low_x, low_w, preferred_element_type=jnp.float32),
-          (low_x, low_w, kinds))
+  return _einsum(spec, low_x, low_w), (low_x, low_w, kinds)
 
 
 def _backward(spec, dtype, residuals, g):
   low_x, low_w, (x_kind, w_kind) = residuals
   g = g.astype(dtype)
   dx_spec, dw_spec = _transposed(spec)
-  dx = jnp.einsum(dx_spec, g, low_w, preferred_element_type=jnp.float32)
-  dw = _weight_grad(dw_spec, low_x, g)
+  dx = _einsum(dx_spec, g, low_w)
+  dw = _einsum(dw_spec, low_x, g)
   return dx.astype(x_kind.dtype), dw.astype(w_kind.dtype)
 
 

@@ -1,21 +1,22 @@
-"""aᵀb over a shared rows axis (a weight gradient: xᵀ dy), in the form XLA's
-CPU backend hands to its matmul library.
+"""The heads' weight gradients in the form XLA's CPU backend hands to its
+matmul library.
 
 Why: XLA's CPU backend gives a dot to its matmul library (YNNPACK) only
-when the left operand contracts its last axis. A weight gradient contracts
-the rows, the first axis of both operands, so it ran as XLA's own (Eigen)
-dot: the tied 8,192-word head's embedding gradient ([2,048 x 8,192]ᵀ
-[2,048 x 512]) took 107 ms against 94 ms this way, the adaptive head's
-shortlist gradient ([2,048 x 2,048]ᵀ [2,048 x 256]) 20 ms against 12 ms,
-torch's 99 and 13 ms (one process, 2-core AMD EPYC with AVX-512, jax
-0.10.2). Here the smaller operand is transposed into a buffer of its own
-(behind an optimization barrier: XLA would fold the transpose back into
-the dot), the dot runs in the library's form, and a result that comes out
-transposed is transposed back (behind a barrier too, for the same reason).
-Elsewhere (a GPU's cuBLAS takes either layout) it is the plain dot. In
-the train steps: the adaptive head alone 1.18x faster, the tied head
-1.06x, the word-level adaptive steps 1.08-1.17x; the layers' own weight
-gradients (lab.bench's core rows) were no faster, and keep the plain dot.
+when the left operand contracts its last axis, and runs the rest as its
+own (Eigen) dot. A weight gradient (xᵀ dy) contracts the rows, the first
+axis of both operands: the tied 8,192-word head's embedding gradient
+([2,048 x 8,192]ᵀ [2,048 x 512]) took 107 ms that way against 94 ms here,
+the adaptive head's shortlist gradient ([2,048 x 2,048]ᵀ [2,048 x 256]) 20
+ms against 12, torch 99 and 13 ms (one process each, 2-core AMD EPYC with
+AVX-512, jax 0.10.2).
+
+So on a CPU the smaller operand is transposed into a buffer of its own
+first, behind an optimization barrier (XLA would fold the transpose back
+into the dot), the dot runs in the library's form, and a result that
+comes out transposed is transposed back (behind a barrier too).
+Elsewhere (a GPU's cuBLAS takes either layout) it is the plain dot. The
+layers' own weight gradients (lab.bench's core rows) were no faster this
+way, and keep the plain dot.
 """
 
 import jax
@@ -28,6 +29,10 @@ def _dot(a, b, contract, batch: int):
                              preferred_element_type=jnp.float32)
 
 
+def _on_cpu() -> bool:
+  return jax.default_backend() == "cpu"
+
+
 def contract_rows(a: jax.Array, b: jax.Array, batch: int = 0) -> jax.Array:
   """a [*B, n, p], b [*B, n, q] -> aᵀb [*B, p, q], float32.
 
@@ -38,7 +43,7 @@ def contract_rows(a: jax.Array, b: jax.Array, batch: int = 0) -> jax.Array:
   if a.ndim != batch + 2 or b.ndim != batch + 2:
     raise ValueError(f"contract_rows takes [*B, n, p] and [*B, n, q] with "
                      f"{batch} batch axes, not {a.shape} and {b.shape}")
-  if jax.default_backend() != "cpu":
+  if not _on_cpu():
     return _dot(a, b, ((batch,), (batch,)), batch)
   barrier = jax.lax.optimization_barrier
   if a.size <= b.size:  # aᵀ [*B, p, n] @ b [*B, n, q]

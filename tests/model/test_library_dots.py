@@ -1,4 +1,4 @@
-"""row_contraction.contract_rows: aᵀb over the rows against NumPy in
+"""library_dots.contract_rows: aᵀb over the rows against NumPy in
 float64, and, on a CPU, in the form XLA hands to its matmul library (no
 dot whose left operand contracts its rows axis)."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zebra_jax.model import row_contraction
+from zebra_jax.model import library_dots
 
 # (a's shape, b's shape, batch axes): a the smaller operand, b the smaller,
 # and both with a batch axis.
@@ -24,7 +24,7 @@ def _operands(a_shape, b_shape, seed=0):
 @pytest.mark.parametrize("a_shape,b_shape,batch", CASES)
 def test_matches_numpy(a_shape, b_shape, batch):
   a, b = _operands(a_shape, b_shape)
-  got = jax.jit(row_contraction.contract_rows,
+  got = jax.jit(library_dots.contract_rows,
                 static_argnums=2)(a, b, batch)
   want = np.einsum("...np,...nq->...pq", a.astype(np.float64),
                    b.astype(np.float64))
@@ -47,7 +47,7 @@ def _row_dots(fn, a, b, batch) -> list[str]:
 def test_on_a_cpu_no_dot_contracts_the_left_operands_rows(a_shape, b_shape,
                                                           batch):
   a, b = _operands(a_shape, b_shape)
-  assert _row_dots(lambda a, b: row_contraction.contract_rows(a, b, batch),
+  assert _row_dots(lambda a, b: library_dots.contract_rows(a, b, batch),
                    a, b, batch) == []
   # The plain dot does: the check sees the form it guards against.
   plain = lambda a, b: jax.lax.dot_general(
@@ -57,4 +57,4 @@ def test_on_a_cpu_no_dot_contracts_the_left_operands_rows(a_shape, b_shape,
 
 def test_other_shapes_are_refused():
   with pytest.raises(ValueError, match="batch axes"):
-    row_contraction.contract_rows(jnp.zeros((2, 3, 4)), jnp.zeros((2, 3, 5)))
+    library_dots.contract_rows(jnp.zeros((2, 3, 4)), jnp.zeros((2, 3, 5)))
