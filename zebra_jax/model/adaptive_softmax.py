@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zebra_jax.errors import UserError
-from zebra_jax.model import metrics, mixed_precision, library_dots
+from zebra_jax.model import library_dots, metrics, mixed_precision
 
 
 def cluster_bounds(vocab_size: int, cutoffs: Sequence[int]) -> tuple:
