@@ -177,27 +177,28 @@ def test_remat_matches_scan(native):
 def test_forward_only_matches_scan(march, monkeypatch, stripes, kind, steps,
                                    batch):
   """Evaluation and sampling: no gradient, so nothing kept for one. The
-  kernel runs every step here, small single steps included (which
-  otherwise run as the scan's one step)."""
-  monkeypatch.setattr(native_recurrence, "ONE_STEP_FLOPS", 0)
+  kernel runs every step here, single steps included (which otherwise run
+  as the scan's one step)."""
+  monkeypatch.setattr(native_recurrence, "SINGLE_STEPS_NATIVE", True)
   args = _args(stripes, kind, steps=steps, batch=batch, width=24, seed=11)
   layer = lambda f: jax.jit(lambda *a: f(*a, 1, False))
   _assert_close(layer(native_recurrence.zebra_layer)(*args),
                 layer(recurrence.zebra_layer)(*args), NAMES[:3])
 
 
-def test_a_small_single_step_runs_as_the_scans_step(native):
-  """Sampling a small model: one step below ONE_STEP_FLOPS holds no call
-  into the library (XLA fuses the scan's step); a larger one does, and so
-  does a step whose gradient is taken."""
+def test_a_single_step_runs_as_the_scans_step(native):
+  """Sampling and serving's decode steps: one step with nothing kept holds
+  no call into the library, small or large (XLA fuses the scan's step); a
+  window of steps does, and so does a step whose gradient is taken."""
   lowered = lambda fn, args: jax.jit(fn).lower(*args).as_text()
   layer = lambda *a: native_recurrence.zebra_layer(*a, 1, False)
-  small = _args(1, "dense", steps=1, batch=1, width=32)
-  assert "zebra_native" not in lowered(layer, small)
-  assert "zebra_native" in lowered(
-      lambda *a: _value_and_grads(layer, a), small)
-  large = _args(1, "dense", steps=1, batch=1, width=512, n_in=512)
-  assert "zebra_native" in lowered(layer, large)
+  for width in (32, 512):
+    step = _args(1, "dense", steps=1, batch=1, width=width, n_in=width)
+    assert "zebra_native" not in lowered(layer, step)
+    assert "zebra_native" in lowered(
+        lambda *a: _value_and_grads(layer, a), step)
+  window = _args(1, "dense", steps=2, batch=1, width=32)
+  assert "zebra_native" in lowered(layer, window)
 
 
 @pytest.mark.parametrize("stripes,kind,steps,batch,remat", [

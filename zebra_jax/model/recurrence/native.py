@@ -425,13 +425,16 @@ def _split(s: int, t: int, b: int, g4: int) -> dict:
           "unit_parts": np.int64(unit_parts(s, b, g4 // 4, n))}
 
 
-# A single step with nothing kept for a gradient (sampling, serving) of
-# fewer FLOPs than this runs as the scan's one step, which XLA fuses into
-# its neighbours: there a call's fixed cost, about 1 us, is the step's
-# price (sampling at hidden 32 took 1.1-1.25x the scan's time). Above it the
-# kernel's matrix-vector product was the faster on an AMD EPYC (dense S=1,
-# hidden 512: 0.9x the scan's time; 1.1x on an Intel Xeon, lab.native_bench).
-ONE_STEP_FLOPS = 1 << 20
+# A single step with nothing kept for a gradient (sampling, serving's
+# decode steps) runs as the scan's one step, which XLA fuses into its
+# neighbours. The kernel packs W_h into panels on every call, which a
+# window of steps repays and one step does not: chained single steps of
+# dense S=1 took 1.45x the scan's time at hidden 512 and batch 1, 2.9x at
+# hidden 1,024 and batch 16, 1.6x at batch 64, and grouped S=8 (hidden
+# 2,048, batch 64) 1.4x (2-core AMD EPYC with AVX-512); sampling at
+# hidden 512 took 1.10x the scan's time on an Intel Xeon (lab.native_bench).
+# Tests set this to run the kernel's one-step path.
+SINGLE_STEPS_NATIVE = False
 
 
 def _forward(x_proj, h0, c0, w_h, keep):
@@ -439,7 +442,7 @@ def _forward(x_proj, h0, c0, w_h, keep):
   (cs,) / (cs, gates) for keep None / "states" / "gates". The gates are
   written over x_proj's buffer."""
   s, t, b, g4 = x_proj.shape
-  if keep is None and t == 1 and 2 * s * b * g4 * (g4 // 4) < ONE_STEP_FLOPS:
+  if keep is None and t == 1 and not SINGLE_STEPS_NATIVE:
     # pylint: disable-next=protected-access
     return scan._forward(x_proj, h0, c0, w_h, 1, None)
   f32 = jnp.float32
