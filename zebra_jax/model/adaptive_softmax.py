@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zebra_jax.errors import UserError
-from zebra_jax.model import library_dots, metrics, mixed_precision
+from zebra_jax.model import metrics, mixed_precision
 
 
 def cluster_bounds(vocab_size: int, cutoffs: Sequence[int]) -> tuple:
@@ -121,11 +121,6 @@ def chunk_and_piece(chunk_rows: int, n: int,
 
 def _matmul(x, w, dtype, spec):
   return mixed_precision.matmul(spec, x, w, dtype)
-
-
-def _contract_rows(a, b, dtype):
-  """aᵀb ("nv,nk->vk") on operands cast to dtype, float32."""
-  return library_dots.contract_rows(a.astype(dtype), b.astype(dtype))
 
 
 def _chunk_logits(h, proj, table, bias, dtype):
@@ -216,13 +211,13 @@ def _owned_rows_nll_bwd(c, piece, dtype, residuals, g):
     z, logits = _chunk_logits(h, proj, table, bias, dtype)
     one_hot = jnp.arange(logits.shape[-1]) == t[:, None]
     d_logits = g_k[:, None] * (jax.nn.softmax(logits, -1) - one_hot)
-    d_table = d_table + _contract_rows(d_logits, z, dtype)
+    d_table = d_table + _matmul(d_logits, z, dtype, "nv,nk->vk")
     d_bias = d_bias + d_logits.sum(0)
     d_z = _matmul(d_logits, table, dtype, "nv,vk->nk")
     if proj is None:
       d_h = d_z
     else:
-      d_proj = d_proj + _contract_rows(h, d_z, dtype)
+      d_proj = d_proj + _matmul(h, d_z, dtype, "nd,nk->dk")
       d_h = _matmul(d_z, proj, dtype, "nk,dk->nd")
     d_rows = jax.lax.dynamic_update_slice_in_dim(
         d_rows, d_h.astype(rows.dtype), start, 0)

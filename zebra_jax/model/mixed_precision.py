@@ -10,9 +10,10 @@ Here the cotangent is cast to the compute dtype first, as mixed-precision
 training does elsewhere (PyTorch's autocast): the gradient dots read bf16
 (or fp16) operands, accumulate in float32 and return float32, cast once to
 each operand's own dtype (float32 for a parameter). In float32 it is the
-plain einsum and its gradient, except that on a CPU its weight gradient
-runs in the form XLA hands to its matmul library (`library_dots`: the same
-product, summed in another order).
+plain einsum and its gradient, except that on a CPU a weight gradient
+(its own, or a product of that form a caller asks for, as the adaptive
+tails' backward does) runs in the form XLA hands to its matmul library
+(`library_dots`: the same product, summed in another order).
 """
 
 import functools
