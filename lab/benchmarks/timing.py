@@ -11,17 +11,44 @@ import numpy as np
 
 from zebra_jax.model import lm
 
+# settle(): a pause a row waits in, and the share of one core this process
+# may use in it and count as idle.
+SETTLE_QUANTUM_S, SETTLE_IDLE_SHARE, SETTLE_MAX_S = 0.005, 0.1, 1.0
+
+
+def settle(max_s: float = SETTLE_MAX_S) -> float:
+  """Waits until this process's threads are idle (at most max_s); returns
+  the seconds waited.
+
+  A library's worker threads may spin-wait after its call returns: torch's
+  OpenMP threads (libgomp) burnt 7.5 ms of CPU in the 100 ms after a call
+  on a 2-core CPU, and a JAX row timed right after one of torch's ran 1.09x
+  slower (52.5 against 48.4 ms, the word-level adaptive head), its second
+  core taken. No row is timed until the last one's threads have stopped."""
+  start = time.perf_counter()
+  while time.perf_counter() - start < max_s:
+    cpu = time.process_time()
+    time.sleep(SETTLE_QUANTUM_S)
+    if time.process_time() - cpu < SETTLE_IDLE_SHARE * SETTLE_QUANTUM_S:
+      break
+  return time.perf_counter() - start
+
+
 def round_times(fns: dict, rounds: int, calls: int = 1) -> dict:
   """Seconds per call of each function in each round ([rounds] arrays),
   rounds interleaved so that load from other processes spreads over every
   row alike. Each function runs once untimed first: a first call pays for
   allocation, autotuning and lazy initialisation (cuDNN plans, XLA's GPU
-  autotuner)."""
+  autotuner). On a CPU each row starts once the last row's threads are
+  idle (`settle`)."""
   for fn in fns.values():
     fn()
+  on_cpu = jax.default_backend() == "cpu"
   times = {name: [] for name in fns}
   for _ in range(rounds):
     for name, fn in fns.items():
+      if on_cpu:
+        settle()
       start = time.perf_counter()
       for _ in range(calls):
         fn()

@@ -1,4 +1,10 @@
-"""The matmul peak's calls: long enough at the datasheet's rate."""
+"""The matmul peak's calls: long enough at the datasheet's rate; rows
+timed only on an idle process."""
+
+import threading
+import time
+
+import pytest
 
 from lab.benchmarks import timing
 from lab.benchmarks.shapes import SHAPES
@@ -19,3 +25,32 @@ def test_peak_calls_last_10ms_at_the_datasheet_rate():
     reps = timing.peak_reps(flops, h100)
     assert 0.01 <= reps * flops / h100 < 0.01 + flops / h100
   assert timing.peak_reps(1e15, 1e12) == 1
+
+
+def _spin_for(seconds: float, done: threading.Event) -> None:
+  end = time.perf_counter() + seconds
+  while time.perf_counter() < end:
+    pass
+  done.set()
+
+
+def test_settle_waits_until_no_thread_of_the_process_is_busy():
+  done = threading.Event()
+  spinner = threading.Thread(target=_spin_for, args=(0.2, done))
+  spinner.start()
+  waited = timing.settle()
+  assert done.is_set() and 0.15 < waited < timing.SETTLE_MAX_S
+  spinner.join()
+  assert timing.settle() < 0.2  # idle: one pause or a few
+
+
+def test_settle_outlasts_torchs_spinning_worker_threads():
+  torch = pytest.importorskip("torch", reason="torch is not installed")
+  torch.set_num_threads(2)
+  a = torch.randn(1024, 1024)
+  for _ in range(3):
+    a @ a  # the OpenMP workers spin-wait after each call
+  timing.settle()
+  cpu = time.process_time()
+  time.sleep(0.05)
+  assert time.process_time() - cpu < 0.005
