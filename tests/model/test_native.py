@@ -154,6 +154,29 @@ def test_matches_scan(march, stripes, kind, steps, batch, width):
   _assert_close(_native()(*args), _scan()(*args))
 
 
+@pytest.mark.parametrize("stripes,kind,width,n_in,in_the_library", [
+    (8, "grouped", 64, 512, True),   # lab.bench's grouped S=8: 32,768 floats
+    (16, "grouped", 32, 512, True),  # a stripe
+    (8, "dense", 64, 512, False),    # 147,456
+    (1, "dense", 512, 512, False)])  # 2,097,152
+def test_weight_gradients_run_natively_where_stripes_are_small(
+    native, stripes, kind, width, n_in, in_the_library):
+  """The weight gradients are the library's call up to
+  MAX_NATIVE_WEIGHT_GRADS floats a stripe, else XLA's window matmuls (and
+  the comparisons above, at widths up to 80, test the library's)."""
+  s, t, b = stripes, 16, 8
+  shapes = ((t, b, n_in) if kind == "dense" else (s, t, b, n_in // s),
+            (n_in, s, 4 * width) if kind == "dense" else
+            (s, n_in // s, 4 * width),
+            (s, 4 * width), (s, b, width), (s, b, width),
+            (s, width, 4 * width))
+  args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes]
+  loss = lambda *a: native_recurrence.zebra_layer(*a)[0].sum()
+  text = jax.jit(jax.grad(loss, argnums=(1, 2, 5))).lower(*args).as_text()
+  assert (native_recurrence._WEIGHT_GRADS in text) == in_the_library  # pylint: disable=protected-access
+  assert native_recurrence._BACKWARD in text  # pylint: disable=protected-access
+
+
 def test_vector_instructions_are_the_targets(march):
   """A build for a target without AVX-512 used none (its code, not this
   CPU's, is what the comparisons above ran)."""

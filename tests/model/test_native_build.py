@@ -275,18 +275,28 @@ def _backward_shapes(s=2, t=3, b=4):
            "dh": state, "dc": state}, [(s, t, b, 4 * G), state, state])
 
 
+def _weight_grads_shapes(s=2, t=3, b=4, x_width=6, dense=False):
+  x = (t, b, x_width) if dense else (s, t, b, x_width)
+  d_w_x = (x_width, s, 4 * G) if dense else (s, x_width, 4 * G)
+  return ({"dz": (s, t, b, 4 * G), "ys": (s, t, b, G), "h0": (s, b, G),
+           "x": x}, [(s, G, 4 * G), d_w_x, (s, 4 * G)])
+
+
 def _call(name, args, results, fill=0.0):
   """The kernel `name` on arrays of these shapes filled with `fill`."""
   _, suffix = native_recurrence._loaded()  # pylint: disable=protected-access
   call = jax.ffi.ffi_call(name + suffix,
                           [jax.ShapeDtypeStruct(r, F32) for r in results])
+  attrs = {"threads": np.int64(2)}
+  if name != WEIGHT_GRADS:
+    attrs["unit_parts"] = np.int64(1)
   return jax.block_until_ready(call(
-      *[jnp.full(a, fill, F32) for a in args], threads=np.int64(2),
-      unit_parts=np.int64(1)))
+      *[jnp.full(a, fill, F32) for a in args], **attrs))
 
 
 FORWARD = native_recurrence._FORWARD  # pylint: disable=protected-access
 BACKWARD = native_recurrence._BACKWARD  # pylint: disable=protected-access
+WEIGHT_GRADS = native_recurrence._WEIGHT_GRADS  # pylint: disable=protected-access
 
 
 def _needs_library():
@@ -338,6 +348,35 @@ def test_backward_rejects_a_wrong_result_size(index, name):
     _call(BACKWARD, args.values(), results)
 
 
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("name", ["ys", "h0", "x"])
+def test_weight_gradients_reject_a_wrong_argument_size(name, dense):
+  _needs_library()
+  args, results = _weight_grads_shapes(dense=dense)
+  args[name] = (*args[name][:-2], args[name][-2] + 1, args[name][-1])
+  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
+    _call(WEIGHT_GRADS, args.values(), results)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("index,name", [(0, "d_w_h"), (1, "d_w_x"),
+                                        (2, "d_bias")])
+def test_weight_gradients_reject_a_wrong_result_size(index, name, dense):
+  _needs_library()
+  args, results = _weight_grads_shapes(dense=dense)
+  results[index] = _shrunk(results[index])
+  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
+    _call(WEIGHT_GRADS, args.values(), results)
+
+
+def test_weight_gradients_take_only_a_window_of_inputs():
+  _needs_library()
+  args, results = _weight_grads_shapes()
+  args["x"] = (2, 3, 4, 6, 1)
+  with pytest.raises(Exception, match=r"x must be \[T, B, I\]"):
+    _call(WEIGHT_GRADS, args.values(), results)
+
+
 def test_a_window_that_is_not_4g_wide_is_an_error():
   _needs_library()
   args, results = _forward_shapes()
@@ -360,3 +399,10 @@ def test_empty_windows_are_safe(s, t, b):
   assert dz.shape == (s, t, b, 4 * G)
   np.testing.assert_array_equal(dh, np.full((s, b, G), 0.25))
   np.testing.assert_array_equal(dc, np.full((s, b, G), 0.25))
+  # No rows: zero weight gradients (the results' buffers are not zeroed).
+  for dense in (False, True):
+    args, results = _weight_grads_shapes(s, t, b, dense=dense)
+    for got, shape in zip(_call(WEIGHT_GRADS, args.values(), results,
+                                fill=0.25), results):
+      assert got.shape == shape
+      np.testing.assert_array_equal(got, np.zeros(shape))

@@ -13,8 +13,10 @@ None of the libraries XLA calls has a kernel for a block-diagonal LSTM step.
 
 Same function, conventions and residuals as `scan.zebra_layer` and
 the Pallas kernel: the input projection, the gates' recomputation under
-remat and the window gradients are `scan.py`'s large matmuls; only the
-two time loops are C++.
+remat and the inputs' gradient are `scan.py`'s large matmuls; the two time
+loops are C++, and so are the weight gradients of small stripes, which
+XLA runs as its own dots well below the machine's matmul speed
+(MAX_NATIVE_WEIGHT_GRADS).
 
 Building: the source is compiled on first use with the machine's C++
 compiler ($CXX, else c++ or g++) against the XLA FFI headers that jaxlib
@@ -68,6 +70,7 @@ from zebra_jax.model.recurrence import native_check, scan
 SOURCE = pathlib.Path(__file__).with_name("native.cc")
 MARCH_ENV, LIB_ENV = "ZEBRA_JAX_NATIVE_MARCH", "ZEBRA_JAX_NATIVE_LIB"
 _FORWARD, _BACKWARD = "zebra_native_forward", "zebra_native_backward"
+_WEIGHT_GRADS = "zebra_native_weight_grads"
 _COMPILE_TIMEOUT_S = 600
 _BUILD_COMMAND = "python3 -m zebra_jax.model.recurrence.native --build"
 
@@ -317,16 +320,17 @@ def _load(target: str, prebuilt: str | None, cxx: str | None
     return why, ""
   try:
     library = ctypes.CDLL(str(path))
-    forward, backward = library.ZebraForward, library.ZebraBackward
+    handlers = {_FORWARD: library.ZebraForward,
+                _BACKWARD: library.ZebraBackward,
+                _WEIGHT_GRADS: library.ZebraWeightGrads}
   except (OSError, AttributeError) as e:
     return f"loading {path} failed: {e}", ""
-  # One pair of FFI targets per library: tests load several (-march) side
+  # One set of FFI targets per library: tests load several (-march) side
   # by side in one process.
   suffix = "_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
-  jax.ffi.register_ffi_target(_FORWARD + suffix, jax.ffi.pycapsule(forward),
-                              platform="cpu")
-  jax.ffi.register_ffi_target(_BACKWARD + suffix, jax.ffi.pycapsule(backward),
-                              platform="cpu")
+  for name, handler in handlers.items():
+    jax.ffi.register_ffi_target(name + suffix, jax.ffi.pycapsule(handler),
+                                platform="cpu")
   _TARGETS[suffix] = native_check.build_info(data)[1]
   # The one line that says which loops run (the CLI shows warnings only).
   logging.warning("model.recurrence=native: the C++ time loops, %s build "
@@ -473,7 +477,39 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
           jnp.swapaxes(w_h, 1, 2), d_h, d_c, **_split(s, t, b, g4))
 
 
-_native_layer = scan.kernel_layer(_forward, _backward)
+# The most floats of one stripe's weight gradients ([G + I/S or I, 4G])
+# that native.cc's WeightGrads computes; larger ones are XLA's window
+# matmuls. One call against XLA's dots and sum, a window of T=64, B=32
+# (2-core AMD EPYC with AVX-512), by the floats of a stripe's gradients:
+# grouped G=32 (8,192) 1.69x faster, grouped G=64 (32,768) 1.35x, grouped
+# G=128 (131,072) 1.05x, dense S=8 at G=64 (147,456) 0.92x, grouped G=256
+# (524,288) 0.86x, dense S=1 at G=512 (2,097,152) 0.90x. Up to 256 KB a
+# stripe, whose gradients stay in the core's L2 cache while its rows pass.
+MAX_NATIVE_WEIGHT_GRADS = 1 << 16
+
+
+def _weight_gradients(dz, inputs, ys, h0):
+  """(d_w_x, d_bias, d_w_h) of a window from its dz [S, T, B, 4G], the
+  layer's inputs (dense [T, B, I], grouped [S, T, B, I/S]), its outputs
+  ys and h0 (h_{t-1} of every step): one call, native.cc's WeightGrads.
+  None where a stripe's gradients are too large for it to win."""
+  s, t, b, g4 = dz.shape
+  width = inputs.shape[-1]
+  if (g4 // 4 + width) * g4 > MAX_NATIVE_WEIGHT_GRADS:
+    return None
+  f32 = jnp.float32
+  d_w_x = (width, s, g4) if inputs.ndim == 3 else (s, width, g4)
+  d_w_h, d_w_x, d_bias = jax.ffi.ffi_call(
+      _WEIGHT_GRADS + _loaded()[1],
+      (jax.ShapeDtypeStruct((s, g4 // 4, g4), f32),
+       jax.ShapeDtypeStruct(d_w_x, f32), jax.ShapeDtypeStruct((s, g4), f32)),
+      vmap_method="sequential")(
+          dz, ys, h0.astype(f32), inputs.astype(f32),
+          threads=np.int64(threads(2 * s * t * b * (g4 // 4 + width) * g4)))
+  return d_w_x, d_bias, d_w_h
+
+
+_native_layer = scan.kernel_layer(_forward, _backward, _weight_gradients)
 
 
 def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):

@@ -288,22 +288,34 @@ def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0):
     dz_rows = jnp.moveaxis(dz_dt, 0, 1).reshape(t * b, s * k)
     d_w_x = _matmul(inputs.reshape(t * b, i), dz_rows,
                     ((0,), (0,))).reshape(i, s, k)
-    d_inputs = _matmul(dz_rows, w_x.reshape(i, s * k),
-                       ((1,), (1,))).reshape(t, b, i)
   else:  # grouped [S, T, B, I/S], w_x [S, I/S, 4G]: batched over stripes
     d_w_x = _matmul(inputs.reshape(s, t * b, w_x.shape[1]), dz_dt,
                     ((1,), (1,)), ((0,), (0,)))
+  d_bias = dz.sum(axis=(1, 2))
+  return (input_gradient(dz, inputs, w_x), d_w_x.astype(w_x.dtype),
+          d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
+
+
+def input_gradient(dz, inputs, w_x):
+  """The inputs' gradient, dz W_x^T over the whole window: dense [T, B, I]
+  (every stripe's share summed), grouped [S, T, B, I/S]."""
+  s, t, b, k = dz.shape
+  dz_dt = dz.astype(w_x.dtype).reshape(s, t * b, k)
+  if inputs.ndim == 3:
+    i = inputs.shape[-1]
+    dz_rows = jnp.moveaxis(dz_dt, 0, 1).reshape(t * b, s * k)
+    d_inputs = _matmul(dz_rows, w_x.reshape(i, s * k),
+                       ((1,), (1,))).reshape(t, b, i)
+  else:
     d_inputs = _matmul(dz_dt, w_x, ((2,), (2,)),
                        ((0,), (0,))).reshape(inputs.shape)
-  d_bias = dz.sum(axis=(1, 2))
-  return (d_inputs.astype(inputs.dtype), d_w_x.astype(w_x.dtype),
-          d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
+  return d_inputs.astype(inputs.dtype)
 
 
 zebra_layer.defvjp(_zebra_layer_fwd, _zebra_layer_bwd)
 
 
-def kernel_layer(forward, backward):
+def kernel_layer(forward, backward, weight_gradients=None):
   """`zebra_layer` with its two time loops run by kernels (the Pallas and
   the native CPU ones); the rest, the input projection, the gates'
   recomputation under remat and the window gradients, is this module's.
@@ -312,6 +324,8 @@ def kernel_layer(forward, backward):
     / (cs, gates) for keep None / "states" / "gates".
   backward(d_ys, gates, cs, c0, w_h, d_h, d_c) -> (dz, dh0, dc0), d_h and
     d_c float32.
+  weight_gradients(dz, inputs, ys, h0) -> (d_w_x, d_bias, d_w_h) float32,
+    or None (None, or no function: this module's window matmuls).
   Returns layer(inputs, w_x, bias, h0, c0, w_h, remat) -> (ys, h, c).
   """
   @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -346,7 +360,12 @@ def kernel_layer(forward, backward):
     dz, dh0, dc0 = backward(d_ys, gates, cs, c0, w_h,
                             d_h_last.astype(jnp.float32),
                             d_c_last.astype(jnp.float32))
-    return window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0)
+    grads = weight_gradients and weight_gradients(dz, inputs, ys, h0)
+    if grads is None:
+      return window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0)
+    d_w_x, d_bias, d_w_h = grads
+    return (input_gradient(dz, inputs, w_x), d_w_x.astype(w_x.dtype),
+            d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
 
   layer.defvjp(layer_fwd, layer_bwd)
   return layer
