@@ -18,6 +18,7 @@ test_native_build.py covers that machine.
 import logging
 import os
 import platform
+import re
 
 import jax
 import jax.numpy as jnp
@@ -154,16 +155,18 @@ def test_matches_scan(march, stripes, kind, steps, batch, width):
   _assert_close(_native()(*args), _scan()(*args))
 
 
-@pytest.mark.parametrize("stripes,kind,width,n_in,in_the_library", [
+@pytest.mark.parametrize("stripes,kind,width,n_in,small", [
     (8, "grouped", 64, 512, True),   # lab.bench's grouped S=8: 32,768 floats
     (16, "grouped", 32, 512, True),  # a stripe
+    (8, "dense", 16, 64, True),      # 5,120
     (8, "dense", 64, 512, False),    # 147,456
     (1, "dense", 512, 512, False)])  # 2,097,152
-def test_weight_gradients_run_natively_where_stripes_are_small(
-    native, stripes, kind, width, n_in, in_the_library):
-  """The weight gradients are the library's call up to
-  MAX_NATIVE_WEIGHT_GRADS floats a stripe, else XLA's window matmuls (and
-  the comparisons above, at widths up to 80, test the library's)."""
+def test_small_stripes_run_their_projection_and_weight_gradients_natively(
+    native, stripes, kind, width, n_in, small):
+  """Up to SMALL_STRIPE_FLOATS a stripe, the weight gradients are the
+  library's call, and a grouped layer's forward loop projects its own
+  inputs; larger stripes keep XLA's window matmuls (the comparisons
+  above, at widths up to 80, test the library's calls)."""
   s, t, b = stripes, 16, 8
   shapes = ((t, b, n_in) if kind == "dense" else (s, t, b, n_in // s),
             (n_in, s, 4 * width) if kind == "dense" else
@@ -173,8 +176,14 @@ def test_weight_gradients_run_natively_where_stripes_are_small(
   args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes]
   loss = lambda *a: native_recurrence.zebra_layer(*a)[0].sum()
   text = jax.jit(jax.grad(loss, argnums=(1, 2, 5))).lower(*args).as_text()
-  assert (native_recurrence._WEIGHT_GRADS in text) == in_the_library  # pylint: disable=protected-access
-  assert native_recurrence._BACKWARD in text  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  targets = set(re.findall(r"zebra_native_\w+(?=_[0-9a-f]{12})", text))
+  assert targets == (
+      {native_recurrence._BACKWARD, native_recurrence._WEIGHT_GRADS,
+       native_recurrence._FORWARD_PROJECTED} if small and kind == "grouped"
+      else {native_recurrence._BACKWARD, native_recurrence._WEIGHT_GRADS,
+            native_recurrence._FORWARD} if small
+      else {native_recurrence._BACKWARD, native_recurrence._FORWARD})
 
 
 def test_vector_instructions_are_the_targets(march):

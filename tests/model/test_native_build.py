@@ -288,7 +288,7 @@ def _call(name, args, results, fill=0.0):
   call = jax.ffi.ffi_call(name + suffix,
                           [jax.ShapeDtypeStruct(r, F32) for r in results])
   attrs = {"threads": np.int64(2)}
-  if name != WEIGHT_GRADS:
+  if name in (FORWARD, BACKWARD):
     attrs["unit_parts"] = np.int64(1)
   return jax.block_until_ready(call(
       *[jnp.full(a, fill, F32) for a in args], **attrs))
@@ -297,6 +297,16 @@ def _call(name, args, results, fill=0.0):
 FORWARD = native_recurrence._FORWARD  # pylint: disable=protected-access
 BACKWARD = native_recurrence._BACKWARD  # pylint: disable=protected-access
 WEIGHT_GRADS = native_recurrence._WEIGHT_GRADS  # pylint: disable=protected-access
+FORWARD_PROJECTED = native_recurrence._FORWARD_PROJECTED  # pylint: disable=protected-access
+
+
+def _projected_shapes(s=2, t=3, b=4, x_width=6):
+  """({argument: shape}, [result shapes]) of a projected forward call."""
+  state, window = (s, b, G), (s, t, b, G)
+  return ({"x": (s, t, b, x_width), "w_x": (s, x_width, 4 * G),
+           "bias": (s, 4 * G), "h0": state, "c0": state,
+           "w_h": (s, G, 4 * G)},
+          [window, state, state, window, (s, t, b, 4 * G)])
 
 
 def _needs_library():
@@ -369,6 +379,25 @@ def test_weight_gradients_reject_a_wrong_result_size(index, name, dense):
     _call(WEIGHT_GRADS, args.values(), results)
 
 
+@pytest.mark.parametrize("name", ["x", "w_x", "bias", "h0", "c0", "w_h"])
+def test_projected_forward_rejects_a_wrong_argument_size(name):
+  _needs_library()
+  args, results = _projected_shapes()
+  args[name] = (args[name][0] + 1, *args[name][1:])
+  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
+    _call(FORWARD_PROJECTED, args.values(), results)
+
+
+@pytest.mark.parametrize("index,name", [(0, "ys"), (1, "h"), (2, "c"),
+                                        (3, "cs")])
+def test_projected_forward_rejects_a_wrong_result_size(index, name):
+  _needs_library()
+  args, results = _projected_shapes()
+  results[index] = _shrunk(results[index])
+  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
+    _call(FORWARD_PROJECTED, args.values(), results)
+
+
 def test_weight_gradients_take_only_a_window_of_inputs():
   _needs_library()
   args, results = _weight_grads_shapes()
@@ -399,6 +428,12 @@ def test_empty_windows_are_safe(s, t, b):
   assert dz.shape == (s, t, b, 4 * G)
   np.testing.assert_array_equal(dh, np.full((s, b, G), 0.25))
   np.testing.assert_array_equal(dc, np.full((s, b, G), 0.25))
+  args, results = _projected_shapes(s, t, b)
+  ys, h, c, _, _ = _call(FORWARD_PROJECTED, args.values(), results,
+                         fill=0.5)
+  assert ys.shape == (s, t, b, G)
+  np.testing.assert_array_equal(h, np.full((s, b, G), 0.5))
+  np.testing.assert_array_equal(c, np.full((s, b, G), 0.5))
   # No rows: zero weight gradients (the results' buffers are not zeroed).
   for dense in (False, True):
     args, results = _weight_grads_shapes(s, t, b, dense=dense)

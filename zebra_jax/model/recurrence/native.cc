@@ -530,15 +530,29 @@ void ForwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
                   const float* c0, const float* w_h, float* ys, float* h_out,
                   float* c_out, float* cs, float* gates);
 
+// A grouped layer's input projection inside the forward loop: a step's
+// gates start from bias + x_t W_x (stripe s's inputs x [S, T, B, I/S],
+// w_x [S, I/S, 4G], bias [S, 4G]) instead of a projected window.
+struct Projection {
+  const float* x;
+  const float* w_x;
+  const float* bias;
+  int width;  // I/S
+};
+
 void Forward(const Shape& d, int threads, int unit_parts,
              ffi::ThreadPool* pool, bool keep, const float* x_proj,
              const float* h0, const float* c0, const float* w_h, float* ys,
-             float* h_out, float* c_out, float* cs, float* gates) {
+             float* h_out, float* c_out, float* cs, float* gates,
+             const Projection* proj = nullptr) {
   const int g = int(d.g), k4 = 4 * g;
-  if (d.b > 0 && UnitParts(g, unit_parts) > 1)
+  if (!proj && d.b > 0 && UnitParts(g, unit_parts) > 1)
     return ForwardUnits(d, UnitParts(g, unit_parts), pool, keep, x_proj, h0,
                         c0, w_h, ys, h_out, c_out, cs, gates);
   const Packed packed(d, g, k4, w_h, {{0, k4}});
+  const int xw = proj ? proj->width : 0;
+  const Packed packed_x(proj ? d : Shape{0, 0, 0, 0}, xw, k4,
+                        proj ? proj->w_x : nullptr, {{0, k4}});
   Run(Plan(int(d.s), int(d.b), threads), pool, [&](const Task& task) {
     const int s = task.stripe, n = task.rows;
     const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
@@ -551,11 +565,21 @@ void Forward(const Shape& d, int threads, int unit_parts,
     for (int64_t t = 0; t < d.t; ++t) {
       const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
       float* z = gates + row * k4;
+      const float* start = x_proj ? x_proj + row * k4 : z;
+      if (proj) {  // z = bias + x_t W_x, the rows' sums started from it
+        const float* xt = proj->x + row * xw;
+        const float* wx = proj->w_x + int64_t(s) * xw * k4;
+        const float* bias = proj->bias + int64_t(s) * k4;
+        if (d.b == 1)
+          RowTimesMatrix(k4, xw, xt, wx, k4, bias, z);
+        else
+          Matmul(n, k4, xw, xt, xw, wx, k4, packed_x.Panels(s, 0), bias, 0,
+                 z, k4);
+      }
       if (d.b == 1)  // whatever the threads: every row sums as the others
-        RowTimesMatrix(k4, g, h, w, k4, x_proj + row * k4, z);
+        RowTimesMatrix(k4, g, h, w, k4, start, z);
       else
-        Matmul(n, k4, g, h, g, w, k4, packed.Panels(s, 0), x_proj + row * k4,
-               k4, z, k4);
+        Matmul(n, k4, g, h, g, w, k4, packed.Panels(s, 0), start, k4, z, k4);
       for (int r = 0; r < n; ++r) {
         float* zr = z + int64_t(r) * k4;
         Activate(zr, g, 0, g);
@@ -720,7 +744,7 @@ void BackwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
 // was slower still): for lab.bench's grouped S=8 layer (T=64, B=32, G=64)
 // the two dots and the sum took 9.8 ms, 109 GFLOP/s, against 7.3 ms, 148
 // GFLOP/s here (2-core AMD EPYC with AVX-512). Small stripes only: large
-// ones are faster as XLA's (native.py, MAX_NATIVE_WEIGHT_GRADS). Rows come
+// ones are faster as XLA's (native.py, SMALL_STRIPE_FLOATS). Rows come
 // in chunks: a chunk's dz columns packed into panels, its h_prev and x rows
 // transposed, then the time loops' register blocks. Threads split the
 // stripes' columns in whole panels; every element sums its rows in row
@@ -913,6 +937,43 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
             w_h.typed_data(), ys->typed_data(), h->typed_data(),
             c->typed_data(), keep ? cs->typed_data() : nullptr,
             gates->typed_data());
+  });
+}
+
+ffi::Error ForwardProjectedImpl(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_x,
+    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> h0,
+    ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w_h,
+    ffi::ResultBuffer<ffi::F32> ys, ffi::ResultBuffer<ffi::F32> h,
+    ffi::ResultBuffer<ffi::F32> c, ffi::ResultBuffer<ffi::F32> cs,
+    ffi::ResultBuffer<ffi::F32> gates, int64_t threads) {
+  Shape d;
+  std::string why = WindowShape("gates", gates->dimensions(), &d);
+  const auto xd = x.dimensions();
+  const int64_t width = xd.size() == 4 ? xd[3] : -1;
+  if (why.empty() && (width < 0 || width > INT_MAX))
+    why = "x must be [S, T, B, I/S]";
+  const bool keep = cs->element_count() > 0;
+  for (const std::string& m :
+       {why, Mismatch("x", x, {d.s, d.t, d.b, width}),
+        Mismatch("w_x", w_x, {d.s, width, 4 * d.g}),
+        Mismatch("bias", bias, {d.s, 4 * d.g}),
+        Mismatch("h0", h0, {d.s, d.b, d.g}),
+        Mismatch("c0", c0, {d.s, d.b, d.g}),
+        Mismatch("w_h", w_h, {d.s, d.g, 4 * d.g}),
+        Mismatch("ys", *ys, {d.s, d.t, d.b, d.g}),
+        Mismatch("h", *h, {d.s, d.b, d.g}), Mismatch("c", *c, {d.s, d.b, d.g}),
+        keep ? Mismatch("cs", *cs, {d.s, d.t, d.b, d.g}) : std::string()}) {
+    if (!m.empty()) return Failed("zebra_native_forward_projected: " + m);
+    if (!why.empty()) break;
+  }
+  const Projection proj{x.typed_data(), w_x.typed_data(), bias.typed_data(),
+                        int(width)};
+  return Guarded("zebra_native_forward_projected", [&] {
+    Forward(d, int(std::min<int64_t>(threads, 1 << 16)), 1, &pool, keep,
+            nullptr, h0.typed_data(), c0.typed_data(), w_h.typed_data(),
+            ys->typed_data(), h->typed_data(), c->typed_data(),
+            keep ? cs->typed_data() : nullptr, gates->typed_data(), &proj);
   });
 }
 
@@ -1152,4 +1213,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraWeightGrads, WeightGradsImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d_w_h
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d_w_x
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d_bias
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraForwardProjected, ForwardProjectedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // h0
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // c0
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_h
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // ys
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // h
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // c
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // cs
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // gates
                                   .Attr<int64_t>("threads"));

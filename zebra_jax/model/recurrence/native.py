@@ -12,11 +12,11 @@ when there are fewer stripes than cores, with no synchronisation per step.
 None of the libraries XLA calls has a kernel for a block-diagonal LSTM step.
 
 Same function, conventions and residuals as `scan.zebra_layer` and
-the Pallas kernel: the input projection, the gates' recomputation under
-remat and the inputs' gradient are `scan.py`'s large matmuls; the two time
-loops are C++, and so are the weight gradients of small stripes, which
-XLA runs as its own dots well below the machine's matmul speed
-(MAX_NATIVE_WEIGHT_GRADS).
+the Pallas kernel. The two time loops are C++; the input projection, the
+window's weight gradients, the inputs' gradient and the gates'
+recomputation under remat are `scan.py`'s large matmuls, but for small
+stripes (SMALL_STRIPE_FLOATS), whose weight gradients are C++ too, and
+whose grouped input projection runs inside the forward loop.
 
 Building: the source is compiled on first use with the machine's C++
 compiler ($CXX, else c++ or g++) against the XLA FFI headers that jaxlib
@@ -71,6 +71,7 @@ SOURCE = pathlib.Path(__file__).with_name("native.cc")
 MARCH_ENV, LIB_ENV = "ZEBRA_JAX_NATIVE_MARCH", "ZEBRA_JAX_NATIVE_LIB"
 _FORWARD, _BACKWARD = "zebra_native_forward", "zebra_native_backward"
 _WEIGHT_GRADS = "zebra_native_weight_grads"
+_FORWARD_PROJECTED = "zebra_native_forward_projected"
 _COMPILE_TIMEOUT_S = 600
 _BUILD_COMMAND = "python3 -m zebra_jax.model.recurrence.native --build"
 
@@ -322,7 +323,8 @@ def _load(target: str, prebuilt: str | None, cxx: str | None
     library = ctypes.CDLL(str(path))
     handlers = {_FORWARD: library.ZebraForward,
                 _BACKWARD: library.ZebraBackward,
-                _WEIGHT_GRADS: library.ZebraWeightGrads}
+                _WEIGHT_GRADS: library.ZebraWeightGrads,
+                _FORWARD_PROJECTED: library.ZebraForwardProjected}
   except (OSError, AttributeError) as e:
     return f"loading {path} failed: {e}", ""
   # One set of FFI targets per library: tests load several (-march) side
@@ -477,15 +479,23 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
           jnp.swapaxes(w_h, 1, 2), d_h, d_c, **_split(s, t, b, g4))
 
 
-# The most floats of one stripe's weight gradients ([G + I/S or I, 4G])
-# that native.cc's WeightGrads computes; larger ones are XLA's window
-# matmuls. One call against XLA's dots and sum, a window of T=64, B=32
-# (2-core AMD EPYC with AVX-512), by the floats of a stripe's gradients:
-# grouped G=32 (8,192) 1.69x faster, grouped G=64 (32,768) 1.35x, grouped
-# G=128 (131,072) 1.05x, dense S=8 at G=64 (147,456) 0.92x, grouped G=256
+# Small stripes: at most this many floats of one stripe's weights
+# ([G + I/S or I, 4G]). Their window's weight gradients are one call of
+# native.cc's WeightGrads, which XLA runs as its own dots well below the
+# machine's matmul speed; a grouped layer's input projection runs inside
+# its forward loop. Larger stripes keep XLA's window matmuls, which win
+# there. WeightGrads against XLA's dots and sum, a window of T=64, B=32
+# (2-core AMD EPYC with AVX-512), by the floats of a stripe: grouped G=32
+# (8,192) 1.69x faster, grouped G=64 (32,768) 1.35x, grouped G=128
+# (131,072) 1.05x, dense S=8 at G=64 (147,456) 0.92x, grouped G=256
 # (524,288) 0.86x, dense S=1 at G=512 (2,097,152) 0.90x. Up to 256 KB a
-# stripe, whose gradients stay in the core's L2 cache while its rows pass.
-MAX_NATIVE_WEIGHT_GRADS = 1 << 16
+# stripe, which stays in a core's L2 cache while the window's rows pass.
+SMALL_STRIPE_FLOATS = 1 << 16
+
+
+def _small_stripes(g: int, width: int) -> bool:
+  """Whether stripes of width g reading `width` inputs each are small."""
+  return (g + width) * 4 * g <= SMALL_STRIPE_FLOATS
 
 
 def _weight_gradients(dz, inputs, ys, h0):
@@ -495,7 +505,7 @@ def _weight_gradients(dz, inputs, ys, h0):
   None where a stripe's gradients are too large for it to win."""
   s, t, b, g4 = dz.shape
   width = inputs.shape[-1]
-  if (g4 // 4 + width) * g4 > MAX_NATIVE_WEIGHT_GRADS:
+  if not _small_stripes(g4 // 4, width):
     return None
   f32 = jnp.float32
   d_w_x = (width, s, g4) if inputs.ndim == 3 else (s, width, g4)
@@ -509,7 +519,38 @@ def _weight_gradients(dz, inputs, ys, h0):
   return d_w_x, d_bias, d_w_h
 
 
-_native_layer = scan.kernel_layer(_forward, _backward, _weight_gradients)
+def _projected_forward(inputs, w_x, bias, h0, c0, w_h, keep):
+  """`_forward` of a grouped layer of small stripes from its inputs: the
+  input projection runs inside the loop, each step's gates started from
+  bias + x_t W_x (no projected window written and read back). None where
+  it does not apply (dense, large stripes, a single step, hidden units
+  split over threads)."""
+  s, g = w_h.shape[0], w_h.shape[1]
+  if inputs.ndim != 4 or not _small_stripes(g, inputs.shape[-1]):
+    return None
+  _, t, b, width = inputs.shape
+  if keep is None and t == 1 and not SINGLE_STEPS_NATIVE:
+    return None
+  split = _split(s, t, b, 4 * g)
+  if split["unit_parts"] > 1:
+    return None
+  f32 = jnp.float32
+  state = jax.ShapeDtypeStruct((s, b, g), f32)
+  window = jax.ShapeDtypeStruct((s, t, b, g), f32)
+  cs = window if keep else jax.ShapeDtypeStruct((0,), f32)
+  ys, h, c, cs, gates = jax.ffi.ffi_call(
+      _FORWARD_PROJECTED + _loaded()[1],
+      (window, state, state, cs, jax.ShapeDtypeStruct((s, t, b, 4 * g), f32)),
+      vmap_method="sequential")(
+          inputs.astype(f32), w_x.astype(f32), bias.astype(f32),
+          h0.astype(f32), c0.astype(f32), w_h.astype(f32),
+          threads=split["threads"])
+  saved = {None: (), "states": (cs,), "gates": (cs, gates)}[keep]
+  return ys, h, c, saved
+
+
+_native_layer = scan.kernel_layer(_forward, _backward, _weight_gradients,
+                                  _projected_forward)
 
 
 def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):

@@ -315,7 +315,8 @@ def input_gradient(dz, inputs, w_x):
 zebra_layer.defvjp(_zebra_layer_fwd, _zebra_layer_bwd)
 
 
-def kernel_layer(forward, backward, weight_gradients=None):
+def kernel_layer(forward, backward, weight_gradients=None,
+                 projected_forward=None):
   """`zebra_layer` with its two time loops run by kernels (the Pallas and
   the native CPU ones); the rest, the input projection, the gates'
   recomputation under remat and the window gradients, is this module's.
@@ -326,18 +327,27 @@ def kernel_layer(forward, backward, weight_gradients=None):
     d_c float32.
   weight_gradients(dz, inputs, ys, h0) -> (d_w_x, d_bias, d_w_h) float32,
     or None (None, or no function: this module's window matmuls).
+  projected_forward(inputs, w_x, bias, h0, c0, w_h, keep) -> forward's
+    results with the input projection its own, or None (None, or no
+    function: this module's projection, then forward).
   Returns layer(inputs, w_x, bias, h0, c0, w_h, remat) -> (ys, h, c).
   """
+  def run_forward(inputs, w_x, bias, h0, c0, w_h, keep):
+    out = projected_forward and projected_forward(inputs, w_x, bias, h0, c0,
+                                                  w_h, keep)
+    if out is None:
+      out = forward(project_inputs(inputs, w_x, bias), h0, c0, w_h, keep)
+    return out
+
   @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
   def layer(inputs, w_x, bias, h0, c0, w_h, remat):
     del remat  # only changes what the backward pass keeps
-    ys, h, c, _ = forward(project_inputs(inputs, w_x, bias), h0, c0, w_h,
-                          None)
+    ys, h, c, _ = run_forward(inputs, w_x, bias, h0, c0, w_h, None)
     return ys, h, c
 
   def layer_fwd(inputs, w_x, bias, h0, c0, w_h, remat):
-    ys, h, c, saved = forward(project_inputs(inputs, w_x, bias), h0, c0, w_h,
-                              "states" if remat else "gates")
+    ys, h, c, saved = run_forward(inputs, w_x, bias, h0, c0, w_h,
+                                  "states" if remat else "gates")
     return (ys, h, c), (inputs, w_x, bias, h0, c0, w_h, ys, saved)
 
   def layer_bwd(remat, residuals, cotangents):
