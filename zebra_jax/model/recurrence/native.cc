@@ -35,6 +35,7 @@
 // B = 1) runs on the calling thread alone.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <climits>
 #include <condition_variable>
@@ -142,45 +143,71 @@ inline T Tanh(T a) {
 // Strides and row offsets are 64-bit: rows x 4G of a window may pass 2^31.
 using Index = int64_t;
 
-// C[R, V*kLanes] = X + A[R, K] W[K, V*kLanes] (X null: 0), in registers.
-// X may be C itself: a block is read whole before it is written.
-template <int R, int V>
-inline void Block(int k_size, const float* a, Index lda, const float* w,
-                  Index ldw, const float* x, Index ldx, float* c, Index ldc) {
+// One product of a sum: A[rows, k] W[k, columns], row strides lda and ldw.
+struct Term {
+  int k;
+  const float* a;
+  Index lda;
+  const float* w;
+  Index ldw;
+};
+
+// C[R, V*kLanes] = X + the terms' A W (X null: 0), in registers: a sum of
+// two products (a step's projected inputs and recurrence) never leaves
+// them. X may be C itself: a block is read whole before it is written.
+template <int R, int V, size_t N>
+inline void Block(const std::array<Term, N>& terms, const float* x,
+                  Index ldx, float* c, Index ldc) {
   Vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v)
       acc[r][v] = x ? Load(x + r * ldx + v * kLanes) : Vec{};
-  for (int k = 0; k < k_size; ++k) {
-    Vec wk[V];
-    for (int v = 0; v < V; ++v) {
-      wk[v] = Load(w + k * ldw + v * kLanes);
-      ZEBRA_IN_REGISTER(wk[v]);
+  for (const Term& t : terms)
+    for (int k = 0; k < t.k; ++k) {
+      Vec wk[V];
+      for (int v = 0; v < V; ++v) {
+        wk[v] = Load(t.w + k * t.ldw + v * kLanes);
+        ZEBRA_IN_REGISTER(wk[v]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const Vec ak = Splat(t.a[r * t.lda + k]);
+        for (int v = 0; v < V; ++v) acc[r][v] += ak * wk[v];
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      const Vec ak = Splat(a[r * lda + k]);
-      for (int v = 0; v < V; ++v) acc[r][v] += ak * wk[v];
-    }
-  }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) Store(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
+// The terms' rows from row r on.
+template <size_t N>
+inline std::array<Term, N> FromRow(std::array<Term, N> terms, Index r) {
+  for (Term& t : terms) t.a += r * t.lda;
+  return terms;
+}
+
 // Rows [r, rows) of a column block: kRows at a time, then the remainder
 // as one smaller block.
-template <int V, int R = kRows>
+template <int V, int R = kRows, size_t N>
+inline void Columns(int rows, const std::array<Term, N>& terms,
+                    const float* x, Index ldx, float* c, Index ldc) {
+  Index r = 0;
+  for (; r + R <= rows; r += R)
+    Block<R, V>(FromRow(terms, r), x ? x + r * ldx : nullptr, ldx,
+                c + r * ldc, ldc);
+  if constexpr (R > 1) {
+    if (r < rows)
+      Columns<V, R - 1>(rows - r, FromRow(terms, r),
+                        x ? x + r * ldx : nullptr, ldx, c + r * ldc, ldc);
+  }
+}
+
+// One product's Columns: C = X + A[rows, k] W[k, V*kLanes].
+template <int V>
 inline void Columns(int rows, int k_size, const float* a, Index lda,
                     const float* w, Index ldw, const float* x, Index ldx,
                     float* c, Index ldc) {
-  Index r = 0;
-  for (; r + R <= rows; r += R)
-    Block<R, V>(k_size, a + r * lda, lda, w, ldw, x ? x + r * ldx : nullptr,
-                ldx, c + r * ldc, ldc);
-  if constexpr (R > 1) {
-    if (r < rows)
-      Columns<V, R - 1>(rows - r, k_size, a + r * lda, lda, w, ldw,
-                        x ? x + r * ldx : nullptr, ldx, c + r * ldc, ldc);
-  }
+  Columns<V>(rows, std::array<Term, 1>{Term{k_size, a, lda, w, ldw}}, x, ldx,
+             c, ldc);
 }
 
 // f(j, Vec{}) for kLanes elements from j at a time, then f(j, 0.0f) for the
@@ -242,25 +269,52 @@ Index PackedSize(int k_size, int n) {
   return Index(n / kPanel) * kPanel * k_size;
 }
 
-// C[rows, n] = X + A[rows, k] W[k, n]; W row-major with row stride ldw,
-// its whole panels also packed (Pack) in `panels`.
-void Matmul(int rows, int n, int k_size, const float* a, Index lda,
-            const float* w, Index ldw, const float* panels, const float* x,
-            Index ldx, float* c, Index ldc) {
+// One product of a Matmul: A[rows, k] W[k, n], W row-major with row stride
+// ldw, its whole panels also packed (Pack) in `panels`.
+struct Product {
+  int k;
+  const float* a;
+  Index lda;
+  const float* w;
+  Index ldw;
+  const float* panels;
+};
+
+// C[rows, n] = X + the products' sum, in the products' order.
+template <size_t N>
+void Matmul(int rows, int n, const std::array<Product, N>& products,
+            const float* x, Index ldx, float* c, Index ldc) {
+  auto terms = [&](int j, bool packed) {
+    std::array<Term, N> t;
+    for (size_t i = 0; i < N; ++i) {
+      const Product& p = products[i];
+      t[i] = packed ? Term{p.k, p.a, p.lda, p.panels + Index(j) * p.k, kPanel}
+                    : Term{p.k, p.a, p.lda, p.w + j, p.ldw};
+    }
+    return t;
+  };
   int j = 0;
   for (; j + kPanel <= n; j += kPanel)
-    Columns<kVectors>(rows, k_size, a, lda, panels + Index(j) * k_size,
-                      kPanel, x ? x + j : nullptr, ldx, c + j, ldc);
+    Columns<kVectors>(rows, terms(j, true), x ? x + j : nullptr, ldx, c + j,
+                      ldc);
   for (; j + kLanes <= n; j += kLanes)
-    Columns<1>(rows, k_size, a, lda, w + j, ldw, x ? x + j : nullptr, ldx,
-               c + j, ldc);
+    Columns<1>(rows, terms(j, false), x ? x + j : nullptr, ldx, c + j, ldc);
   for (; j < n; ++j)
     for (Index r = 0; r < rows; ++r) {
       float sum = x ? x[r * ldx + j] : 0.0f;
-      for (Index k = 0; k < k_size; ++k)
-        sum += a[r * lda + k] * w[k * ldw + j];
+      for (const Product& p : products)
+        for (Index k = 0; k < p.k; ++k)
+          sum += p.a[r * p.lda + k] * p.w[k * p.ldw + j];
       c[r * ldc + j] = sum;
     }
+}
+
+// C[rows, n] = X + A[rows, k] W[k, n]: one product.
+void Matmul(int rows, int n, int k_size, const float* a, Index lda,
+            const float* w, Index ldw, const float* panels, const float* x,
+            Index ldx, float* c, Index ldc) {
+  Matmul(rows, n, std::array<Product, 1>{{{k_size, a, lda, w, ldw, panels}}},
+         x, ldx, c, ldc);
 }
 
 // Column ranges [first, last) of every stripe's W[k_size, ldw], each
@@ -565,21 +619,25 @@ void Forward(const Shape& d, int threads, int unit_parts,
     for (int64_t t = 0; t < d.t; ++t) {
       const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
       float* z = gates + row * k4;
-      const float* start = x_proj ? x_proj + row * k4 : z;
-      if (proj) {  // z = bias + x_t W_x, the rows' sums started from it
+      if (proj) {  // z = bias + x_t W_x + h W_h
         const float* xt = proj->x + row * xw;
         const float* wx = proj->w_x + int64_t(s) * xw * k4;
         const float* bias = proj->bias + int64_t(s) * k4;
-        if (d.b == 1)
+        if (d.b == 1) {
           RowTimesMatrix(k4, xw, xt, wx, k4, bias, z);
-        else
-          Matmul(n, k4, xw, xt, xw, wx, k4, packed_x.Panels(s, 0), bias, 0,
-                 z, k4);
+          RowTimesMatrix(k4, g, h, w, k4, z, z);
+        } else {
+          Matmul(n, k4, std::array<Product, 2>{{
+                     {xw, xt, xw, wx, k4, packed_x.Panels(s, 0)},
+                     {g, h, g, w, k4, packed.Panels(s, 0)}}},
+                 bias, 0, z, k4);
+        }
+      } else if (d.b == 1) {  // whatever the threads: every row sums alike
+        RowTimesMatrix(k4, g, h, w, k4, x_proj + row * k4, z);
+      } else {
+        Matmul(n, k4, g, h, g, w, k4, packed.Panels(s, 0), x_proj + row * k4,
+               k4, z, k4);
       }
-      if (d.b == 1)  // whatever the threads: every row sums as the others
-        RowTimesMatrix(k4, g, h, w, k4, start, z);
-      else
-        Matmul(n, k4, g, h, g, w, k4, packed.Panels(s, 0), start, k4, z, k4);
       for (int r = 0; r < n; ++r) {
         float* zr = z + int64_t(r) * k4;
         Activate(zr, g, 0, g);
