@@ -32,7 +32,9 @@ best matmul measured in this run, XLA's planned bytes per step):
               keeps float32 parameters and computes in bfloat16)
 Every timed function runs once untimed, then all run interleaved, round after
 round, and each row reports its median: the machine's noise (other jobs) hits
-every row alike, so on shared CPUs compare ratios, not absolute times.
+every row alike, so on shared CPUs compare ratios, not absolute times. On a
+CPU a row starts only once the last row's threads are idle (torch's OpenMP
+workers spin on after a call: timing.settle).
 Memory: one fresh process per window (peak RSS on CPU, peak_bytes_in_use on
 GPU) and XLA's buffer plan.
 
