@@ -320,82 +320,49 @@ def _shrunk(shape):
   return (*shape[:-1], shape[-1] - 1)
 
 
-@pytest.mark.parametrize("name", ["h0", "c0", "w_h"])
-def test_forward_rejects_a_wrong_argument_size(name):
+# Each kernel's shapes for a direct call, and the arguments (checked
+# against the window's shape) and results whose sizes it checks.
+KERNELS = {
+    "forward": (FORWARD, _forward_shapes, ["h0", "c0", "w_h"],
+                ["ys", "h", "c", "cs", "gates"]),
+    "backward": (BACKWARD, _backward_shapes,
+                 ["d_ys", "cs", "c0", "w_h^T", "dh", "dc"],
+                 ["dz", "dh0", "dc0"]),
+    "weight_grads": (WEIGHT_GRADS, _weight_grads_shapes, ["ys", "h0", "x"],
+                     ["d_w_h", "d_w_x", "d_bias"]),
+    "weight_grads_dense": (
+        WEIGHT_GRADS, lambda: _weight_grads_shapes(dense=True),
+        ["ys", "h0", "x"], ["d_w_h", "d_w_x", "d_bias"]),
+    "forward_projected": (FORWARD_PROJECTED, _projected_shapes,
+                          ["x", "w_x", "bias", "h0", "c0", "w_h"],
+                          ["ys", "h", "c", "cs"]),
+}
+
+
+@pytest.mark.parametrize("kernel,name", [
+    (kernel, name) for kernel, (_, _, names, _) in KERNELS.items()
+    for name in names])
+def test_a_kernel_rejects_a_wrong_argument_size(kernel, name):
   _needs_library()
-  args, results = _forward_shapes()
-  args[name] = _shrunk(args[name])
-  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
-    _call(FORWARD, args.values(), results)
-
-
-@pytest.mark.parametrize("index,name", [(0, "ys"), (1, "h"), (2, "c"),
-                                        (3, "cs"), (4, "gates")])
-def test_forward_rejects_a_wrong_result_size(index, name):
-  _needs_library()
-  args, results = _forward_shapes()
-  results[index] = _shrunk(results[index])
-  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
-    _call(FORWARD, args.values(), results)
-
-
-@pytest.mark.parametrize("name", ["d_ys", "cs", "c0", "w_h^T", "dh", "dc"])
-def test_backward_rejects_a_wrong_argument_size(name):
-  _needs_library()
-  args, results = _backward_shapes()
-  args[name] = _shrunk(args[name])
-  with pytest.raises(Exception, match=rf"{name.replace('^', '.')} is "
-                     r"\[.*\], expected"):
-    _call(BACKWARD, args.values(), results)
-
-
-@pytest.mark.parametrize("index,name", [(0, "dz"), (1, "dh0"), (2, "dc0")])
-def test_backward_rejects_a_wrong_result_size(index, name):
-  _needs_library()
-  args, results = _backward_shapes()
-  results[index] = _shrunk(results[index])
-  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
-    _call(BACKWARD, args.values(), results)
-
-
-@pytest.mark.parametrize("dense", [False, True])
-@pytest.mark.parametrize("name", ["ys", "h0", "x"])
-def test_weight_gradients_reject_a_wrong_argument_size(name, dense):
-  _needs_library()
-  args, results = _weight_grads_shapes(dense=dense)
-  args[name] = (*args[name][:-2], args[name][-2] + 1, args[name][-1])
-  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
-    _call(WEIGHT_GRADS, args.values(), results)
-
-
-@pytest.mark.parametrize("dense", [False, True])
-@pytest.mark.parametrize("index,name", [(0, "d_w_h"), (1, "d_w_x"),
-                                        (2, "d_bias")])
-def test_weight_gradients_reject_a_wrong_result_size(index, name, dense):
-  _needs_library()
-  args, results = _weight_grads_shapes(dense=dense)
-  results[index] = _shrunk(results[index])
-  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
-    _call(WEIGHT_GRADS, args.values(), results)
-
-
-@pytest.mark.parametrize("name", ["x", "w_x", "bias", "h0", "c0", "w_h"])
-def test_projected_forward_rejects_a_wrong_argument_size(name):
-  _needs_library()
-  args, results = _projected_shapes()
+  target, shapes, _, _ = KERNELS[kernel]
+  args, results = shapes()
   args[name] = (args[name][0] + 1, *args[name][1:])
-  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
-    _call(FORWARD_PROJECTED, args.values(), results)
+  with pytest.raises(Exception, match=rf"{re.escape(name)} is \[.*\], "
+                     "expected"):
+    _call(target, args.values(), results)
 
 
-@pytest.mark.parametrize("index,name", [(0, "ys"), (1, "h"), (2, "c"),
-                                        (3, "cs")])
-def test_projected_forward_rejects_a_wrong_result_size(index, name):
+@pytest.mark.parametrize("kernel,index", [
+    (kernel, index) for kernel, (_, _, _, names) in KERNELS.items()
+    for index in range(len(names))])
+def test_a_kernel_rejects_a_wrong_result_size(kernel, index):
   _needs_library()
-  args, results = _projected_shapes()
+  target, shapes, _, names = KERNELS[kernel]
+  args, results = shapes()
   results[index] = _shrunk(results[index])
-  with pytest.raises(Exception, match=rf"{name} is \[.*\], expected"):
-    _call(FORWARD_PROJECTED, args.values(), results)
+  with pytest.raises(Exception, match=rf"{names[index]} is \[.*\], "
+                     "expected"):
+    _call(target, args.values(), results)
 
 
 def test_weight_gradients_take_only_a_window_of_inputs():

@@ -319,7 +319,8 @@ def kernel_layer(forward, backward, weight_gradients=None,
                  projected_forward=None):
   """`zebra_layer` with its two time loops run by kernels (the Pallas and
   the native CPU ones); the rest, the input projection, the gates'
-  recomputation under remat and the window gradients, is this module's.
+  recomputation under remat and the window gradients, is this module's,
+  but where the kernels offer their own projection or weight gradients.
 
   forward(x_proj, h0, c0, w_h, keep) -> (ys, h, c, saved), saved () / (cs,)
     / (cs, gates) for keep None / "states" / "gates".
