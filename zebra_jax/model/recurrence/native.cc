@@ -272,11 +272,7 @@ Index PackedSize(int k_size, int n) {
 // One product of a Matmul: A[rows, k] W[k, n], W row-major with row stride
 // ldw, its whole panels also packed (Pack) in `panels`.
 struct Product {
-  int k;
-  const float* a;
-  Index lda;
-  const float* w;
-  Index ldw;
+  Term term;
   const float* panels;
 };
 
@@ -287,8 +283,9 @@ void Matmul(int rows, int n, const std::array<Product, N>& products,
   auto terms = [&](int j, bool packed) {
     std::array<Term, N> t;
     for (size_t i = 0; i < N; ++i) {
-      const Product& p = products[i];
-      t[i] = packed ? Term{p.k, p.a, p.lda, p.panels + Index(j) * p.k, kPanel}
+      const Term& p = products[i].term;
+      t[i] = packed ? Term{p.k, p.a, p.lda,
+                           products[i].panels + Index(j) * p.k, kPanel}
                     : Term{p.k, p.a, p.lda, p.w + j, p.ldw};
     }
     return t;
@@ -302,9 +299,11 @@ void Matmul(int rows, int n, const std::array<Product, N>& products,
   for (; j < n; ++j)
     for (Index r = 0; r < rows; ++r) {
       float sum = x ? x[r * ldx + j] : 0.0f;
-      for (const Product& p : products)
+      for (const Product& product : products) {
+        const Term& p = product.term;
         for (Index k = 0; k < p.k; ++k)
           sum += p.a[r * p.lda + k] * p.w[k * p.ldw + j];
+      }
       c[r * ldc + j] = sum;
     }
 }
@@ -313,8 +312,9 @@ void Matmul(int rows, int n, const std::array<Product, N>& products,
 void Matmul(int rows, int n, int k_size, const float* a, Index lda,
             const float* w, Index ldw, const float* panels, const float* x,
             Index ldx, float* c, Index ldc) {
-  Matmul(rows, n, std::array<Product, 1>{{{k_size, a, lda, w, ldw, panels}}},
-         x, ldx, c, ldc);
+  Matmul(rows, n,
+         std::array<Product, 1>{{{{k_size, a, lda, w, ldw}, panels}}}, x,
+         ldx, c, ldc);
 }
 
 // Column ranges [first, last) of every stripe's W[k_size, ldw], each
@@ -368,6 +368,16 @@ struct Task { int stripe, row0, rows; };
 // Splits S stripes x B rows over at most `threads` threads: whole stripes
 // when there are enough, else each stripe's rows in equal parts. Empty when
 // there is no work (S = 0 or B = 0).
+// Tasks in order over at most `threads` threads, as even as they go.
+template <typename T>
+std::vector<std::vector<T>> Spread(const std::vector<T>& tasks, int threads) {
+  const size_t used = std::min<size_t>(std::max(threads, 1), tasks.size());
+  std::vector<std::vector<T>> plan(used);
+  for (size_t t = 0; t < tasks.size(); ++t)
+    plan[t * used / tasks.size()].push_back(tasks[t]);
+  return plan;
+}
+
 std::vector<std::vector<Task>> Plan(int s, int b, int threads) {
   if (s <= 0 || b <= 0) return {};
   threads = std::max(1, threads);
@@ -379,11 +389,7 @@ std::vector<std::vector<Task>> Plan(int s, int b, int threads) {
       const int r1 = int(int64_t(b) * (p + 1) / parts);
       tasks.push_back({i, r0, r1 - r0});
     }
-  const size_t used = std::min<size_t>(threads, tasks.size());
-  std::vector<std::vector<Task>> plan(used);
-  for (size_t t = 0; t < tasks.size(); ++t)
-    plan[t * used / tasks.size()].push_back(tasks[t]);
-  return plan;
+  return Spread(tasks, threads);
 }
 
 // What the calling thread and the pool's share: parts are claimed one at a
@@ -628,8 +634,8 @@ void Forward(const Shape& d, int threads, int unit_parts,
           RowTimesMatrix(k4, g, h, w, k4, z, z);
         } else {
           Matmul(n, k4, std::array<Product, 2>{{
-                     {xw, xt, xw, wx, k4, packed_x.Panels(s, 0)},
-                     {g, h, g, w, k4, packed.Panels(s, 0)}}},
+                     {{xw, xt, xw, wx, k4}, packed_x.Panels(s, 0)},
+                     {{g, h, g, w, k4}, packed.Panels(s, 0)}}},
                  bias, 0, z, k4);
         }
       } else if (d.b == 1) {  // whatever the threads: every row sums alike
@@ -833,12 +839,8 @@ void WeightGrads(const GradShape& d, int threads, ffi::ThreadPool* pool,
       const int last = int(int64_t(panels) * (p + 1) / parts);
       if (last > first) tasks.push_back({s, first, last});
     }
-  const size_t used = std::min<size_t>(std::max(threads, 1), tasks.size());
-  std::vector<std::vector<PanelTask>> plan(used);
-  for (size_t t = 0; t < tasks.size(); ++t)
-    plan[t * used / tasks.size()].push_back(tasks[t]);
   const Index ldx = d.dense ? d.s * k4 : k4;  // d_w_x's row stride
-  Run(plan, pool, [&](const PanelTask& task) {
+  Run(Spread(tasks, threads), pool, [&](const PanelTask& task) {
     const int s = task.stripe;
     const int c0 = task.first * kPanel;
     const int c1 = std::min(k4, task.last * kPanel);
@@ -965,6 +967,32 @@ ffi::Error Guarded(const char* what, F&& body) {
   }
 }
 
+// A forward call's checks of h0, c0, w_h and its results' sizes.
+std::vector<std::string> ForwardMismatches(
+    const Shape& d, bool keep, const ffi::Buffer<ffi::F32>& h0,
+    const ffi::Buffer<ffi::F32>& c0, const ffi::Buffer<ffi::F32>& w_h,
+    ffi::ResultBuffer<ffi::F32>& ys, ffi::ResultBuffer<ffi::F32>& h,
+    ffi::ResultBuffer<ffi::F32>& c, ffi::ResultBuffer<ffi::F32>& cs,
+    ffi::ResultBuffer<ffi::F32>& gates) {
+  return {Mismatch("h0", h0, {d.s, d.b, d.g}),
+          Mismatch("c0", c0, {d.s, d.b, d.g}),
+          Mismatch("w_h", w_h, {d.s, d.g, 4 * d.g}),
+          Mismatch("ys", *ys, {d.s, d.t, d.b, d.g}),
+          Mismatch("h", *h, {d.s, d.b, d.g}),
+          Mismatch("c", *c, {d.s, d.b, d.g}),
+          keep ? Mismatch("cs", *cs, {d.s, d.t, d.b, d.g}) : std::string(),
+          Mismatch("gates", *gates, {d.s, d.t, d.b, 4 * d.g})};
+}
+
+// The first failed check (a shape that could not be read comes first).
+std::string FirstMismatch(const std::string& why,
+                          const std::vector<std::string>& checks) {
+  if (!why.empty()) return why;
+  for (const std::string& m : checks)
+    if (!m.empty()) return m;
+  return "";
+}
+
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
                        ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> c0,
                        ffi::Buffer<ffi::F32> w_h,
@@ -977,17 +1005,9 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
   Shape d;
   std::string why = WindowShape("x_proj", x_proj.dimensions(), &d);
   const bool keep = cs->element_count() > 0;
-  for (const std::string& m :
-       {why, Mismatch("h0", h0, {d.s, d.b, d.g}),
-        Mismatch("c0", c0, {d.s, d.b, d.g}),
-        Mismatch("w_h", w_h, {d.s, d.g, 4 * d.g}),
-        Mismatch("ys", *ys, {d.s, d.t, d.b, d.g}),
-        Mismatch("h", *h, {d.s, d.b, d.g}), Mismatch("c", *c, {d.s, d.b, d.g}),
-        keep ? Mismatch("cs", *cs, {d.s, d.t, d.b, d.g}) : std::string(),
-        Mismatch("gates", *gates, {d.s, d.t, d.b, 4 * d.g})}) {
-    if (!m.empty()) return Failed("zebra_native_forward: " + m);
-    if (!why.empty()) break;  // no shape to check the others against
-  }
+  const std::string m = FirstMismatch(
+      why, ForwardMismatches(d, keep, h0, c0, w_h, ys, h, c, cs, gates));
+  if (!m.empty()) return Failed("zebra_native_forward: " + m);
   return Guarded("zebra_native_forward", [&] {
     Forward(d, int(std::min<int64_t>(threads, 1 << 16)),
             int(std::min<int64_t>(unit_parts, 1 << 16)), &pool, keep,
@@ -1012,19 +1032,15 @@ ffi::Error ForwardProjectedImpl(
   if (why.empty() && (width < 0 || width > INT_MAX))
     why = "x must be [S, T, B, I/S]";
   const bool keep = cs->element_count() > 0;
-  for (const std::string& m :
-       {why, Mismatch("x", x, {d.s, d.t, d.b, width}),
-        Mismatch("w_x", w_x, {d.s, width, 4 * d.g}),
-        Mismatch("bias", bias, {d.s, 4 * d.g}),
-        Mismatch("h0", h0, {d.s, d.b, d.g}),
-        Mismatch("c0", c0, {d.s, d.b, d.g}),
-        Mismatch("w_h", w_h, {d.s, d.g, 4 * d.g}),
-        Mismatch("ys", *ys, {d.s, d.t, d.b, d.g}),
-        Mismatch("h", *h, {d.s, d.b, d.g}), Mismatch("c", *c, {d.s, d.b, d.g}),
-        keep ? Mismatch("cs", *cs, {d.s, d.t, d.b, d.g}) : std::string()}) {
-    if (!m.empty()) return Failed("zebra_native_forward_projected: " + m);
-    if (!why.empty()) break;
-  }
+  std::vector<std::string> checks = {
+      Mismatch("x", x, {d.s, d.t, d.b, width}),
+      Mismatch("w_x", w_x, {d.s, width, 4 * d.g}),
+      Mismatch("bias", bias, {d.s, 4 * d.g})};
+  for (std::string& m :
+       ForwardMismatches(d, keep, h0, c0, w_h, ys, h, c, cs, gates))
+    checks.push_back(std::move(m));
+  const std::string m = FirstMismatch(why, checks);
+  if (!m.empty()) return Failed("zebra_native_forward_projected: " + m);
   const Projection proj{x.typed_data(), w_x.typed_data(), bias.typed_data(),
                         int(width)};
   return Guarded("zebra_native_forward_projected", [&] {

@@ -452,17 +452,27 @@ def _forward(x_proj, h0, c0, w_h, keep):
     # pylint: disable-next=protected-access
     return scan._forward(x_proj, h0, c0, w_h, 1, None)
   f32 = jnp.float32
-  state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
-  window = jax.ShapeDtypeStruct((s, t, b, g4 // 4), f32)
-  cs = window if keep else jax.ShapeDtypeStruct((0,), f32)
   ys, h, c, cs, gates = jax.ffi.ffi_call(
-      _FORWARD + _loaded()[1], (window, state, state, cs, jax.ShapeDtypeStruct(
-          x_proj.shape, f32)), input_output_aliases={0: 4},
-      vmap_method="sequential")(
+      _FORWARD + _loaded()[1], _forward_results(s, t, b, g4 // 4, keep),
+      input_output_aliases={0: 4}, vmap_method="sequential")(
           x_proj, h0.astype(f32), c0.astype(f32), w_h,
           **_split(s, t, b, g4))
-  saved = {None: (), "states": (cs,), "gates": (cs, gates)}[keep]
-  return ys, h, c, saved
+  return ys, h, c, _saved(keep, cs, gates)
+
+
+def _forward_results(s, t, b, g, keep):
+  """A forward call's results: ys, h, c, cs (empty unless keep), gates."""
+  f32 = jnp.float32
+  state = jax.ShapeDtypeStruct((s, b, g), f32)
+  window = jax.ShapeDtypeStruct((s, t, b, g), f32)
+  cs = window if keep else jax.ShapeDtypeStruct((0,), f32)
+  return (window, state, state, cs,
+          jax.ShapeDtypeStruct((s, t, b, 4 * g), f32))
+
+
+def _saved(keep, cs, gates):
+  """What the backward pass keeps of a forward call's results."""
+  return {None: (), "states": (cs,), "gates": (cs, gates)}[keep]
 
 
 def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
@@ -535,18 +545,13 @@ def _projected_forward(inputs, w_x, bias, h0, c0, w_h, keep):
   if split["unit_parts"] > 1:
     return None
   f32 = jnp.float32
-  state = jax.ShapeDtypeStruct((s, b, g), f32)
-  window = jax.ShapeDtypeStruct((s, t, b, g), f32)
-  cs = window if keep else jax.ShapeDtypeStruct((0,), f32)
   ys, h, c, cs, gates = jax.ffi.ffi_call(
-      _FORWARD_PROJECTED + _loaded()[1],
-      (window, state, state, cs, jax.ShapeDtypeStruct((s, t, b, 4 * g), f32)),
+      _FORWARD_PROJECTED + _loaded()[1], _forward_results(s, t, b, g, keep),
       vmap_method="sequential")(
           inputs.astype(f32), w_x.astype(f32), bias.astype(f32),
           h0.astype(f32), c0.astype(f32), w_h.astype(f32),
           threads=split["threads"])
-  saved = {None: (), "states": (cs,), "gates": (cs, gates)}[keep]
-  return ys, h, c, saved
+  return ys, h, c, _saved(keep, cs, gates)
 
 
 _native_layer = scan.kernel_layer(_forward, _backward, _weight_gradients,
