@@ -145,6 +145,8 @@ CASES = [  # stripes, kind, steps, batch, width
     (1, "dense", 1, 1, 32),      # one step of one row: sampling, dense
     (4, "grouped", 1, 1, 16),    # ... and grouped
     (1, "grouped", 2, 3, 16),    # one stripe, grouped
+    (2, "grouped", 24, 6, 16),   # 144 rows a stripe: the weight gradients
+                                 # summed in chunks, from the window's end
 ]
 
 
@@ -163,8 +165,8 @@ def test_matches_scan(march, stripes, kind, steps, batch, width):
     (1, "dense", 512, 512, False)])  # 2,097,152
 def test_small_stripes_run_their_projection_and_weight_gradients_natively(
     native, stripes, kind, width, n_in, small):
-  """Up to SMALL_STRIPE_FLOATS a stripe, the weight gradients are the
-  library's call, and a grouped layer's forward loop projects its own
+  """Up to SMALL_STRIPE_FLOATS a stripe, the backward call computes the
+  weight gradients too, and a grouped layer's forward loop projects its own
   inputs; larger stripes keep XLA's window matmuls (the comparisons
   above, at widths up to 80, test the library's calls)."""
   s, t, b = stripes, 16, 8
@@ -179,11 +181,10 @@ def test_small_stripes_run_their_projection_and_weight_gradients_natively(
   # pylint: disable=protected-access
   targets = set(re.findall(r"zebra_native_\w+(?=_[0-9a-f]{12})", text))
   assert targets == (
-      {native_recurrence._BACKWARD, native_recurrence._WEIGHT_GRADS,
+      {native_recurrence._BACKWARD_GRADS,
        native_recurrence._FORWARD_PROJECTED} if small and kind == "grouped"
-      else {native_recurrence._BACKWARD, native_recurrence._WEIGHT_GRADS,
-            native_recurrence._FORWARD} if small
-      else {native_recurrence._BACKWARD, native_recurrence._FORWARD})
+      else {native_recurrence._BACKWARD_GRADS, native_recurrence._FORWARD}
+      if small else {native_recurrence._BACKWARD, native_recurrence._FORWARD})
 
 
 def test_vector_instructions_are_the_targets(march):
@@ -254,11 +255,16 @@ def test_empty_windows_match_scan(native, stripes, kind, steps, batch, remat):
       np.testing.assert_array_equal(np.asarray(g), 0.0, err_msg=name)
 
 
+@pytest.mark.parametrize("kind", ["dense", "grouped"])
 @pytest.mark.parametrize("threads", [2, 3, 7])
-def test_any_thread_split_gives_the_same_bits(native, monkeypatch, threads):
+def test_any_thread_split_gives_the_same_bits(native, monkeypatch, threads,
+                                              kind):
   """Threads take whole stripes, or a stripe's rows in parts; each row's
-  arithmetic is the same whichever thread runs it."""
-  args = _args(2, "dense", steps=3, batch=5, width=20, seed=5)
+  arithmetic is the same whichever thread runs it. The weight gradients
+  are summed in the same order inside the backward loop (1 or 2 threads,
+  whole stripes) and after it (3 or 7: rows split), over 150 rows a
+  stripe, several chunks."""
+  args = _args(2, kind, steps=30, batch=5, width=20, seed=5)
   monkeypatch.setattr(native_recurrence, "threads", lambda flops: 1)
   one = _native()(*args)
   monkeypatch.setattr(native_recurrence, "threads", lambda flops: threads)
@@ -275,7 +281,7 @@ def test_a_split_by_hidden_units_gives_the_same_bits(march, monkeypatch,
   (each its own columns of W, every row; 2, 3 or 7 parts of 80 units, so
   parts end inside a vector on some builds; one row, as sampling): the
   bits of one thread, which match the scan."""
-  args = _args(stripes, "dense", steps=4, batch=batch, width=80, seed=6)
+  args = _args(stripes, "dense", steps=16, batch=batch, width=80, seed=6)
   monkeypatch.setattr(native_recurrence, "threads", lambda flops: 1)
   one = _native()(*args)
   monkeypatch.setattr(native_recurrence, "threads", lambda flops: threads)

@@ -275,11 +275,14 @@ def _backward_shapes(s=2, t=3, b=4):
            "dh": state, "dc": state}, [(s, t, b, 4 * G), state, state])
 
 
-def _weight_grads_shapes(s=2, t=3, b=4, x_width=6, dense=False):
+def _backward_grads_shapes(s=2, t=3, b=4, x_width=6, dense=False):
+  """A backward call's shapes with the weight gradients': ys, h0 and the
+  inputs x besides, d_w_h, d_w_x and d_bias after."""
+  args, results = _backward_shapes(s, t, b)
   x = (t, b, x_width) if dense else (s, t, b, x_width)
   d_w_x = (x_width, s, 4 * G) if dense else (s, x_width, 4 * G)
-  return ({"dz": (s, t, b, 4 * G), "ys": (s, t, b, G), "h0": (s, b, G),
-           "x": x}, [(s, G, 4 * G), d_w_x, (s, 4 * G)])
+  return ({**args, "ys": (s, t, b, G), "h0": (s, b, G), "x": x},
+          results + [(s, G, 4 * G), d_w_x, (s, 4 * G)])
 
 
 def _call(name, args, results, fill=0.0):
@@ -288,7 +291,7 @@ def _call(name, args, results, fill=0.0):
   call = jax.ffi.ffi_call(name + suffix,
                           [jax.ShapeDtypeStruct(r, F32) for r in results])
   attrs = {"threads": np.int64(2)}
-  if name in (FORWARD, BACKWARD):
+  if name in (FORWARD, BACKWARD, BACKWARD_GRADS):
     attrs["unit_parts"] = np.int64(1)
   return jax.block_until_ready(call(
       *[jnp.full(a, fill, F32) for a in args], **attrs))
@@ -296,7 +299,7 @@ def _call(name, args, results, fill=0.0):
 
 FORWARD = native_recurrence._FORWARD  # pylint: disable=protected-access
 BACKWARD = native_recurrence._BACKWARD  # pylint: disable=protected-access
-WEIGHT_GRADS = native_recurrence._WEIGHT_GRADS  # pylint: disable=protected-access
+BACKWARD_GRADS = native_recurrence._BACKWARD_GRADS  # pylint: disable=protected-access
 FORWARD_PROJECTED = native_recurrence._FORWARD_PROJECTED  # pylint: disable=protected-access
 
 
@@ -328,11 +331,13 @@ KERNELS = {
     "backward": (BACKWARD, _backward_shapes,
                  ["d_ys", "cs", "c0", "w_h^T", "dh", "dc"],
                  ["dz", "dh0", "dc0"]),
-    "weight_grads": (WEIGHT_GRADS, _weight_grads_shapes, ["ys", "h0", "x"],
-                     ["d_w_h", "d_w_x", "d_bias"]),
-    "weight_grads_dense": (
-        WEIGHT_GRADS, lambda: _weight_grads_shapes(dense=True),
-        ["ys", "h0", "x"], ["d_w_h", "d_w_x", "d_bias"]),
+    "backward_grads": (
+        BACKWARD_GRADS, _backward_grads_shapes,
+        ["d_ys", "cs", "c0", "w_h^T", "dh", "dc", "ys", "h0", "x"],
+        ["dz", "dh0", "dc0", "d_w_h", "d_w_x", "d_bias"]),
+    "backward_grads_dense": (
+        BACKWARD_GRADS, lambda: _backward_grads_shapes(dense=True),
+        ["ys", "h0", "x"], ["dz", "dh0", "dc0", "d_w_h", "d_w_x", "d_bias"]),
     "forward_projected": (FORWARD_PROJECTED, _projected_shapes,
                           ["x", "w_x", "bias", "h0", "c0", "w_h"],
                           ["ys", "h", "c", "cs"]),
@@ -367,10 +372,10 @@ def test_a_kernel_rejects_a_wrong_result_size(kernel, index):
 
 def test_weight_gradients_take_only_a_window_of_inputs():
   _needs_library()
-  args, results = _weight_grads_shapes()
+  args, results = _backward_grads_shapes()
   args["x"] = (2, 3, 4, 6, 1)
   with pytest.raises(Exception, match=r"x must be \[T, B, I\]"):
-    _call(WEIGHT_GRADS, args.values(), results)
+    _call(BACKWARD_GRADS, args.values(), results)
 
 
 def test_a_window_that_is_not_4g_wide_is_an_error():
@@ -403,8 +408,9 @@ def test_empty_windows_are_safe(s, t, b):
   np.testing.assert_array_equal(c, np.full((s, b, G), 0.5))
   # No rows: zero weight gradients (the results' buffers are not zeroed).
   for dense in (False, True):
-    args, results = _weight_grads_shapes(s, t, b, dense=dense)
-    for got, shape in zip(_call(WEIGHT_GRADS, args.values(), results,
-                                fill=0.25), results):
-      assert got.shape == shape
-      np.testing.assert_array_equal(got, np.zeros(shape))
+    args, results = _backward_grads_shapes(s, t, b, dense=dense)
+    got = _call(BACKWARD_GRADS, args.values(), results, fill=0.25)
+    np.testing.assert_array_equal(got[1], np.full((s, b, G), 0.25))
+    for grad, shape in zip(got[3:], results[3:]):
+      assert grad.shape == shape
+      np.testing.assert_array_equal(grad, np.zeros(shape))

@@ -1,5 +1,5 @@
-// A ZebraLSTM layer's time loops on a CPU: one XLA FFI call per loop, and
-// one for the window's weight gradients (WeightGrads).
+// A ZebraLSTM layer's time loops on a CPU: one XLA FFI call per loop (the
+// backward one with the window's weight gradients where it can).
 //
 // Why hand-written: XLA's CPU backend runs every time step of a lax.scan as
 // separate ops (a matmul, a gate fusion, one write per output window), one
@@ -45,6 +45,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -704,6 +705,173 @@ void ForwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
   }
 }
 
+// The window's weight gradients from its pre-activation gradients dz
+// [S, T, B, 4G]: per stripe s, over its T*B rows q (time-major, as dz's),
+//   d_w_h[s] = h_prevᵀ dz[s]   h_prev row q: h0[s] for q < B, else ys[s] row
+//                               q - B (h_{t-1} is the previous step's output)
+//   d_w_x    = xᵀ dz[s]        grouped: x[s] [T*B, I/S] into d_w_x[s];
+//                               dense: x [T*B, I] into d_w_x[:, s, :]
+//   d_bias[s] = the sum of dz[s]'s rows.
+// Why here: XLA's CPU backend runs these contractions over the rows as its
+// own (Eigen) dots (its matmul library takes the form only transposed, and
+// was slower still): for lab.bench's grouped S=8 layer (T=64, B=32, G=64)
+// the two dots and the sum took 9.8 ms, 109 GFLOP/s, against 7.3 ms, 148
+// GFLOP/s here (2-core AMD EPYC with AVX-512). Small stripes only: large
+// ones are faster as XLA's (native.py, SMALL_STRIPE_FLOATS). Rows come
+// in chunks (StripeGrads), in the order the backward loop writes them,
+// which sums them inside the loop where it can (Backward). Threads split
+// the stripes' columns in whole panels; every element sums its rows in
+// one order, so any split gives the same bits.
+constexpr int kGradChunk = 64;  // rows a chunk: dz's panels stay in L2
+
+// One stripe's columns [first * kPanel, last * kPanel) of its gradients.
+struct PanelTask { int stripe, first, last; };
+
+struct GradShape {
+  int64_t s, rows, b, g, x_width;  // rows = T * B; x_width: I/S or I
+  bool dense;
+};
+
+// Where a window's weight gradients go, and what they are made of.
+struct GradArgs {
+  const float* ys;
+  const float* h0;
+  const float* x;
+  float* d_w_h;
+  float* d_w_x;
+  float* d_bias;
+};
+
+// One stripe's weight gradients, its columns [c0, c1), summed into outputs
+// that Zero has cleared, a chunk of rows at a time (Step): a chunk's dz
+// columns packed into panels, its h_prev and x rows transposed, then the
+// time loops' register blocks.
+class StripeGrads {
+ public:
+  StripeGrads(const GradShape& d, const GradArgs& a, const float* dz, int s,
+              int c0, int c1)
+      : d_(d), s_(s), g_(int(d.g)), k4_(4 * g_), xw_(int(d.x_width)),
+        n_(c1 - c0),
+        ldx_(d.dense ? d.s * k4_ : k4_),
+        dzs_(dz + int64_t(s) * d.rows * k4_ + c0),
+        ys_(a.ys), h0_(a.h0),
+        xs_(a.x + (d.dense ? 0 : int64_t(s) * d.rows * xw_)),
+        wh_(a.d_w_h + int64_t(s) * g_ * k4_ + c0),
+        wx_(a.d_w_x + (d.dense ? int64_t(s) * k4_ : int64_t(s) * xw_ * k4_) +
+            c0),
+        db_(a.d_bias + int64_t(s) * k4_ + c0),
+        packed_(size_t(kGradChunk) * n_),
+        at_(size_t(kGradChunk) * std::max(g_, xw_)) {}
+
+  void Zero() {
+    std::fill(db_, db_ + n_, 0.0f);
+    for (int i = 0; i < g_; ++i) std::fill(wh_ + i * k4_, wh_ + i * k4_ + n_, 0.0f);
+    for (int i = 0; i < xw_; ++i) std::fill(wx_ + i * ldx_, wx_ + i * ldx_ + n_, 0.0f);
+  }
+
+  // After time step t's rows (the window's steps come from its end back,
+  // as the backward loop writes them): the rows since the last sum once
+  // they make a chunk, or at step 0. The same order wherever it runs, so
+  // the same bits from the loop and from WeightGrads.
+  void Step(int64_t t) {
+    const int64_t q0 = t * d_.b;
+    if (pending_ - q0 < kGradChunk && t > 0) return;
+    for (int64_t q = q0; q < pending_; q += kGradChunk)
+      Chunk(q, int(std::min<int64_t>(kGradChunk, pending_ - q)));
+    pending_ = q0;
+  }
+
+ private:
+  void Chunk(int64_t q0, int kc) {
+    const float* dz = dzs_ + q0 * k4_;
+    // dz's chunk, these columns: whole panels packed [kc, kPanel] one
+    // after another, then any last partial panel [kc, rest].
+    for (int j = 0; j < n_; j += kPanel) {
+      const int w = std::min(kPanel, n_ - j);
+      for (int k = 0; k < kc; ++k)
+        std::copy(dz + Index(k) * k4_ + j, dz + Index(k) * k4_ + j + w,
+                  packed_.data() + Index(j) * kc + Index(k) * w);
+    }
+    Lanes(n_, [&](int j, auto u) {  // the bias: rows in order
+      auto sum = Get(db_ + j, u);
+      for (int k = 0; k < kc; ++k) sum = sum + Get(dz + Index(k) * k4_ + j, u);
+      Put(db_ + j, sum);
+    });
+    const int64_t b = d_.b, s = s_;
+    Accumulate(q0, kc, g_, [&](int64_t q) {
+      return q < b ? h0_ + (s * b + q) * g_
+                   : ys_ + (s * d_.rows + q - b) * g_;
+    }, wh_, k4_);
+    Accumulate(q0, kc, xw_, [&](int64_t q) { return xs_ + q * xw_; }, wx_,
+               ldx_);
+  }
+
+  // C[m, n] += A's rows q0.. transposed [m, kc] times the packed chunk.
+  template <typename RowOf>
+  void Accumulate(int64_t q0, int kc, int m, RowOf row_of, float* c,
+                  Index ldc) {
+    float* at = at_.data();
+    for (int k = 0; k < kc; ++k) {
+      const float* a = row_of(q0 + k);
+      for (int i = 0; i < m; ++i) at[size_t(i) * kc + k] = a[i];
+    }
+    for (int j = 0; j < n_; j += kPanel) {
+      const int w = std::min(kPanel, n_ - j);
+      const float* pw = packed_.data() + Index(j) * kc;
+      if (w == kPanel) {
+        Columns<kVectors>(m, kc, at, kc, pw, kPanel, c + j, ldc, c + j, ldc);
+        continue;
+      }
+      int v = 0;
+      for (; v + kLanes <= w; v += kLanes)
+        Columns<1>(m, kc, at, kc, pw + v, w, c + j + v, ldc, c + j + v, ldc);
+      for (; v < w; ++v)
+        for (int i = 0; i < m; ++i) {
+          float sum = c[i * ldc + j + v];
+          for (int k = 0; k < kc; ++k)
+            sum += at[size_t(i) * kc + k] * pw[Index(k) * w + v];
+          c[i * ldc + j + v] = sum;
+        }
+    }
+  }
+
+  const GradShape d_;
+  const int s_, g_, k4_, xw_, n_;
+  const Index ldx_;
+  const float* dzs_;
+  const float* ys_;
+  const float* h0_;
+  const float* xs_;
+  float* wh_;
+  float* wx_;
+  float* db_;
+  std::vector<float> packed_, at_;
+  int64_t pending_ = d_.rows;  // rows [t * B, pending_) are not summed yet
+};
+
+void WeightGrads(const GradShape& d, int threads, ffi::ThreadPool* pool,
+                 const float* dz, const GradArgs& a) {
+  const int k4 = int(4 * d.g);
+  const int panels = (k4 + kPanel - 1) / kPanel;
+  // Column parts per stripe: enough for every thread, in whole panels.
+  const int parts = int(std::max<int64_t>(
+      1, std::min<int64_t>(panels, (threads + d.s - 1) / std::max<int64_t>(
+                                                          d.s, 1))));
+  std::vector<PanelTask> tasks;
+  for (int s = 0; s < d.s; ++s)
+    for (int p = 0; p < parts; ++p) {
+      const int first = int(int64_t(panels) * p / parts);
+      const int last = int(int64_t(panels) * (p + 1) / parts);
+      if (last > first) tasks.push_back({s, first, last});
+    }
+  Run(Spread(tasks, threads), pool, [&](const PanelTask& task) {
+    StripeGrads grads(d, a, dz, task.stripe, task.first * kPanel,
+                      std::min(k4, task.last * kPanel));
+    grads.Zero();
+    for (int64_t t = d.b ? d.rows / d.b - 1 : -1; t >= 0; --t) grads.Step(t);
+  });
+}
+
 // Backward: the reverse loop carries (dh, dc); per step the pre-activation
 // gradients dz_t (written over the gates, which may share dz's buffer) and
 // dh_{t-1} = dz_t W^T. W^T comes transposed by the caller, one copy that
@@ -716,40 +884,65 @@ void BackwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
                    const float* c0, const float* w_t, const float* dh_last,
                    const float* dc_last, float* dz, float* dh0, float* dc0);
 
+// With `grads`, Backward gives the window's weight gradients too
+// (WeightGrads' results). Where each thread runs whole stripes they are
+// summed inside the loop, each chunk of a stripe's dz as soon as it is
+// written, still in cache (WeightGrads' first read of dz from memory had
+// taken a sixth of its time); else WeightGrads runs after the loop. The
+// step of lab.bench's core grouped S=8 ran 1.03-1.04x faster.
 void Backward(const Shape& d, int threads, int unit_parts,
               ffi::ThreadPool* pool, const float* d_ys, const float* gates,
               const float* cs, const float* c0, const float* w_t,
               const float* dh_last, const float* dc_last, float* dz,
-              float* dh0, float* dc0) {
+              float* dh0, float* dc0, const GradArgs* grads = nullptr,
+              int64_t x_width = 0, bool dense = false) {
   const int g = int(d.g), k4 = 4 * g;
-  if (d.b > 0 && UnitParts(g, unit_parts) > 1)
-    return BackwardUnits(d, UnitParts(g, unit_parts), pool, d_ys, gates, cs,
-                         c0, w_t, dh_last, dc_last, dz, dh0, dc0);
-  const Packed packed(d, k4, g, w_t, {{0, g}});
-  Run(Plan(int(d.s), int(d.b), threads), pool, [&](const Task& task) {
-    const int s = task.stripe, n = task.rows;
-    const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
-    float* dh = dh0 + state0;
-    float* dc = dc0 + state0;
-    std::copy(dh_last + state0, dh_last + state0 + int64_t(n) * g, dh);
-    std::copy(dc_last + state0, dc_last + state0 + int64_t(n) * g, dc);
-    const float* wt = w_t + int64_t(s) * k4 * g;
-    for (int64_t t = d.t - 1; t >= 0; --t) {
-      const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
-      for (int r = 0; r < n; ++r) {
-        const float* cp =
-            t ? cs + (row - d.b + r) * g : c0 + state0 + int64_t(r) * g;
-        CellBack(gates + (row + r) * k4, cs + (row + r) * g, cp,
-                 d_ys + (row + r) * g, dh + int64_t(r) * g,
-                 dc + int64_t(r) * g, dz + (row + r) * k4, g, 0, g);
+  const GradShape grad_shape{d.s, d.t * d.b, d.b, d.g, x_width, dense};
+  const auto plan = Plan(int(d.s), int(d.b), threads);
+  const bool whole_stripes =
+      !plan.empty() && std::all_of(plan.begin(), plan.end(), [&](auto& p) {
+        return std::all_of(p.begin(), p.end(),
+                           [&](const Task& t) { return t.rows == d.b; });
+      });
+  if (d.b > 0 && UnitParts(g, unit_parts) > 1) {
+    BackwardUnits(d, UnitParts(g, unit_parts), pool, d_ys, gates, cs, c0, w_t,
+                  dh_last, dc_last, dz, dh0, dc0);
+  } else {
+    const Packed packed(d, k4, g, w_t, {{0, g}});
+    const bool in_loop = grads && whole_stripes;
+    Run(plan, pool, [&](const Task& task) {
+      const int s = task.stripe, n = task.rows;
+      std::optional<StripeGrads> sums;
+      if (in_loop) {
+        sums.emplace(grad_shape, *grads, dz, s, 0, k4);
+        sums->Zero();
       }
-      if (d.b == 1)
-        RowTimesMatrix(g, k4, dz + row * k4, wt, g, nullptr, dh);
-      else
-        Matmul(n, g, k4, dz + row * k4, k4, wt, g, packed.Panels(s, 0),
-               nullptr, 0, dh, g);
-    }
-  });
+      const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
+      float* dh = dh0 + state0;
+      float* dc = dc0 + state0;
+      std::copy(dh_last + state0, dh_last + state0 + int64_t(n) * g, dh);
+      std::copy(dc_last + state0, dc_last + state0 + int64_t(n) * g, dc);
+      const float* wt = w_t + int64_t(s) * k4 * g;
+      for (int64_t t = d.t - 1; t >= 0; --t) {
+        const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
+        for (int r = 0; r < n; ++r) {
+          const float* cp =
+              t ? cs + (row - d.b + r) * g : c0 + state0 + int64_t(r) * g;
+          CellBack(gates + (row + r) * k4, cs + (row + r) * g, cp,
+                   d_ys + (row + r) * g, dh + int64_t(r) * g,
+                   dc + int64_t(r) * g, dz + (row + r) * k4, g, 0, g);
+        }
+        if (d.b == 1)
+          RowTimesMatrix(g, k4, dz + row * k4, wt, g, nullptr, dh);
+        else
+          Matmul(n, g, k4, dz + row * k4, k4, wt, g, packed.Panels(s, 0),
+                 nullptr, 0, dh, g);
+        if (sums) sums->Step(t);
+      }
+    });
+    if (in_loop) return;
+  }
+  if (grads) WeightGrads(grad_shape, threads, pool, dz, *grads);
 }
 
 // Forward's split by hidden units, backward: phase i (0..T) runs step t =
@@ -792,120 +985,6 @@ void BackwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
       CellBack(gates + (row + r) * k4, cs + (row + r) * g, cp,
                d_ys + (row + r) * g, dh + int64_t(r) * g,
                dc0 + state0 + int64_t(r) * g, dz + (row + r) * k4, g, u0, u1);
-    }
-  });
-}
-
-// The window's weight gradients from its pre-activation gradients dz
-// [S, T, B, 4G]: per stripe s, over its T*B rows q (time-major, as dz's),
-//   d_w_h[s] = h_prevᵀ dz[s]   h_prev row q: h0[s] for q < B, else ys[s] row
-//                               q - B (h_{t-1} is the previous step's output)
-//   d_w_x    = xᵀ dz[s]        grouped: x[s] [T*B, I/S] into d_w_x[s];
-//                               dense: x [T*B, I] into d_w_x[:, s, :]
-//   d_bias[s] = the sum of dz[s]'s rows.
-// Why here: XLA's CPU backend runs these contractions over the rows as its
-// own (Eigen) dots (its matmul library takes the form only transposed, and
-// was slower still): for lab.bench's grouped S=8 layer (T=64, B=32, G=64)
-// the two dots and the sum took 9.8 ms, 109 GFLOP/s, against 7.3 ms, 148
-// GFLOP/s here (2-core AMD EPYC with AVX-512). Small stripes only: large
-// ones are faster as XLA's (native.py, SMALL_STRIPE_FLOATS). Rows come
-// in chunks: a chunk's dz columns packed into panels, its h_prev and x rows
-// transposed, then the time loops' register blocks. Threads split the
-// stripes' columns in whole panels; every element sums its rows in row
-// order, so any split gives the same bits.
-constexpr int kGradChunk = 64;  // rows a chunk: dz's panels stay in L2
-
-// One stripe's columns [first * kPanel, last * kPanel) of its gradients.
-struct PanelTask { int stripe, first, last; };
-
-struct GradShape {
-  int64_t s, rows, b, g, x_width;  // rows = T * B; x_width: I/S or I
-  bool dense;
-};
-
-void WeightGrads(const GradShape& d, int threads, ffi::ThreadPool* pool,
-                 const float* dz, const float* ys, const float* h0,
-                 const float* x, float* d_w_h, float* d_w_x, float* d_bias) {
-  const int g = int(d.g), k4 = 4 * g, xw = int(d.x_width);
-  const int panels = (k4 + kPanel - 1) / kPanel;
-  // Column parts per stripe: enough for every thread, in whole panels.
-  const int parts = int(std::max<int64_t>(
-      1, std::min<int64_t>(panels, (threads + d.s - 1) / std::max<int64_t>(
-                                                          d.s, 1))));
-  std::vector<PanelTask> tasks;
-  for (int s = 0; s < d.s; ++s)
-    for (int p = 0; p < parts; ++p) {
-      const int first = int(int64_t(panels) * p / parts);
-      const int last = int(int64_t(panels) * (p + 1) / parts);
-      if (last > first) tasks.push_back({s, first, last});
-    }
-  const Index ldx = d.dense ? d.s * k4 : k4;  // d_w_x's row stride
-  Run(Spread(tasks, threads), pool, [&](const PanelTask& task) {
-    const int s = task.stripe;
-    const int c0 = task.first * kPanel;
-    const int c1 = std::min(k4, task.last * kPanel);
-    const int n = c1 - c0;
-    const float* dzs = dz + int64_t(s) * d.rows * k4;
-    const float* xs = x + (d.dense ? 0 : int64_t(s) * d.rows * xw);
-    float* wh = d_w_h + int64_t(s) * g * k4 + c0;
-    float* wx = d_w_x + (d.dense ? int64_t(s) * k4 : int64_t(s) * xw * k4) + c0;
-    float* db = d_bias + int64_t(s) * k4 + c0;
-    std::vector<float> packed(size_t(kGradChunk) * n);
-    std::vector<float> at(size_t(kGradChunk) * std::max(g, xw));
-    for (int j = 0; j < n; ++j) db[j] = 0.0f;
-    for (int64_t q0 = 0; q0 < d.rows; q0 += kGradChunk) {
-      const int kc = int(std::min<int64_t>(kGradChunk, d.rows - q0));
-      // dz's chunk, this part's columns: whole panels packed [kc, kPanel]
-      // one after another, then any last partial panel [kc, rest].
-      for (int j = 0; j < n; j += kPanel) {
-        const int w = std::min(kPanel, n - j);
-        for (int k = 0; k < kc; ++k) {
-          const float* row = dzs + (q0 + k) * k4 + c0 + j;
-          std::copy(row, row + w, packed.data() + Index(j) * kc + Index(k) * w);
-        }
-      }
-      Lanes(n, [&](int j, auto u) {  // the bias: rows in order
-        auto sum = Get(db + j, u);
-        for (int k = 0; k < kc; ++k) sum = sum + Get(dzs + (q0 + k) * k4 + c0 + j, u);
-        Put(db + j, sum);
-      });
-      // C[m, n] (+)= Aᵀ chunk: A's rows q0.. transposed into at [m, kc].
-      auto accumulate = [&](int m, auto row_of, float* c, Index ldc) {
-        for (int k = 0; k < kc; ++k) {
-          const float* a = row_of(q0 + k);
-          for (int i = 0; i < m; ++i) at[size_t(i) * kc + k] = a[i];
-        }
-        const float* init = q0 ? c : nullptr;
-        for (int j = 0; j < n; j += kPanel) {
-          const int w = std::min(kPanel, n - j);
-          const float* pw = packed.data() + Index(j) * kc;
-          if (w == kPanel) {
-            Columns<kVectors>(m, kc, at.data(), kc, pw, kPanel,
-                              init ? init + j : nullptr, ldc, c + j, ldc);
-            continue;
-          }
-          int v = 0;
-          for (; v + kLanes <= w; v += kLanes)
-            Columns<1>(m, kc, at.data(), kc, pw + v, w,
-                       init ? init + j + v : nullptr, ldc, c + j + v, ldc);
-          for (; v < w; ++v)
-            for (int i = 0; i < m; ++i) {
-              float sum = init ? init[i * ldc + j + v] : 0.0f;
-              for (int k = 0; k < kc; ++k)
-                sum += at[size_t(i) * kc + k] * pw[Index(k) * w + v];
-              c[i * ldc + j + v] = sum;
-            }
-        }
-      };
-      accumulate(g, [&](int64_t q) {
-        return q < d.b ? h0 + (int64_t(s) * d.b + q) * g
-                       : ys + (int64_t(s) * d.rows + q - d.b) * g;
-      }, wh, k4);
-      accumulate(xw, [&](int64_t q) { return xs + q * xw; }, wx, ldx);
-    }
-    if (d.rows == 0) {  // no rows: zero gradients
-      for (int i = 0; i < g; ++i) std::fill(wh + i * k4, wh + i * k4 + n, 0.0f);
-      for (int i = 0; i < xw; ++i) std::fill(wx + i * ldx, wx + i * ldx + n, 0.0f);
     }
   });
 }
@@ -993,6 +1072,9 @@ std::string FirstMismatch(const std::string& why,
   return "";
 }
 
+// A thread count from an attribute, within reason.
+int Clipped(int64_t n) { return int(std::min<int64_t>(n, 1 << 16)); }
+
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
                        ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> c0,
                        ffi::Buffer<ffi::F32> w_h,
@@ -1009,8 +1091,8 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
       why, ForwardMismatches(d, keep, h0, c0, w_h, ys, h, c, cs, gates));
   if (!m.empty()) return Failed("zebra_native_forward: " + m);
   return Guarded("zebra_native_forward", [&] {
-    Forward(d, int(std::min<int64_t>(threads, 1 << 16)),
-            int(std::min<int64_t>(unit_parts, 1 << 16)), &pool, keep,
+    Forward(d, Clipped(threads),
+            Clipped(unit_parts), &pool, keep,
             x_proj.typed_data(), h0.typed_data(), c0.typed_data(),
             w_h.typed_data(), ys->typed_data(), h->typed_data(),
             c->typed_data(), keep ? cs->typed_data() : nullptr,
@@ -1044,11 +1126,55 @@ ffi::Error ForwardProjectedImpl(
   const Projection proj{x.typed_data(), w_x.typed_data(), bias.typed_data(),
                         int(width)};
   return Guarded("zebra_native_forward_projected", [&] {
-    Forward(d, int(std::min<int64_t>(threads, 1 << 16)), 1, &pool, keep,
+    Forward(d, Clipped(threads), 1, &pool, keep,
             nullptr, h0.typed_data(), c0.typed_data(), w_h.typed_data(),
             ys->typed_data(), h->typed_data(), c->typed_data(),
             keep ? cs->typed_data() : nullptr, gates->typed_data(), &proj);
   });
+}
+
+// A backward call's checks of its inputs and results.
+std::vector<std::string> BackwardMismatches(
+    const Shape& d, const ffi::Buffer<ffi::F32>& d_ys,
+    const ffi::Buffer<ffi::F32>& cs, const ffi::Buffer<ffi::F32>& c0,
+    const ffi::Buffer<ffi::F32>& w_t, const ffi::Buffer<ffi::F32>& dh_last,
+    const ffi::Buffer<ffi::F32>& dc_last, ffi::ResultBuffer<ffi::F32>& dz,
+    ffi::ResultBuffer<ffi::F32>& dh0, ffi::ResultBuffer<ffi::F32>& dc0) {
+  return {Mismatch("d_ys", d_ys, {d.s, d.t, d.b, d.g}),
+          Mismatch("cs", cs, {d.s, d.t, d.b, d.g}),
+          Mismatch("c0", c0, {d.s, d.b, d.g}),
+          Mismatch("w_h^T", w_t, {d.s, 4 * d.g, d.g}),
+          Mismatch("dh", dh_last, {d.s, d.b, d.g}),
+          Mismatch("dc", dc_last, {d.s, d.b, d.g}),
+          Mismatch("dz", *dz, {d.s, d.t, d.b, 4 * d.g}),
+          Mismatch("dh0", *dh0, {d.s, d.b, d.g}),
+          Mismatch("dc0", *dc0, {d.s, d.b, d.g})};
+}
+
+// The weight gradients' checks of ys, h0, x and their results; x's last
+// dimension into *width, whether it is dense into *dense.
+std::vector<std::string> GradMismatches(
+    const Shape& w, const ffi::Buffer<ffi::F32>& ys,
+    const ffi::Buffer<ffi::F32>& h0, const ffi::Buffer<ffi::F32>& x,
+    ffi::ResultBuffer<ffi::F32>& d_w_h, ffi::ResultBuffer<ffi::F32>& d_w_x,
+    ffi::ResultBuffer<ffi::F32>& d_bias, int64_t* width, bool* dense) {
+  const auto xd = x.dimensions();
+  *dense = xd.size() == 3;
+  *width = xd.size() ? xd[xd.size() - 1] : 0;
+  std::string why;
+  if (xd.size() != 3 && xd.size() != 4)
+    why = "x must be [T, B, I] (dense) or [S, T, B, I/S] (grouped)";
+  else if (*width < 0 || *width > INT_MAX)
+    why = "x: a dimension out of range";
+  if (!why.empty()) return {why};
+  return {Mismatch("ys", ys, {w.s, w.t, w.b, w.g}),
+          Mismatch("h0", h0, {w.s, w.b, w.g}),
+          *dense ? Mismatch("x", x, {w.t, w.b, *width})
+                 : Mismatch("x", x, {w.s, w.t, w.b, *width}),
+          Mismatch("d_w_h", *d_w_h, {w.s, w.g, 4 * w.g}),
+          *dense ? Mismatch("d_w_x", *d_w_x, {*width, w.s, 4 * w.g})
+                 : Mismatch("d_w_x", *d_w_x, {w.s, *width, 4 * w.g}),
+          Mismatch("d_bias", *d_bias, {w.s, 4 * w.g})};
 }
 
 ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> d_ys,
@@ -1061,23 +1187,14 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> d_ys,
                         ffi::ResultBuffer<ffi::F32> dc0, int64_t threads,
                         int64_t unit_parts) {
   Shape d;
-  std::string why = WindowShape("gates", gates.dimensions(), &d);
-  for (const std::string& m :
-       {why, Mismatch("d_ys", d_ys, {d.s, d.t, d.b, d.g}),
-        Mismatch("cs", cs, {d.s, d.t, d.b, d.g}),
-        Mismatch("c0", c0, {d.s, d.b, d.g}),
-        Mismatch("w_h^T", w_t, {d.s, 4 * d.g, d.g}),
-        Mismatch("dh", dh_last, {d.s, d.b, d.g}),
-        Mismatch("dc", dc_last, {d.s, d.b, d.g}),
-        Mismatch("dz", *dz, {d.s, d.t, d.b, 4 * d.g}),
-        Mismatch("dh0", *dh0, {d.s, d.b, d.g}),
-        Mismatch("dc0", *dc0, {d.s, d.b, d.g})}) {
-    if (!m.empty()) return Failed("zebra_native_backward: " + m);
-    if (!why.empty()) break;
-  }
+  const std::string why = WindowShape("gates", gates.dimensions(), &d);
+  const std::string m = FirstMismatch(
+      why, why.empty() ? BackwardMismatches(d, d_ys, cs, c0, w_t, dh_last,
+                                            dc_last, dz, dh0, dc0)
+                       : std::vector<std::string>{});
+  if (!m.empty()) return Failed("zebra_native_backward: " + m);
   return Guarded("zebra_native_backward", [&] {
-    Backward(d, int(std::min<int64_t>(threads, 1 << 16)),
-             int(std::min<int64_t>(unit_parts, 1 << 16)), &pool,
+    Backward(d, Clipped(threads), Clipped(unit_parts), &pool,
              d_ys.typed_data(), gates.typed_data(), cs.typed_data(),
              c0.typed_data(), w_t.typed_data(), dh_last.typed_data(),
              dc_last.typed_data(), dz->typed_data(), dh0->typed_data(),
@@ -1085,40 +1202,41 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> d_ys,
   });
 }
 
-ffi::Error WeightGradsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> dz,
-                           ffi::Buffer<ffi::F32> ys, ffi::Buffer<ffi::F32> h0,
-                           ffi::Buffer<ffi::F32> x,
-                           ffi::ResultBuffer<ffi::F32> d_w_h,
-                           ffi::ResultBuffer<ffi::F32> d_w_x,
-                           ffi::ResultBuffer<ffi::F32> d_bias,
-                           int64_t threads) {
-  Shape w;
-  std::string why = WindowShape("dz", dz.dimensions(), &w);
-  const auto xd = x.dimensions();
-  const bool dense = xd.size() == 3;
-  const int64_t width = xd.size() ? xd[xd.size() - 1] : 0;
-  if (why.empty() && xd.size() != 3 && xd.size() != 4)
-    why = "x must be [T, B, I] (dense) or [S, T, B, I/S] (grouped)";
-  if (why.empty() && (width < 0 || width > INT_MAX))
-    why = "x: a dimension out of range";
-  for (const std::string& m :
-       {why, Mismatch("ys", ys, {w.s, w.t, w.b, w.g}),
-        Mismatch("h0", h0, {w.s, w.b, w.g}),
-        dense ? Mismatch("x", x, {w.t, w.b, width})
-              : Mismatch("x", x, {w.s, w.t, w.b, width}),
-        Mismatch("d_w_h", *d_w_h, {w.s, w.g, 4 * w.g}),
-        dense ? Mismatch("d_w_x", *d_w_x, {width, w.s, 4 * w.g})
-              : Mismatch("d_w_x", *d_w_x, {w.s, width, 4 * w.g}),
-        Mismatch("d_bias", *d_bias, {w.s, 4 * w.g})}) {
-    if (!m.empty()) return Failed("zebra_native_weight_grads: " + m);
-    if (!why.empty()) break;
+// The backward pass and the window's weight gradients in one call.
+ffi::Error BackwardGradsImpl(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> d_ys,
+    ffi::Buffer<ffi::F32> gates, ffi::Buffer<ffi::F32> cs,
+    ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w_t,
+    ffi::Buffer<ffi::F32> dh_last, ffi::Buffer<ffi::F32> dc_last,
+    ffi::Buffer<ffi::F32> ys, ffi::Buffer<ffi::F32> h0,
+    ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> dz,
+    ffi::ResultBuffer<ffi::F32> dh0, ffi::ResultBuffer<ffi::F32> dc0,
+    ffi::ResultBuffer<ffi::F32> d_w_h, ffi::ResultBuffer<ffi::F32> d_w_x,
+    ffi::ResultBuffer<ffi::F32> d_bias, int64_t threads,
+    int64_t unit_parts) {
+  Shape d;
+  const std::string why = WindowShape("gates", gates.dimensions(), &d);
+  int64_t width = 0;
+  bool dense = false;
+  std::vector<std::string> checks;
+  if (why.empty()) {
+    checks = BackwardMismatches(d, d_ys, cs, c0, w_t, dh_last, dc_last, dz,
+                                dh0, dc0);
+    for (std::string& m : GradMismatches(d, ys, h0, x, d_w_h, d_w_x, d_bias,
+                                         &width, &dense))
+      checks.push_back(m);
   }
-  return Guarded("zebra_native_weight_grads", [&] {
-    WeightGrads({w.s, w.t * w.b, w.b, w.g, width, dense},
-                int(std::min<int64_t>(threads, 1 << 16)), &pool,
-                dz.typed_data(), ys.typed_data(), h0.typed_data(),
-                x.typed_data(), d_w_h->typed_data(), d_w_x->typed_data(),
-                d_bias->typed_data());
+  const std::string m = FirstMismatch(why, checks);
+  if (!m.empty()) return Failed("zebra_native_backward_grads: " + m);
+  return Guarded("zebra_native_backward_grads", [&] {
+    const GradArgs grads{ys.typed_data(),     h0.typed_data(),
+                         x.typed_data(),      d_w_h->typed_data(),
+                         d_w_x->typed_data(), d_bias->typed_data()};
+    Backward(d, Clipped(threads), Clipped(unit_parts), &pool,
+             d_ys.typed_data(), gates.typed_data(), cs.typed_data(),
+             c0.typed_data(), w_t.typed_data(), dh_last.typed_data(),
+             dc_last.typed_data(), dz->typed_data(), dh0->typed_data(),
+             dc0->typed_data(), &grads, width, dense);
   });
 }
 
@@ -1277,18 +1395,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackward, BackwardImpl,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("unit_parts"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraWeightGrads, WeightGradsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dz
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ys
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // h0
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // d_w_h
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // d_w_x
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // d_bias
-                                  .Attr<int64_t>("threads"));
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraForwardProjected, ForwardProjectedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1304,3 +1410,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraForwardProjected, ForwardProjectedImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // cs
                                   .Ret<ffi::Buffer<ffi::F32>>()  // gates
                                   .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackwardGrads, BackwardGradsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // d_ys
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gates
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cs
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // c0
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_h^T
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dh_last
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dc_last
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ys
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // h0
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dz
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dh0
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dc0
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d_w_h
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d_w_x
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d_bias
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("unit_parts"));

@@ -70,7 +70,7 @@ from zebra_jax.model.recurrence import native_check, scan
 SOURCE = pathlib.Path(__file__).with_name("native.cc")
 MARCH_ENV, LIB_ENV = "ZEBRA_JAX_NATIVE_MARCH", "ZEBRA_JAX_NATIVE_LIB"
 _FORWARD, _BACKWARD = "zebra_native_forward", "zebra_native_backward"
-_WEIGHT_GRADS = "zebra_native_weight_grads"
+_BACKWARD_GRADS = "zebra_native_backward_grads"
 _FORWARD_PROJECTED = "zebra_native_forward_projected"
 _COMPILE_TIMEOUT_S = 600
 _BUILD_COMMAND = "python3 -m zebra_jax.model.recurrence.native --build"
@@ -323,7 +323,7 @@ def _load(target: str, prebuilt: str | None, cxx: str | None
     library = ctypes.CDLL(str(path))
     handlers = {_FORWARD: library.ZebraForward,
                 _BACKWARD: library.ZebraBackward,
-                _WEIGHT_GRADS: library.ZebraWeightGrads,
+                _BACKWARD_GRADS: library.ZebraBackwardGrads,
                 _FORWARD_PROJECTED: library.ZebraForwardProjected}
   except (OSError, AttributeError) as e:
     return f"loading {path} failed: {e}", ""
@@ -423,12 +423,14 @@ def unit_parts(s: int, b: int, g: int, threads: int) -> int:
   return parts
 
 
-def _split(s: int, t: int, b: int, g4: int) -> dict:
+def _split(s: int, t: int, b: int, g4: int, width: int = 0) -> dict:
   """A call's `threads` and `unit_parts` attributes for a [S, T, B, 4G]
-  window."""
-  n = threads(2 * s * t * b * g4 * (g4 // 4))
+  window; with `width` (the inputs a stripe reads), for its weight
+  gradients too."""
+  g = g4 // 4
+  n = threads(2 * s * t * b * g4 * (g + (g + width if width else 0)))
   return {"threads": np.int64(n),
-          "unit_parts": np.int64(unit_parts(s, b, g4 // 4, n))}
+          "unit_parts": np.int64(unit_parts(s, b, g, n))}
 
 
 # A single step with nothing kept for a gradient (sampling, serving's
@@ -490,16 +492,17 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
 
 
 # Small stripes: at most this many floats of one stripe's weights
-# ([G + I/S or I, 4G]). Their window's weight gradients are one call of
-# native.cc's WeightGrads, which XLA runs as its own dots well below the
-# machine's matmul speed; a grouped layer's input projection runs inside
-# its forward loop. Larger stripes keep XLA's window matmuls, which win
-# there. WeightGrads against XLA's dots and sum, a window of T=64, B=32
-# (2-core AMD EPYC with AVX-512), by the floats of a stripe: grouped G=32
-# (8,192) 1.69x faster, grouped G=64 (32,768) 1.35x, grouped G=128
-# (131,072) 1.05x, dense S=8 at G=64 (147,456) 0.92x, grouped G=256
-# (524,288) 0.86x, dense S=1 at G=512 (2,097,152) 0.90x. Up to 256 KB a
-# stripe, which stays in a core's L2 cache while the window's rows pass.
+# ([G + I/S or I, 4G]). Their window's weight gradients are native.cc's
+# (StripeGrads, in the backward call), which XLA runs as its own dots well
+# below the machine's matmul speed; a grouped layer's input projection
+# runs inside its forward loop. Larger stripes keep XLA's window matmuls,
+# which win there. The weight gradients alone as one call against XLA's
+# dots and sum, a window of T=64, B=32 (2-core AMD EPYC with AVX-512), by
+# the floats of a stripe: grouped G=32 (8,192) 1.69x faster, grouped G=64
+# (32,768) 1.35x, grouped G=128 (131,072) 1.05x, dense S=8 at G=64
+# (147,456) 0.92x, grouped G=256 (524,288) 0.86x, dense S=1 at G=512
+# (2,097,152) 0.90x. Up to 256 KB a stripe, which stays in a core's L2
+# cache while the window's rows pass.
 SMALL_STRIPE_FLOATS = 1 << 16
 
 
@@ -508,25 +511,31 @@ def _small_stripes(g: int, width: int) -> bool:
   return (g + width) * 4 * g <= SMALL_STRIPE_FLOATS
 
 
-def _weight_gradients(dz, inputs, ys, h0):
-  """(d_w_x, d_bias, d_w_h) of a window from its dz [S, T, B, 4G], the
-  layer's inputs (dense [T, B, I], grouped [S, T, B, I/S]), its outputs
-  ys and h0 (h_{t-1} of every step): one call, native.cc's WeightGrads.
-  None where a stripe's gradients are too large for it to win."""
-  s, t, b, g4 = dz.shape
+def _backward_gradients(d_ys, gates, cs, c0, w_h, d_h, d_c, inputs, ys, h0):
+  """`_backward` with the window's weight gradients, one call for small
+  stripes: (dz, dh0, dc0, (d_w_x, d_bias, d_w_h)) from the layer's inputs
+  (dense [T, B, I], grouped [S, T, B, I/S]), its outputs ys and h0 (h_{t-1}
+  of every step) besides. Where each thread runs whole stripes, the sums
+  run inside the loop, on each chunk of dz just written (the step 1.03-1.04x
+  faster than a second call reading dz back: lab.bench's core grouped S=8,
+  2-core AMD EPYC with AVX-512). None for larger stripes."""
+  s, t, b, g4 = gates.shape
   width = inputs.shape[-1]
   if not _small_stripes(g4 // 4, width):
     return None
   f32 = jnp.float32
+  state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
   d_w_x = (width, s, g4) if inputs.ndim == 3 else (s, width, g4)
-  d_w_h, d_w_x, d_bias = jax.ffi.ffi_call(
-      _WEIGHT_GRADS + _loaded()[1],
-      (jax.ShapeDtypeStruct((s, g4 // 4, g4), f32),
+  dz, dh0, dc0, d_w_h, d_w_x, d_bias = jax.ffi.ffi_call(
+      _BACKWARD_GRADS + _loaded()[1],
+      (jax.ShapeDtypeStruct(gates.shape, f32), state, state,
+       jax.ShapeDtypeStruct((s, g4 // 4, g4), f32),
        jax.ShapeDtypeStruct(d_w_x, f32), jax.ShapeDtypeStruct((s, g4), f32)),
-      vmap_method="sequential")(
-          dz, ys, h0.astype(f32), inputs.astype(f32),
-          threads=np.int64(threads(2 * s * t * b * (g4 // 4 + width) * g4)))
-  return d_w_x, d_bias, d_w_h
+      input_output_aliases={1: 0}, vmap_method="sequential")(
+          d_ys.astype(f32), gates, cs, c0.astype(f32),
+          jnp.swapaxes(w_h, 1, 2), d_h, d_c, ys, h0.astype(f32),
+          inputs.astype(f32), **_split(s, t, b, g4, width))
+  return dz, dh0, dc0, (d_w_x, d_bias, d_w_h)
 
 
 def _projected_forward(inputs, w_x, bias, h0, c0, w_h, keep):
@@ -554,8 +563,8 @@ def _projected_forward(inputs, w_x, bias, h0, c0, w_h, keep):
   return ys, h, c, _saved(keep, cs, gates)
 
 
-_native_layer = scan.kernel_layer(_forward, _backward, _weight_gradients,
-                                  _projected_forward)
+_native_layer = scan.kernel_layer(_forward, _backward, _projected_forward,
+                                  _backward_gradients)
 
 
 def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):

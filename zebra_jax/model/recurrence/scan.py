@@ -315,8 +315,8 @@ def input_gradient(dz, inputs, w_x):
 zebra_layer.defvjp(_zebra_layer_fwd, _zebra_layer_bwd)
 
 
-def kernel_layer(forward, backward, weight_gradients=None,
-                 projected_forward=None):
+def kernel_layer(forward, backward, projected_forward=None,
+                 backward_gradients=None):
   """`zebra_layer` with its two time loops run by kernels (the Pallas and
   the native CPU ones); the rest, the input projection, the gates'
   recomputation under remat and the window gradients, is this module's,
@@ -326,11 +326,13 @@ def kernel_layer(forward, backward, weight_gradients=None,
     / (cs, gates) for keep None / "states" / "gates".
   backward(d_ys, gates, cs, c0, w_h, d_h, d_c) -> (dz, dh0, dc0), d_h and
     d_c float32.
-  weight_gradients(dz, inputs, ys, h0) -> (d_w_x, d_bias, d_w_h) float32,
-    or None (None, or no function: this module's window matmuls).
   projected_forward(inputs, w_x, bias, h0, c0, w_h, keep) -> forward's
     results with the input projection its own, or None (None, or no
     function: this module's projection, then forward).
+  backward_gradients(d_ys, gates, cs, c0, w_h, d_h, d_c, inputs, ys, h0) ->
+    (dz, dh0, dc0, (d_w_x, d_bias, d_w_h)): backward with the window's
+    weight gradients (float32) its own, or None (None, or no function:
+    backward, then this module's window matmuls).
   Returns layer(inputs, w_x, bias, h0, c0, w_h, remat) -> (ys, h, c).
   """
   def run_forward(inputs, w_x, bias, h0, c0, w_h, keep):
@@ -368,13 +370,14 @@ def kernel_layer(forward, backward, weight_gradients=None,
                     ((0,), (0,))).reshape(s, t, b, 4 * g))
     else:
       cs, gates = saved
-    dz, dh0, dc0 = backward(d_ys, gates, cs, c0, w_h,
-                            d_h_last.astype(jnp.float32),
-                            d_c_last.astype(jnp.float32))
-    grads = weight_gradients and weight_gradients(dz, inputs, ys, h0)
-    if grads is None:
+    d_h32 = d_h_last.astype(jnp.float32)
+    d_c32 = d_c_last.astype(jnp.float32)
+    out = backward_gradients and backward_gradients(
+        d_ys, gates, cs, c0, w_h, d_h32, d_c32, inputs, ys, h0)
+    if out is None:
+      dz, dh0, dc0 = backward(d_ys, gates, cs, c0, w_h, d_h32, d_c32)
       return window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0)
-    d_w_x, d_bias, d_w_h = grads
+    dz, dh0, dc0, (d_w_x, d_bias, d_w_h) = out
     return (input_gradient(dz, inputs, w_x), d_w_x.astype(w_x.dtype),
             d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
 
