@@ -765,8 +765,10 @@ class StripeGrads {
 
   void Zero() {
     std::fill(db_, db_ + n_, 0.0f);
-    for (int i = 0; i < g_; ++i) std::fill(wh_ + i * k4_, wh_ + i * k4_ + n_, 0.0f);
-    for (int i = 0; i < xw_; ++i) std::fill(wx_ + i * ldx_, wx_ + i * ldx_ + n_, 0.0f);
+    for (int i = 0; i < g_; ++i)
+      std::fill(wh_ + i * k4_, wh_ + i * k4_ + n_, 0.0f);
+    for (int i = 0; i < xw_; ++i)
+      std::fill(wx_ + i * ldx_, wx_ + i * ldx_ + n_, 0.0f);
   }
 
   // After time step t's rows (the window's steps come from its end back,
@@ -794,7 +796,8 @@ class StripeGrads {
     }
     Lanes(n_, [&](int j, auto u) {  // the bias: rows in order
       auto sum = Get(db_ + j, u);
-      for (int k = 0; k < kc; ++k) sum = sum + Get(dz + Index(k) * k4_ + j, u);
+      for (int k = 0; k < kc; ++k)
+        sum = sum + Get(dz + Index(k) * k4_ + j, u);
       Put(db_ + j, sum);
     });
     const int64_t b = d_.b, s = s_;
@@ -1091,8 +1094,7 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
       why, ForwardMismatches(d, keep, h0, c0, w_h, ys, h, c, cs, gates));
   if (!m.empty()) return Failed("zebra_native_forward: " + m);
   return Guarded("zebra_native_forward", [&] {
-    Forward(d, Clipped(threads),
-            Clipped(unit_parts), &pool, keep,
+    Forward(d, Clipped(threads), Clipped(unit_parts), &pool, keep,
             x_proj.typed_data(), h0.typed_data(), c0.typed_data(),
             w_h.typed_data(), ys->typed_data(), h->typed_data(),
             c->typed_data(), keep ? cs->typed_data() : nullptr,
