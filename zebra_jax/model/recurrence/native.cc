@@ -727,16 +727,13 @@ constexpr int kGradChunk = 64;  // rows a chunk: dz's panels stay in L2
 // One stripe's columns [first * kPanel, last * kPanel) of its gradients.
 struct PanelTask { int stripe, first, last; };
 
-struct GradShape {
-  int64_t s, rows, b, g, x_width;  // rows = T * B; x_width: I/S or I
-  bool dense;
-};
-
 // Where a window's weight gradients go, and what they are made of.
 struct GradArgs {
   const float* ys;
   const float* h0;
   const float* x;
+  int64_t x_width;  // I/S (grouped) or I (dense)
+  bool dense;
   float* d_w_h;
   float* d_w_x;
   float* d_bias;
@@ -748,16 +745,16 @@ struct GradArgs {
 // time loops' register blocks.
 class StripeGrads {
  public:
-  StripeGrads(const GradShape& d, const GradArgs& a, const float* dz, int s,
+  StripeGrads(const Shape& d, const GradArgs& a, const float* dz, int s,
               int c0, int c1)
-      : d_(d), s_(s), g_(int(d.g)), k4_(4 * g_), xw_(int(d.x_width)),
-        n_(c1 - c0),
-        ldx_(d.dense ? d.s * k4_ : k4_),
-        dzs_(dz + int64_t(s) * d.rows * k4_ + c0),
+      : b_(d.b), rows_(d.t * d.b), s_(s), g_(int(d.g)), k4_(4 * g_),
+        xw_(int(a.x_width)), n_(c1 - c0),
+        ldx_(a.dense ? d.s * k4_ : k4_),
+        dzs_(dz + int64_t(s) * rows_ * k4_ + c0),
         ys_(a.ys), h0_(a.h0),
-        xs_(a.x + (d.dense ? 0 : int64_t(s) * d.rows * xw_)),
+        xs_(a.x + (a.dense ? 0 : int64_t(s) * rows_ * xw_)),
         wh_(a.d_w_h + int64_t(s) * g_ * k4_ + c0),
-        wx_(a.d_w_x + (d.dense ? int64_t(s) * k4_ : int64_t(s) * xw_ * k4_) +
+        wx_(a.d_w_x + (a.dense ? int64_t(s) * k4_ : int64_t(s) * xw_ * k4_) +
             c0),
         db_(a.d_bias + int64_t(s) * k4_ + c0),
         packed_(size_t(kGradChunk) * n_),
@@ -776,7 +773,7 @@ class StripeGrads {
   // they make a chunk, or at step 0. The same order wherever it runs, so
   // the same bits from the loop and from WeightGrads.
   void Step(int64_t t) {
-    const int64_t q0 = t * d_.b;
+    const int64_t q0 = t * b_;
     if (pending_ - q0 < kGradChunk && t > 0) return;
     for (int64_t q = q0; q < pending_; q += kGradChunk)
       Chunk(q, int(std::min<int64_t>(kGradChunk, pending_ - q)));
@@ -800,10 +797,10 @@ class StripeGrads {
         sum = sum + Get(dz + Index(k) * k4_ + j, u);
       Put(db_ + j, sum);
     });
-    const int64_t b = d_.b, s = s_;
+    const int64_t b = b_, s = s_;
     Accumulate(q0, kc, g_, [&](int64_t q) {
       return q < b ? h0_ + (s * b + q) * g_
-                   : ys_ + (s * d_.rows + q - b) * g_;
+                   : ys_ + (s * rows_ + q - b) * g_;
     }, wh_, k4_);
     Accumulate(q0, kc, xw_, [&](int64_t q) { return xs_ + q * xw_; }, wx_,
                ldx_);
@@ -838,7 +835,7 @@ class StripeGrads {
     }
   }
 
-  const GradShape d_;
+  const int64_t b_, rows_;  // rows_ = T * B
   const int s_, g_, k4_, xw_, n_;
   const Index ldx_;
   const float* dzs_;
@@ -849,10 +846,10 @@ class StripeGrads {
   float* wx_;
   float* db_;
   std::vector<float> packed_, at_;
-  int64_t pending_ = d_.rows;  // rows [t * B, pending_) are not summed yet
+  int64_t pending_ = rows_;  // rows [t * B, pending_) are not summed yet
 };
 
-void WeightGrads(const GradShape& d, int threads, ffi::ThreadPool* pool,
+void WeightGrads(const Shape& d, int threads, ffi::ThreadPool* pool,
                  const float* dz, const GradArgs& a) {
   const int k4 = int(4 * d.g);
   const int panels = (k4 + kPanel - 1) / kPanel;
@@ -871,7 +868,7 @@ void WeightGrads(const GradShape& d, int threads, ffi::ThreadPool* pool,
     StripeGrads grads(d, a, dz, task.stripe, task.first * kPanel,
                       std::min(k4, task.last * kPanel));
     grads.Zero();
-    for (int64_t t = d.b ? d.rows / d.b - 1 : -1; t >= 0; --t) grads.Step(t);
+    for (int64_t t = d.t - 1; t >= 0; --t) grads.Step(t);
   });
 }
 
@@ -897,10 +894,8 @@ void Backward(const Shape& d, int threads, int unit_parts,
               ffi::ThreadPool* pool, const float* d_ys, const float* gates,
               const float* cs, const float* c0, const float* w_t,
               const float* dh_last, const float* dc_last, float* dz,
-              float* dh0, float* dc0, const GradArgs* grads = nullptr,
-              int64_t x_width = 0, bool dense = false) {
+              float* dh0, float* dc0, const GradArgs* grads = nullptr) {
   const int g = int(d.g), k4 = 4 * g;
-  const GradShape grad_shape{d.s, d.t * d.b, d.b, d.g, x_width, dense};
   const auto plan = Plan(int(d.s), int(d.b), threads);
   const bool whole_stripes =
       !plan.empty() && std::all_of(plan.begin(), plan.end(), [&](auto& p) {
@@ -917,7 +912,7 @@ void Backward(const Shape& d, int threads, int unit_parts,
       const int s = task.stripe, n = task.rows;
       std::optional<StripeGrads> sums;
       if (in_loop) {
-        sums.emplace(grad_shape, *grads, dz, s, 0, k4);
+        sums.emplace(d, *grads, dz, s, 0, k4);
         sums->Zero();
       }
       const int64_t state0 = (int64_t(s) * d.b + task.row0) * g;
@@ -945,7 +940,7 @@ void Backward(const Shape& d, int threads, int unit_parts,
     });
     if (in_loop) return;
   }
-  if (grads) WeightGrads(grad_shape, threads, pool, dz, *grads);
+  if (grads) WeightGrads(d, threads, pool, dz, *grads);
 }
 
 // Forward's split by hidden units, backward: phase i (0..T) runs step t =
@@ -1232,13 +1227,14 @@ ffi::Error BackwardGradsImpl(
   if (!m.empty()) return Failed("zebra_native_backward_grads: " + m);
   return Guarded("zebra_native_backward_grads", [&] {
     const GradArgs grads{ys.typed_data(),     h0.typed_data(),
-                         x.typed_data(),      d_w_h->typed_data(),
+                         x.typed_data(),      width,
+                         dense,               d_w_h->typed_data(),
                          d_w_x->typed_data(), d_bias->typed_data()};
     Backward(d, Clipped(threads), Clipped(unit_parts), &pool,
              d_ys.typed_data(), gates.typed_data(), cs.typed_data(),
              c0.typed_data(), w_t.typed_data(), dh_last.typed_data(),
              dc_last.typed_data(), dz->typed_data(), dh0->typed_data(),
-             dc0->typed_data(), &grads, width, dense);
+             dc0->typed_data(), &grads);
   });
 }
 

@@ -428,7 +428,10 @@ def _split(s: int, t: int, b: int, g4: int, width: int = 0) -> dict:
   window; with `width` (the inputs a stripe reads), for its weight
   gradients too."""
   g = g4 // 4
-  n = threads(2 * s * t * b * g4 * (g + (g + width if width else 0)))
+  flops = 2 * s * t * b * g4 * g  # the recurrent matmul
+  if width:  # and the weight gradients, h_prevᵀ dz and xᵀ dz
+    flops += 2 * s * t * b * g4 * (g + width)
+  n = threads(flops)
   return {"threads": np.int64(n),
           "unit_parts": np.int64(unit_parts(s, b, g, n))}
 
@@ -477,18 +480,30 @@ def _saved(keep, cs, gates):
   return {None: (), "states": (cs,), "gates": (cs, gates)}[keep]
 
 
-def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c):
-  """-> dz [S, T, B, 4G] (written over the gates' buffer), dh0, dc0.
-  W_h goes in transposed ([S, 4G, G]): XLA's transpose, once per call."""
+def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c, grads=()):
+  """-> dz [S, T, B, 4G] (written over the gates' buffer), dh0, dc0; with
+  grads = (inputs, ys, h0), the window's d_w_h, d_w_x and d_bias after
+  them. W_h goes in transposed ([S, 4G, G]): XLA's transpose, once per
+  call."""
   s, t, b, g4 = gates.shape
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
+  results = [jax.ShapeDtypeStruct(gates.shape, f32), state, state]
+  target, width = _BACKWARD, 0
+  if grads:
+    inputs, ys, h0 = grads
+    width = inputs.shape[-1]
+    d_w_x = (width, s, g4) if inputs.ndim == 3 else (s, width, g4)
+    results += [jax.ShapeDtypeStruct((s, g4 // 4, g4), f32),
+                jax.ShapeDtypeStruct(d_w_x, f32),
+                jax.ShapeDtypeStruct((s, g4), f32)]
+    target, grads = _BACKWARD_GRADS, (ys, h0.astype(f32), inputs.astype(f32))
   return jax.ffi.ffi_call(
-      _BACKWARD + _loaded()[1],
-      (jax.ShapeDtypeStruct(gates.shape, f32), state, state),
-      input_output_aliases={1: 0}, vmap_method="sequential")(
+      target + _loaded()[1], tuple(results), input_output_aliases={1: 0},
+      vmap_method="sequential")(
           d_ys.astype(f32), gates, cs, c0.astype(f32),
-          jnp.swapaxes(w_h, 1, 2), d_h, d_c, **_split(s, t, b, g4))
+          jnp.swapaxes(w_h, 1, 2), d_h, d_c, *grads,
+          **_split(s, t, b, g4, width))
 
 
 # Small stripes: at most this many floats of one stripe's weights
@@ -519,22 +534,10 @@ def _backward_gradients(d_ys, gates, cs, c0, w_h, d_h, d_c, inputs, ys, h0):
   run inside the loop, on each chunk of dz just written (the step 1.03-1.04x
   faster than a second call reading dz back: lab.bench's core grouped S=8,
   2-core AMD EPYC with AVX-512). None for larger stripes."""
-  s, t, b, g4 = gates.shape
-  width = inputs.shape[-1]
-  if not _small_stripes(g4 // 4, width):
+  if not _small_stripes(gates.shape[-1] // 4, inputs.shape[-1]):
     return None
-  f32 = jnp.float32
-  state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
-  d_w_x = (width, s, g4) if inputs.ndim == 3 else (s, width, g4)
-  dz, dh0, dc0, d_w_h, d_w_x, d_bias = jax.ffi.ffi_call(
-      _BACKWARD_GRADS + _loaded()[1],
-      (jax.ShapeDtypeStruct(gates.shape, f32), state, state,
-       jax.ShapeDtypeStruct((s, g4 // 4, g4), f32),
-       jax.ShapeDtypeStruct(d_w_x, f32), jax.ShapeDtypeStruct((s, g4), f32)),
-      input_output_aliases={1: 0}, vmap_method="sequential")(
-          d_ys.astype(f32), gates, cs, c0.astype(f32),
-          jnp.swapaxes(w_h, 1, 2), d_h, d_c, ys, h0.astype(f32),
-          inputs.astype(f32), **_split(s, t, b, g4, width))
+  dz, dh0, dc0, d_w_h, d_w_x, d_bias = _backward(
+      d_ys, gates, cs, c0, w_h, d_h, d_c, (inputs, ys, h0))
   return dz, dh0, dc0, (d_w_x, d_bias, d_w_h)
 
 
