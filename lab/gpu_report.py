@@ -100,6 +100,9 @@ def _flags() -> None:
   flags.DEFINE_float("call_budget", None, "Seconds the whole call may take "
                      "(default: gpu_budget's, or the dry budgets' sum with "
                      "--dry_run); stages get what is left at most.")
+  flags.DEFINE_list("budgets", [], "STAGE=SECONDS,...: those stages' "
+                    "budgets instead of gpu_budget's (a rerun of named "
+                    "stages on a node with time to spare).")
   flags.DEFINE_float("wt103_seconds", 10.0,
                      "wt103: seconds of timed training.")
   flags.DEFINE_integer("precision_steps", 150, "precision: steps per dtype.")
@@ -227,6 +230,7 @@ def drive(stages, out: str, dry: bool, budgets: dict | None = None,
           f"{'real' if dry else 'a dry run'}: not kept", flush=True)
     results.data = {}  # never mix dry-run figures with real ones
   results.data["dry_run"] = dry
+  results.data["ran"] = list(stages)  # what --merge takes from this file
   versions = check_versions()
   results.data["versions"] = versions
   results.save()
@@ -291,14 +295,17 @@ def merge(out: str, rerun_path: str) -> dict:
   if results.data.get("dry_run", False) != rerun.get("dry_run", False):
     raise UserError(f"--merge={rerun_path}: one file is a dry run, the "
                     "other is not")
-  for stage, status in rerun.get("stages", {}).items():
+  # A rerun's file also holds the stages it carried from the last call:
+  # only those it ran replace OUT's.
+  ran = rerun.get("ran", list(rerun.get("stages", {})))
+  for stage in ran:
     results.data[stage] = rerun.get(stage, {})
-    results.data.setdefault("stages", {})[stage] = status
+    results.data.setdefault("stages", {})[stage] = rerun["stages"][stage]
   for key in ("machine", "versions", "dry_run"):
     if key in rerun:
       results.data[key] = rerun[key]
   results.save()
-  print(f"| merged {', '.join(rerun.get('stages', {})) or 'no stage'} "
+  print(f"| merged {', '.join(ran) or 'no stage'} "
         f"from {rerun_path} into {results.json_path}", flush=True)
   return results.data
 
@@ -312,6 +319,22 @@ def parse_stages(names) -> tuple:
     raise UserError(f"unknown stages {unknown}: choose from "
                     f"{', '.join(STAGES)}")
   return tuple(s for s in STAGES if s in names)
+
+
+def parse_budgets(items, dry: bool) -> dict:
+  """The stage budgets, those named as STAGE=SECONDS replaced."""
+  budgets = dict(DRY_BUDGET_S if dry else STAGE_BUDGET_S)
+  for item in items:
+    stage, _, seconds = item.partition("=")
+    try:
+      value = float(seconds)
+    except ValueError:
+      value = 0.0
+    if stage not in budgets or value <= 0:
+      raise UserError(f"--budgets: {item!r} is not STAGE=SECONDS with a "
+                      f"stage of {', '.join(STAGES)} and seconds > 0")
+    budgets[stage] = value
+  return budgets
 
 
 def main(argv):
@@ -337,6 +360,7 @@ def main(argv):
   # A few seconds before the call's end: the summary and the exit status.
   deadline = started + budget - 5
   report = drive(stages, f.out, f.dry_run, carry_from=f.carry_from,
+                 budgets=parse_budgets(f.budgets, f.dry_run),
                  deadline=deadline, child_args=(
       f"--wt103_seconds={f.wt103_seconds}",
       f"--precision_steps={f.precision_steps}",

@@ -2,15 +2,18 @@
 # Every GPU figure in one command: python -m lab.gpu_report from the
 # repository root (the project itself need not be pip-installed).
 #
-#   bash launch/gpu_report.sh [--dry-run] [--no-install] [STAGE ...]
+#   bash launch/gpu_report.sh [--dry-run] [--no-install]
+#                             [--budgets=STAGE=SECONDS,...] [STAGE ...]
 #
 # On a GPU node lent for 15 minutes, one call, with a 480 s timeout
 # (lab/benchmarks/gpu_budget.py holds every budget):
 #   bash launch/gpu_report.sh
 # runs every stage in order of value, each writing its rows into OUT as it
 # measures them: smoke kernel wt103 precision infer scaling profile
-# A second, optional call reruns named stages only:
+# A second, optional call reruns named stages only, with more time where
+# the node has it to spare:
 #   bash launch/gpu_report.sh wt103 infer
+#   bash launch/gpu_report.sh --budgets=kernel=250 kernel
 #   bash launch/gpu_report.sh --dry-run        # tiny shapes on any CPU
 #
 # What it installs, one printed line per decision:
@@ -36,9 +39,10 @@ set -euo pipefail
 call_started=$(date +%s)  # the call's budget counts from here
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; }
 
 dry=""
+budgets=""
 install=1
 [[ -n "${NO_INSTALL:-}" && "${NO_INSTALL}" != 0 ]] && install=0
 stages=()
@@ -46,6 +50,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run|--dry_run) dry="--dry_run" ;;
     --no-install|--no_install) install=0 ;;
+    --budgets=*) budgets="$arg" ;;
     -h|--help) usage; exit 0 ;;
     -*) echo "error: unknown option ${arg} (see bash $0 --help)" >&2; exit 2 ;;
     *) stages+=("$arg") ;;
@@ -157,4 +162,4 @@ done
 stage_flag=${csv:+--stages=${csv}}
 echo "=== gpu_report ${stage_flag:-(every stage)} ${dry} --out=${OUT}"
 exec "$PYTHON" -m lab.gpu_report --out="$OUT" ${stage_flag} ${dry} \
-  --call_started="$call_started"
+  ${budgets} --call_started="$call_started"

@@ -16,6 +16,46 @@ from lab.benchmarks.torch_reference import TorchTrainer
 
 BACKENDS = {"triton": "triton_fused", "cuda": "cuda_fused"}
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# FlashRNN's Triton kernels hold a head's recurrent matrix in shared
+# memory: documented for heads of at most this many units (wider ones ran
+# out of shared memory or failed to compile on an H100).
+TRITON_MAX_HEAD = 64
+# What every CUDA GPU since compute capability 5.0 has, where torch's
+# device properties lack the field.
+_MAX_THREADS_PER_BLOCK, _REGS_PER_SM = 1024, 65536
+
+
+def device_query(props) -> dict:
+  """FlashRNN's four device figures from torch's device properties.
+
+  Its own query is a compiled extension that reads cudaDeviceProp fields
+  CUDA 13 removed (clockRate and others), so it does not build there; its
+  CUDA kernels read only these four."""
+  return {"maxThreadsPerBlock": getattr(props, "max_threads_per_block",
+                                        _MAX_THREADS_PER_BLOCK),
+          "regsPerMultiprocessor": getattr(props, "regs_per_multiprocessor",
+                                           _REGS_PER_SM),
+          "multiProcessorCount": props.multi_processor_count,
+          "sharedMemPerBlockOptin": props.shared_memory_per_block_optin}
+
+
+def use_torch_device_query() -> None:
+  """FlashRNN's CUDA backend asks `device_query` instead of its extension."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  module = importlib.import_module("flashrnn.flashrnn.flashrnn")
+  module.get_gpu_info = lambda device_id: device_query(
+      torch.cuda.get_device_properties(device_id))
+
+
+def unsupported(hidden: int, stripes: int, backend: str) -> str:
+  """Why FlashRNN's backend cannot take heads of hidden / stripes units,
+  or ''."""
+  head = hidden // stripes
+  if backend == "triton" and head > TRITON_MAX_HEAD:
+    return (f"FlashRNN's Triton kernels take heads of at most "
+            f"{TRITON_MAX_HEAD} units: {head} here")
+  return ""
 
 
 def missing() -> str:
@@ -37,6 +77,8 @@ def train_step(shape, stripes: int, precision: str, backend: str):
   random inputs, loss the mean square of the outputs; Adam at 1e-3."""
   from flashrnn import flashrnn  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
+  if backend == "cuda":
+    use_torch_device_query()
   b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
   d = h // stripes
   dtype = DTYPES[precision]

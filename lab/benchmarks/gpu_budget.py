@@ -14,8 +14,8 @@ table, the driver, the rehearsal and the tests all read these numbers.
 STAGES = ("smoke", "kernel", "wt103", "precision", "infer", "scaling",
           "profile")
 # Seconds each stage may run on one H100, its process's start included.
-STAGE_BUDGET_S = {"smoke": 30, "kernel": 170, "wt103": 105, "precision": 50,
-                  "infer": 25, "scaling": 20, "profile": 50}
+STAGE_BUDGET_S = {"smoke": 25, "kernel": 160, "wt103": 130, "precision": 40,
+                  "infer": 25, "scaling": 15, "profile": 40}
 CALL_OVERHEAD_S = 30    # outside the stages: jax probe, wheels, driver
 CALL_BUDGET_S = 480     # the one command: its timeout on the node
 DEVICE_WINDOW_S = 900   # the node's time for the whole report

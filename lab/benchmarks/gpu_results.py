@@ -145,6 +145,65 @@ def _ratio_text(ratios: dict, limit: int = 4) -> str:
   return ", ".join(f"{v:.2f} x {k}" for k, v in list(ratios.items())[:limit])
 
 
+def _kind(name: str) -> str:
+  """What a baseline row computes (gpu_kernel.baseline_kind, from its name
+  alone: this module imports no JAX)."""
+  impl = name.rsplit("_S", 1)[0]
+  if impl.endswith("_loop"):
+    return "per-stripe loop"
+  return "FlashRNN" if impl.startswith("flashrnn") else "same function"
+
+
+def _ratios_by_kind(against: dict, limit: int = 4) -> str:
+  """The ratios to the same-function baselines first, then the per-stripe
+  loops and FlashRNN, each labelled; '' where there are none."""
+  parts = []
+  for kind, label in (("same function", "same function"),
+                      ("FlashRNN", "FlashRNN"),
+                      ("per-stripe loop", "per-stripe loop (one cuDNN call "
+                                          "a stripe, launch-bound)")):
+    found = {k: v for k, v in against.items() if _kind(k) == kind}
+    if found:
+      parts.append(f"{label}: {_ratio_text(found, limit)}")
+  return "; ".join(parts)
+
+
+def clock_check(rows: list[dict]) -> str:
+  """How the kernel rows' clocks agree, in one line ('' without GPU
+  clocks): torch's CUDA events against the same rounds' wall time, and for
+  the JAX rows (timed by back-to-back wall time) the profiler's GPU busy
+  time and span as shares of it."""
+  torch = [r["ms_per_step"] / r["wall_ms_per_step"] for r in rows
+           if r.get("timer") == "CUDA events" and r.get("wall_ms_per_step")]
+  jax = [r for r in rows if "busy_ms" in r and r.get("wall_ms_per_step")]
+  parts = []
+  if torch:
+    parts.append(f"torch rows' CUDA events within "
+                 f"{100 * max(abs(x - 1) for x in torch):.1f}% of their "
+                 f"rounds' wall time ({len(torch)} rows)")
+  if jax:
+    busy = [r["busy_ms"] / r["wall_ms_per_step"] for r in jax]
+    span = [r["span_ms"] / r["wall_ms_per_step"] for r in jax]
+    parts.append(f"JAX rows timed by back-to-back wall time, the GPU busy "
+                 f"{100 * min(busy):.0f}-{100 * max(busy):.0f}% of it; the "
+                 f"profiler's span {min(span):.2f}-{max(span):.2f} x it")
+  return "; ".join(parts)
+
+
+def _speed(r: dict) -> str:
+  """'1,856,455 tok/s, 2.21 ms/step (CUDA events, median of 5: 2.18-2.25),
+  41.2 TFLOP/s = 4.2% of the bf16 peak'."""
+  text = (f"{r['tokens_per_s']:,.0f} tok/s, {r['ms_per_step']:.2f} ms/step")
+  if "min_ms" in r:
+    text += (f" ({r['timer']}, median of {r['rounds']}: "
+             f"{r['min_ms']:.2f}-{r['max_ms']:.2f})")
+  if r.get("tflops") is not None:
+    text += f", {r['tflops']:.1f} TFLOP/s"
+    if r.get("peak_fraction") is not None:
+      text += f" = {100 * r['peak_fraction']:.1f}% of the {r['math']} peak"
+  return text
+
+
 def summary(report: dict) -> list[str]:
   """At most about 25 lines: the machine, the backend, the headline rows
   and each stage's status."""
@@ -174,29 +233,38 @@ def summary(report: dict) -> list[str]:
                  "Pallas kernels ran" + (
                      f"; {failed[0]['name']}: {failed[0]['error']}"
                      if failed else ""))
+  clocks = clock_check(report.get("kernel", {}).get("rows", []))
+  if clocks:
+    lines.append(f"- clocks: {clocks}")
   ratios = report.get("kernel", {}).get("ratios", {})
   for dtype in ("bfloat16", "float32"):
     for r in _kernel_rows(report, dtype):
-      if r["impl"].startswith("zebra") and r["stripes"] > 1:
-        against = _ratio_text(ratios.get(dtype, {}).get(r["name"], {}))
+      if r["impl"].startswith("zebra") and not (
+          r["stripes"] == 1 and "error" in r):
+        against = _ratios_by_kind(ratios.get(dtype, {}).get(r["name"], {}),
+                                  limit=2)
         lines.append(
             f"- {r['name']} ({dtype}): " + (
                 f"error: {r['error']}" if "error" in r else
-                f"{r['tokens_per_s']:,.0f} tok/s"
-                + (f"; {against}" if against else "; no baseline ran")))
+                _speed(r) + (f"; {against}" if against
+                             else "; no baseline ran")))
   w = report.get("wt103", {})
   if "tokens_per_s" in w:
-    lines.append(f"- wt103 recipe ({w['params'] / 1e6:.0f}M parameters): "
-                 f"{w['tokens_per_s']:,.0f} tok/s, compile "
-                 f"{w['compile_s']:.0f} s, peak {_mib(w['peak_bytes'])} MB; "
-                 f"{w['projected_hours']:.1f} h for its "
-                 f"{w['recipe_tokens'] / 1e9:.2f}B tokens on one GPU")
+    lines.append(f"- wt103 recipe ({w['params'] / 1e6:.0f}M parameters, "
+                 "fresh batches through the input pipeline): "
+                 f"{_streamed_text(w)}, compile {w['compile_s']:.0f} s, peak "
+                 f"{_mib(w['peak_bytes'])} MB; {w['projected_hours']:.1f} h "
+                 f"for its {w['recipe_tokens'] / 1e9:.2f}B tokens on one GPU")
   elif "compile_s" in w:
     lines.append(f"- wt103 recipe ({w['params'] / 1e6:.0f}M parameters): "
                  f"compiled in {w['compile_s']:.0f} s, no step timed")
-  if "pallas" in w:
-    lines.append("- wt103 recipe, model.recurrence=pallas: "
-                 + _pallas_row(w["pallas"]))
+  if w.get("variants"):
+    lines.append("- wt103 candidates beside the recipe, interleaved: " + "; ".join(
+        f"{v['name']} " + (f"{v['x_recipe']:.2f} x ({v['tokens_per_s']:,.0f}"
+                           f" tok/s, |loss - recipe's| {v['loss_diff']:.4f})"
+                           if "tokens_per_s" in v else
+                           f"error: {v.get('error', '-')}")
+        for v in w["variants"]))
   curves = report.get("precision", {}).get("curves", {})
   if curves:
     lines.append("- precision, max |loss - fp32| after warm-up: " + ", ".join(
@@ -228,14 +296,27 @@ def summary(report: dict) -> list[str]:
   return lines
 
 
-def _pallas_row(row: dict) -> str:
-  """The recipe's step with the fused kernel, in one line: its plan and
-  speed against the scan's, or why it did not run."""
+def _streamed_text(row: dict) -> str:
+  """'443,439 tok/s, 36.9 ms/step (wall, median of 5: 36.5-37.4), loss
+  10.31 -> 8.02': a recipe row streamed through the input pipeline."""
+  text = f"{row['tokens_per_s']:,.0f} tok/s, {row['ms_per_step']:.1f} ms/step"
+  if "min_ms" in row:
+    text += (f" (host wall, median of {row['rounds']}: "
+             f"{row['min_ms']:.1f}-{row['max_ms']:.1f})")
+  if "loss_first" in row:
+    text += f", loss {row['loss_first']:.2f} -> {row['loss_last']:.2f}"
+  return text
+
+
+def _variant_text(row: dict) -> str:
+  """A candidate beside the recipe's step, in one line: its speed against
+  the recipe's and its loss, or why it did not run."""
+  plan = f" ({row['plan']})" if row.get("plan") else ""
   if "tokens_per_s" in row:
-    return (f"{row['tokens_per_s']:,.0f} tok/s, {row['ms_per_step']:.1f} "
-            f"ms/step, {row['x_scan']:.2f} x the scan; compile "
-            f"{row['compile_s']:.0f} s ({row['plan']})")
-  return f"error: {row['error']}" if "error" in row else row["plan"]
+    return (f"{_streamed_text(row)}, {row['x_recipe']:.2f} x the recipe, "
+            f"|loss - recipe's| {row['loss_diff']:.4f}; compile "
+            f"{row['compile_s']:.0f} s{plan}")
+  return f"error: {row['error']}{plan}" if "error" in row else plan
 
 
 def _precisions(found) -> str:
@@ -252,26 +333,51 @@ def _kernel_section(report: dict) -> list[str]:
   lines = ["## kernel: core train step against every LSTM at hand", "",
            f"hidden {shape.get('hidden')}, batch {shape.get('batch')}, "
            f"window {shape.get('seq_len')}, {shape.get('layers')} layers; "
-           "forward + backward + Adam per step; S > 1 grouped (the "
-           "baselines as S independent LSTMs of width H/S, or FlashRNN's S "
-           "heads). Rows of one dtype and S are timed interleaved.", ""]
+           "forward + backward + Adam per step; S > 1 grouped. Baselines: "
+           "same function (one dense cuDNN LSTM of width H: the model at "
+           "S = 1, a superset of it at S > 1), per-stripe loop (`_loop`: S "
+           "cuDNN LSTMs of width H/S, one call each), FlashRNN (S heads). "
+           "Rows of one dtype and group are timed interleaved, each round "
+           "its steps dispatched back to back and waited for once: ms/step "
+           "is the median of the rounds, read from CUDA events for torch "
+           "and from the rounds' wall time for JAX (which has no CUDA "
+           "events), with the spread, the wall time of every row, and a JAX "
+           "row's GPU busy time from a profiler trace of the same rounds; "
+           "TFLOP/s counts the matmuls the row computes, as a share of the "
+           "chip's dense peak in the row's math.", ""]
   for dtype in ("bfloat16", "float32"):
     rows = _kernel_rows(report, dtype)
     if not rows:
       continue
-    lines += [f"### {dtype}", "", "| row | tok/s | ms/step | note |",
-              "|---|---:|---:|---|"]
+    lines += [f"### {dtype}", "",
+              "| group | row | baseline | tok/s | ms/step | spread | wall "
+              "ms | GPU busy ms | TFLOP/s | % of peak | note |",
+              "|---|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
+      group = f"S={r.get('group', r['stripes'])}"
+      kind = ("ours" if r["impl"].startswith("zebra")
+              else _kind(r["name"]))
       if "error" in r:
-        lines.append(f"| {r['name']} | - | - | {r['error']} |")
-      else:
-        lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['ms_per_step']:.2f} | built in "
-                     f"{r['build_s']:.1f} s |")
+        lines.append(f"| {group} | {r['name']} | {kind} | - | - | - | - | "
+                     f"- | - | - | {r['error']} |")
+        continue
+      spread = (f"{r['min_ms']:.2f}-{r['max_ms']:.2f}" if "min_ms" in r
+                else "-")
+      peak = (f"{100 * r['peak_fraction']:.1f} ({r['math']})"
+              if r.get("peak_fraction") is not None else
+              f"- ({r.get('math', '-')})")
+      note = f"{r.get('timer', 'host wall')}; built in {r['build_s']:.1f} s"
+      if r.get("timer_note"):
+        note += f"; {r['timer_note']}"
+      lines.append(f"| {group} | {r['name']} | {kind} | "
+                   f"{r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | "
+                   f"{spread} | {_fmt(r.get('wall_ms_per_step'), '.2f')} | "
+                   f"{_fmt(r.get('busy_ms'), '.2f')} | "
+                   f"{_fmt(r.get('tflops'), '.1f')} | {peak} | {note} |")
     lines.append("")
     for name, against in k.get("ratios", {}).get(dtype, {}).items():
       if against:
-        lines.append(f"- {name}: {_ratio_text(against, limit=99)}")
+        lines.append(f"- {name}: {_ratios_by_kind(against, limit=99)}")
     lines.append("")
   return lines
 
@@ -318,19 +424,29 @@ def render(report: dict) -> str:
   lines += _kernel_section(report)
   w = report.get("wt103", {})
   if "tokens_per_s" in w:
-    lines += ["## WikiText-103 recipe step (synthetic ids)", "",
+    lines += ["## WikiText-103 recipe step (synthetic corpus, streamed)", "",
               f"model {w['model']}, {w['params']:,} parameters, batch "
               f"{w['batch']} x {w['seq_len']}, {w['steps_timed']} timed "
-              "steps", "",
-              f"- compile {w['compile_s']:.1f} s; {w['tokens_per_s']:,.0f} "
-              f"tok/s, {w['ms_per_step']:.1f} ms/step",
+              "steps. Every step takes a fresh window of a synthetic "
+              "corpus of Zipf-distributed ids through the data config's "
+              "batcher and onto the device, as the train loop does, while "
+              "the last step runs; a round's host wall time over its steps "
+              "is the figure, the input pipeline included. The loss stays "
+              "above the ids' entropy"
+              + (f" ({w['zipf_entropy']:.2f} nats)" if "zipf_entropy" in w
+                 else "") + ": nothing can be memorised"
+              + (f" (the timed steps read {w['epochs']:.2f} epochs of the "
+                 "corpus)" if "epochs" in w else "") + ".", "",
+              f"- compile {w['compile_s']:.1f} s; {_streamed_text(w)}",
               f"- peak memory {_mib(w['peak_bytes'])} MB "
-              f"({w['peak_source']}); XLA plan {_mib(w['xla_bytes'])} MB",
+              f"({w['peak_source']}"
+              + ("; every candidate's state held at once"
+                 if w.get("variants") else "")
+              + f"); XLA plan of the recipe's step {_mib(w['xla_bytes'])} MB",
               f"- the recipe's {w['recipe_tokens']:,} tokens: "
               f"{w['projected_hours']:.1f} hours on one GPU"]
-    if "pallas" in w:
-      lines.append("- with model.recurrence=pallas: "
-                   + _pallas_row(w["pallas"]))
+    for v in w.get("variants", []):
+      lines.append(f"- with {v['name']}: {_variant_text(v)}")
     lines.append("")
   p = report.get("precision", {})
   if p.get("curves"):

@@ -128,42 +128,118 @@ def wt103_config(dry: bool):
   return cfg
 
 
-def wt103_step(cfg, dry: bool, seconds: float, on_compiled=None):
-  """The product's train step for the recipe, compiled and timed on
-  synthetic Zipf ids: {compile_s, sec_per_step, steps, loss, params,
-  compiled, run(i)}. on_compiled(compile_s, params) is called as soon as
-  the step is compiled, before any step runs."""
+# The recipe row's synthetic corpus: ids for this many steps of each
+# variant at most, so no batch repeats within a call (a run past them
+# wraps, and its row counts the epochs it read).
+WT103_MAX_STEPS = 1200
+# The candidates timed beside the recipe's step, interleaved, in order of
+# value: (name, {model field: value}). Each computes the recipe's function
+# (the CPU suite holds the kernel to the scan and every chunk size to a
+# float64 reference); the winner becomes the recipe's default.
+# On an H200 (2026-11-28) larger chunks than the GPU's 1,024 rows lost
+# (4,096: 0.81x; 16,384: 0.46x) and the kernel won 1.05x: smaller chunks
+# are timed next.
+WT103_VARIANTS = (
+    ("recurrence=pallas", {"recurrence": "pallas"}),
+    ("adaptive_chunk_rows=512", {"adaptive_chunk_rows": 512}),
+    ("adaptive_chunk_rows=256", {"adaptive_chunk_rows": 256}),
+    ("recurrence=pallas, adaptive_chunk_rows=512",
+     {"recurrence": "pallas", "adaptive_chunk_rows": 512}),
+)
+# A variant is built only while this much of the stage is left for it and
+# for timing every variant built.
+WT103_BUILD_MARGIN_S = 35
+
+
+def zipf_entropy(vocab: int) -> float:
+  """Entropy in nats of `zipf_probs(vocab)`: the loss of a model that knows
+  the law and nothing more, below which no model of these i.i.d. ids
+  goes."""
+  p = zipf_probs(vocab)
+  return float(-(p * np.log(p)).sum())
+
+
+def wt103_ids(cfg, dry: bool) -> np.ndarray:
+  """The synthetic corpus: Zipf-distributed ids of the recipe's vocabulary,
+  enough for WT103_MAX_STEPS batches."""
+  m, d = cfg.model, cfg.data
+  steps = 8 if dry else WT103_MAX_STEPS
+  return np.random.default_rng(0).choice(
+      m.vocab_size, d.batch_size * (d.seq_len * steps + 1),
+      p=zipf_probs(m.vocab_size)).astype(np.int32)
+
+
+def wt103_build(cfg, ids: np.ndarray, on_compiled=None) -> dict:
+  """The product's train step for cfg, compiled, fed as the train loop
+  feeds it: the data config's batcher over `ids`, a fresh window every
+  step, made and sent to the device on the host while the last step runs.
+  Returns {compile_s, params, compiled, run(i=None) -> loss (the next
+  batch, or batch i), epochs() -> epochs of ids read}, one step run.
+  on_compiled(compile_s, params) is called as soon as it is compiled."""
+  # pylint: disable=g-import-not-at-top
+  from zebra_jax.data import pipeline
+  from zebra_jax.runtime import parallel
   m, d = cfg.model, cfg.data
   step, state, mesh = train_step(m, d.batch_size)
-  probs = zipf_probs(m.vocab_size)
-  rng = np.random.default_rng(0)
-  batches = [train_batch(mesh, rng.choice(m.vocab_size,
-                                          (d.batch_size, d.seq_len + 1),
-                                          p=probs)) for _ in range(4)]
+  batcher = pipeline.make_batcher(d, ids, cfg.seed)
+
+  def batch(i):
+    index = i % batcher.batches_per_epoch
+    inputs, targets = batcher.get(index, i // batcher.batches_per_epoch)
+    return {"inputs": parallel.global_batch(mesh, inputs),
+            "targets": parallel.global_batch(mesh, targets),
+            "reset": np.asarray(batcher.starts_fresh(index))}
+
   start = time.perf_counter()
-  compiled = step.lower(state, batches[0]).compile()
+  compiled = step.lower(state, batch(0)).compile()
   compile_s = time.perf_counter() - start
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   if on_compiled:
     on_compiled(compile_s, params)
-  live = [state]
+  live, done = [state], [0]
 
-  def run(i):
-    live[0], sums = compiled(live[0], batches[i % len(batches)])
+  def run(i=None):
+    live[0], sums = compiled(live[0], batch(done[0] if i is None else i))
+    done[0] += 1
     return sums["loss_sum"] / sums["count"]
 
-  jax.block_until_ready(run(0))  # untimed: allocation, autotuning
-  steps, start = 0, time.perf_counter()
-  while True:
-    loss = run(steps)
-    steps += 1
-    if steps >= 3 and (time.perf_counter() - start >= seconds or dry):
-      break
-  jax.block_until_ready(loss)
-  return {"compile_s": compile_s,
-          "sec_per_step": (time.perf_counter() - start) / steps,
-          "steps": steps, "loss": float(loss), "params": params,
-          "compiled": compiled, "run": run}
+  jax.block_until_ready(run())  # untimed: allocation, autotuning
+  return {"compile_s": compile_s, "params": params, "compiled": compiled,
+          "run": run, "epochs": lambda: done[0] / batcher.batches_per_epoch}
+
+
+def wt103_rounds(runs: dict, seconds: float, dry: bool) -> dict:
+  """{name: {ms_per_step, min_ms, max_ms, rounds, steps_timed, loss_first,
+  loss_last, epochs}}: every build's steps in rounds, the builds
+  interleaved, each round as many steps as share `seconds` out for the
+  first build (at least five rounds; two in a dry run); a round's host
+  wall time over its steps, the input pipeline included. Every build runs
+  the same batches in the same order, so their losses compare."""
+  rounds = 2 if dry else 5
+  per_step = None
+  for got in runs.values():  # every build one more step: the same batches
+    start = time.perf_counter()
+    jax.block_until_ready(got["run"]())
+    per_step = per_step or time.perf_counter() - start
+  per_round = 1 if dry else max(
+      1, int(seconds / len(runs) / rounds / per_step))
+  times = {name: [] for name in runs}
+  losses = {name: [] for name in runs}
+  for _ in range(rounds):
+    for name, got in runs.items():
+      start = time.perf_counter()
+      got_losses = [got["run"]() for _ in range(per_round)]
+      jax.block_until_ready(got_losses)
+      times[name].append((time.perf_counter() - start) / per_round)
+      losses[name] += got_losses
+  return {name: {"ms_per_step": 1e3 * float(np.median(times[name])),
+                 "min_ms": 1e3 * min(times[name]),
+                 "max_ms": 1e3 * max(times[name]), "rounds": rounds,
+                 "steps_timed": rounds * per_round,
+                 "loss_first": float(losses[name][0]),
+                 "loss_last": float(losses[name][-1]),
+                 "epochs": runs[name]["epochs"]()}
+          for name in runs}
 
 
 def wt103_step_runner(cfg, recurrence: str, dry: bool):
@@ -172,75 +248,71 @@ def wt103_step_runner(cfg, recurrence: str, dry: bool):
   waits for it, for `gpu_kernel.time_group`."""
   variant = cfg.copy_and_resolve_references()
   variant.model.recurrence = recurrence
-  got = wt103_step(variant, dry, 0)
-  calls = [0]
-
-  def step():
-    calls[0] += 1
-    jax.block_until_ready(got["run"](calls[0]))
-  return step
+  got = wt103_build(variant, wt103_ids(variant, dry))
+  return lambda: jax.block_until_ready(got["run"]())
 
 
-def stage_wt103(results: Results, dry: bool, seconds: float) -> None:
+def stage_wt103(results: Results, dry: bool, seconds: float,
+                deadline: float | None = None) -> None:
   """The recipe's model and batch (hidden 2048, S=8, the 267,735-word
-  adaptive softmax, bfloat16) through the product's train step on
-  synthetic ids of its real vocabulary: compile time (written as soon as
-  it is known), tok/s, peak device memory, and the hours its token budget
-  (train.num_steps x batch x window) would take on one GPU."""
+  adaptive softmax, bfloat16) through the product's train step, fed a
+  synthetic corpus of its real vocabulary through the input pipeline:
+  compile time (written as soon as it is known), then each candidate of
+  WT103_VARIANTS built while the stage's deadline (time.time()) allows,
+  then all of them timed interleaved: tok/s, the loss (above the ids'
+  entropy: nothing memorised), peak device memory, and the hours the
+  recipe's token budget would take on one GPU. Off a GPU the fused kernel
+  runs in interpret mode: its row checks the code path, not the speed."""
   cfg = wt103_config(dry)
   m, d = cfg.model, cfg.data
   results.update("wt103", {
       "model": {k: m[k] for k in ("hidden_size", "num_layers", "num_stripes",
                                   "vocab_size", "head", "dtype",
-                                  "recurrence")},
-      "batch": d.batch_size, "seq_len": d.seq_len}, rows=0)
-  got = wt103_step(cfg, dry, seconds, on_compiled=lambda sec, n: (
-      results.update("wt103", {"compile_s": sec, "params": n})))
+                                  "recurrence", "adaptive_chunk_rows")},
+      "batch": d.batch_size, "seq_len": d.seq_len,
+      "zipf_entropy": zipf_entropy(m.vocab_size)}, rows=0)
+  ids = wt103_ids(cfg, dry)
+  runs = {"recipe": wt103_build(cfg, ids, on_compiled=lambda sec, n: (
+      results.update("wt103", {"compile_s": sec, "params": n})))}
+  results.update("wt103", {
+      "xla_bytes": profiling.compiled_bytes(runs["recipe"]["compiled"])})
+  variants = []
+  # A dry run builds one candidate of each code path (the kernel, a chunk).
+  for name, fields in WT103_VARIANTS[:2] if dry else WT103_VARIANTS:
+    row = {"name": name, "fields": fields}
+    variants.append(row)
+    if deadline is not None and deadline - time.time() < WT103_BUILD_MARGIN_S:
+      row["error"] = "not built: the stage's budget was spent"
+      continue
+    variant = cfg.copy_and_resolve_references()
+    variant.model.update(fields)
+    if fields.get("recurrence") == "pallas":
+      row["plan"] = pallas_recurrence.describe(pallas_recurrence.launch_plan(
+          d.batch_size, m.hidden_size // m.num_stripes,
+          lm.compute_dtype(m.dtype), triton=jax.default_backend() == "gpu"))
+    try:
+      runs[name] = wt103_build(variant, ids)
+    except Exception as e:  # pylint: disable=broad-except
+      row["error"] = first_error_line(e)
+      continue
+    row.update(compile_s=runs[name]["compile_s"], xla_bytes=(
+        profiling.compiled_bytes(runs[name]["compiled"])))
+  timed = wt103_rounds(runs, seconds, dry)
   tokens = d.batch_size * d.seq_len
-  tok_s = tokens / got["sec_per_step"]
+  recipe = timed["recipe"]
+  tok_s = tokens / recipe["ms_per_step"] * 1e3
   recipe_tokens = _config("wt103").train.num_steps * tokens
   peak, source = profiling.peak_memory()
+  for row in variants:
+    if row["name"] in timed:
+      got = timed[row["name"]]
+      row.update(got, tokens_per_s=tokens / got["ms_per_step"] * 1e3,
+                 x_recipe=recipe["ms_per_step"] / got["ms_per_step"],
+                 loss_diff=abs(got["loss_last"] - recipe["loss_last"]))
   results.update("wt103", {
-      "steps_timed": got["steps"],
-      "ms_per_step": 1e3 * got["sec_per_step"], "tokens_per_s": tok_s,
-      "recipe_tokens": recipe_tokens,
+      **recipe, "tokens_per_s": tok_s, "recipe_tokens": recipe_tokens,
       "projected_hours": recipe_tokens / tok_s / 3600,
-      "peak_bytes": peak, "peak_source": source,
-      "xla_bytes": profiling.compiled_bytes(got["compiled"]),
-      "final_loss": got["loss"]})
-  del got
-  stage_wt103_pallas(results, cfg, dry, seconds / 2, tok_s)
-
-
-def stage_wt103_pallas(results: Results, cfg, dry: bool, seconds: float,
-                       scan_tok_s: float) -> None:
-  """The same step with model.recurrence=pallas, after the scan's figures
-  are written: the recipe keeps the scan until this row says the fused
-  kernel is faster at its stripes (G=256, bfloat16, whose U_s streams from
-  L2 every step). Off a GPU the kernel runs in interpret mode: the row
-  then checks the code path, not the speed."""
-  m, d = cfg.model, cfg.data
-  launch = pallas_recurrence.launch_plan(
-      d.batch_size, m.hidden_size // m.num_stripes,
-      lm.compute_dtype(m.dtype), triton=jax.default_backend() == "gpu")
-  row = {"plan": pallas_recurrence.describe(launch)}
-  if launch.rows is None:
-    results.update("wt103", {"pallas": row})
-    return
-  variant = cfg.copy_and_resolve_references()
-  variant.model.recurrence = "pallas"
-  try:
-    got = wt103_step(variant, dry, seconds)
-  except Exception as e:  # pylint: disable=broad-except
-    row["error"] = first_error_line(e)
-    results.update("wt103", {"pallas": row})
-    return
-  tokens = d.batch_size * d.seq_len
-  tok_s = tokens / got["sec_per_step"]
-  row.update(compile_s=got["compile_s"], steps_timed=got["steps"],
-             ms_per_step=1e3 * got["sec_per_step"], tokens_per_s=tok_s,
-             x_scan=tok_s / scan_tok_s, final_loss=got["loss"])
-  results.update("wt103", {"pallas": row})
+      "peak_bytes": peak, "peak_source": source, "variants": variants})
 
 
 def _config(name: str, variant: str = ""):
@@ -409,7 +481,7 @@ def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 10.0,
       sys.stdout.flush()
       os._exit(0)  # pylint: disable=protected-access
   elif stage == "wt103":
-    stage_wt103(results, dry, wt103_seconds)
+    stage_wt103(results, dry, wt103_seconds, deadline)
   elif stage == "precision":
     stage_precision(results, dry, work, precision_steps)
   elif stage == "infer":
@@ -417,5 +489,5 @@ def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 10.0,
   elif stage == "scaling":
     stage_scaling(results, dry)
   elif stage == "profile":
-    gpu_profile.stage_profile(results, out, work,
-                              lambda: wt103_step(wt103_config(dry), dry, 0))
+    gpu_profile.stage_profile(results, out, work, lambda: wt103_build(
+        wt103_config(dry), wt103_ids(wt103_config(dry), dry)))

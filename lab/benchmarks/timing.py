@@ -62,22 +62,33 @@ def time_interleaved(fns: dict, rounds: int, calls: int = 1) -> dict:
           for name, t in round_times(fns, rounds, calls).items()}
 
 
-# Datasheet dense bfloat16 tensor-core FLOP/s by device kind (substrings of
-# jax's device_kind, first match wins), shown beside the measured peak.
-DATASHEET_BF16 = (("H100 PCIe", 756e12, "H100 PCIe"),
-                  ("H100", 989e12, "H100 SXM"), ("H200", 989e12, "H200"),
-                  ("A100", 312e12, "A100"))
+# Datasheet dense tensor-core FLOP/s by device kind (substrings of jax's
+# device_kind, first match wins) and by the math a row's matmuls run in:
+# bf16 (and fp16), tf32, and IEEE fp32 on the CUDA cores. The H200 has the
+# H100 SXM's compute.
+DATASHEET = (("H100 PCIe", "H100 PCIe",
+              {"bf16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+             ("H100", "H100 SXM",
+              {"bf16": 989e12, "tf32": 494.5e12, "fp32": 66.9e12}),
+             ("H200", "H200",
+              {"bf16": 989e12, "tf32": 494.5e12, "fp32": 66.9e12}),
+             ("A100", "A100", {"bf16": 312e12, "tf32": 156e12,
+                               "fp32": 19.5e12}))
+DATASHEET_BF16 = tuple((key, peaks["bf16"], name)
+                       for key, name, peaks in DATASHEET)
 # FLOP/s no device of the platform reaches: sizes the peak's calls where the
 # datasheet does not know the device.
 _FLOPS_CEILING = {"gpu": 2.5e15, "cpu": 1e12}
 PEAK_CALL_SECONDS = 0.01
 
 
-def datasheet(device_kind: str) -> tuple[float | None, str]:
-  """(dense bf16 FLOP/s, name) from DATASHEET_BF16, (None, "unknown")."""
-  for key, flops, name in DATASHEET_BF16:
+def datasheet(device_kind: str, math: str = "bf16"
+              ) -> tuple[float | None, str]:
+  """(dense FLOP/s in `math`, device name) from DATASHEET; (None,
+  "unknown") for a device it does not know."""
+  for key, name, peaks in DATASHEET:
     if key in device_kind:
-      return flops, name
+      return peaks[math], name
   return None, "unknown"
 
 

@@ -35,15 +35,22 @@ class TorchTrainer:
   which is what JAX's bfloat16 steps do (float32 parameters cast for the
   matmuls)."""
 
+  timing = "torch"  # device_timing reads CUDA events on a GPU
+
   def __init__(self, torch, params, loss_fn, device, autocast_dtype, sync,
                optimizer=True):
     self.params = list(params)
     self.opt = torch.optim.Adam(self.params, 1e-3) if optimizer else None
-    self.loss_fn, self.sync = loss_fn, sync
+    self.loss_fn, self.sync, self.device = loss_fn, sync, device
     self.autocast = functools.partial(_torch_autocast, torch, device,
                                       autocast_dtype)
 
   def __call__(self):
+    self.dispatch()
+    self.wait()
+
+  def dispatch(self):
+    """One step enqueued on the device, not waited for."""
     for p in self.params:
       p.grad = None
     with self.autocast():
@@ -51,6 +58,8 @@ class TorchTrainer:
     loss.backward()
     if self.opt is not None:
       self.opt.step()
+
+  def wait(self):
     self.sync()
 
 

@@ -6,6 +6,7 @@ row that says why and the others are timed."""
 
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -127,15 +128,16 @@ def test_jax_cudnn_rows_are_error_rows_off_cuda():
   cands = [c for c in gpu_kernel.candidates(TINY, "float32", 2)
            if c[0].startswith("jax_cudnn")]
   rows = gpu_kernel.time_group(TINY, "float32", 2, cands, rounds=1)
-  assert [r["name"] for r in rows] == ["jax_cudnn_fp32_S2",
-                                       "jax_cudnn_tf32_S2"]
+  assert [r["name"] for r in rows] == [
+      "jax_cudnn_fp32_S1", "jax_cudnn_tf32_S1", "jax_cudnn_fp32_loop_S2",
+      "jax_cudnn_tf32_loop_S2"]
   for r in rows:
     assert "tokens_per_s" not in r and "\n" not in r["error"]
     assert r["error"] == ("RuntimeError: jax.experimental.rnn.lstm lowers "
                           "for CUDA and ROCm only: no cpu lowering")
   (bf16,) = [r for r in gpu_kernel.time_group(
-      TINY, "bfloat16", 2, [c for c in gpu_kernel.candidates(
-          TINY, "bfloat16", 2) if c[0] == "jax_cudnn_bf16"], rounds=1)]
+      TINY, "bfloat16", 1, [c for c in gpu_kernel.candidates(
+          TINY, "bfloat16", 1) if c[0] == "jax_cudnn_bf16"], rounds=1)]
   assert bf16["error"] == ("NotImplementedError: bfloat16 support not "
                            "implemented for LSTM")
 
@@ -150,8 +152,38 @@ def test_flashrnn_row_says_why_it_cannot_run(tmp_path, monkeypatch):
       TINY, "bfloat16", 2, [("flashrnn_triton", gpu_kernel.flashrnn_builder(
           TINY, 2, "bf16", "triton"))], rounds=1)
   assert row == {"name": "flashrnn_triton_S2", "impl": "flashrnn_triton",
-                 "stripes": 2, "grouped": True, "dtype": "bfloat16",
-                 "error": why}
+                 "stripes": 2, "group": 2, "grouped": True,
+                 "dtype": "bfloat16", "error": why}
+
+
+def test_flashrnn_triton_rows_past_its_head_size_say_so_unbuilt():
+  """Heads wider than FlashRNN's Triton kernels take: a row that says so
+  at once, never a build; its CUDA backend is built for them."""
+  shape = {**TINY, "hidden": 1024}
+  why = gpu_kernel.flashrnn_builder(shape, 8, "bf16", "triton")
+  assert why == ("FlashRNN's Triton kernels take heads of at most 64 units:"
+                 " 128 here")
+  assert flashrnn_rows.unsupported(1024, 16, "triton") == ""
+  assert flashrnn_rows.unsupported(1024, 1, "cuda") == ""
+
+
+def test_flashrnn_device_query_reads_torchs_properties():
+  """The four figures FlashRNN's CUDA kernels read, from torch's device
+  properties (an H100's here); a field torch lacks takes the value every
+  GPU since compute capability 5.0 has."""
+  h100 = types.SimpleNamespace(multi_processor_count=132,
+                               shared_memory_per_block_optin=232448,
+                               regs_per_multiprocessor=65536)
+  assert flashrnn_rows.device_query(h100) == {
+      "maxThreadsPerBlock": 1024, "regsPerMultiprocessor": 65536,
+      "multiProcessorCount": 132, "sharedMemPerBlockOptin": 232448}
+  small = types.SimpleNamespace(multi_processor_count=2,
+                                shared_memory_per_block_optin=1024,
+                                regs_per_multiprocessor=32768,
+                                max_threads_per_block=512)
+  assert flashrnn_rows.device_query(small) == {
+      "maxThreadsPerBlock": 512, "regsPerMultiprocessor": 32768,
+      "multiProcessorCount": 2, "sharedMemPerBlockOptin": 1024}
 
 
 def test_flashrnn_installed_without_cuda_says_so(tmp_path, monkeypatch):
@@ -193,6 +225,7 @@ def test_a_baseline_that_raises_is_an_error_row(monkeypatch):
   ratios = gpu_kernel.ratios(rows)
   assert list(ratios) == ["zebra_scan_S8"]
   assert list(ratios["zebra_scan_S8"]) == ["jax_cudnn_tf32_S8"]
+  assert all(r["group"] == 8 for r in rows)
 
 
 def test_a_short_step_is_timed_over_several_calls_a_round(monkeypatch):
@@ -237,15 +270,46 @@ def test_a_build_past_the_deadline_is_left_behind():
   assert started == [1]
 
 
-def test_ratios_are_ours_over_each_baseline():
-  row = lambda impl, s, tok: {"name": f"{impl}_S{s}", "impl": impl,
-                              "stripes": s, "tokens_per_s": tok}
-  rows = [row("zebra_scan", 1, 100.0), row("torch_cudnn_bf16", 1, 50.0),
-          row("zebra_pallas", 8, 300.0), row("flashrnn_triton", 8, 200.0)]
+def test_ratios_are_ours_over_each_baseline_of_its_group():
+  """Within a group (timed in one process, interleaved): a dense baseline
+  timed in the S=8 group counts for the S=8 rows, never the S=1 group's."""
+  row = lambda impl, s, group, tok: {"name": f"{impl}_S{s}", "impl": impl,
+                                     "stripes": s, "group": group,
+                                     "tokens_per_s": tok}
+  rows = [row("zebra_scan", 1, 1, 100.0), row("torch_cudnn_bf16", 1, 1, 50.0),
+          row("zebra_pallas", 8, 8, 300.0), row("torch_cudnn_bf16", 1, 8,
+                                                  60.0),
+          row("torch_cudnn_bf16_loop", 8, 8, 30.0),
+          row("flashrnn_triton", 8, 8, 200.0)]
   assert gpu_kernel.ratios(rows) == {
-      "zebra_scan_S1": {"torch_cudnn_bf16_S1": 2.0, "flashrnn_triton_S8": 0.5},
-      "zebra_pallas_S8": {"torch_cudnn_bf16_S1": 6.0,
+      "zebra_scan_S1": {"torch_cudnn_bf16_S1": 2.0},
+      "zebra_pallas_S8": {"torch_cudnn_bf16_S1": 5.0,
+                          "torch_cudnn_bf16_loop_S8": 10.0,
                           "flashrnn_triton_S8": 1.5}}
+
+
+def test_an_s8_group_times_dense_baselines_beside_its_loops():
+  """At S > 1 every cuDNN baseline runs twice: one dense LSTM of width H
+  (the same function, named _S1) and the per-stripe loop (_loop_S8)."""
+  shape = dict(TINY, hidden=32)
+  names = [(c[0], c[2]) for c in gpu_kernel.candidates(shape, "float32", 8)]
+  assert names == [("zebra_scan", 8), ("zebra_pallas", 8),
+                   ("jax_cudnn_fp32", 1), ("jax_cudnn_tf32", 1),
+                   ("torch_cudnn_fp32", 1), ("torch_cudnn_tf32", 1),
+                   ("jax_cudnn_fp32_loop", 8), ("jax_cudnn_tf32_loop", 8),
+                   ("torch_cudnn_fp32_loop", 8), ("torch_cudnn_tf32_loop", 8),
+                   ("flashrnn_triton", 8)]
+  assert [gpu_kernel.baseline_kind(n) for n, _ in names[2:]] == (
+      ["same function"] * 4 + ["per-stripe loop"] * 4 + ["FlashRNN"])
+  assert [gpu_kernel.math_of(n, "float32") for n, _ in names] == [
+      "tf32", "tf32", "fp32", "tf32", "fp32", "tf32", "fp32", "tf32", "fp32",
+      "tf32", "fp32"]
+  # the loop computes what the grouped stripes compute; the dense LSTM S x
+  # the recurrence and the input projection
+  assert gpu_kernel.row_flops(shape, "torch_cudnn_fp32_loop", 8) == (
+      gpu_kernel.row_flops(shape, "zebra_scan", 8))
+  assert gpu_kernel.row_flops(shape, "torch_cudnn_fp32", 1) == (
+      8 * gpu_kernel.row_flops(shape, "zebra_scan", 8))
 
 
 def test_a_step_that_fails_while_timed_is_an_error_row():

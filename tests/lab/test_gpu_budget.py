@@ -69,7 +69,10 @@ def test_a_killed_call_keeps_every_row_it_measured(tmp_path, capsys):
   assert call["returncode"] == -9
   measured = gpu_rehearsal.measured(call["log"])
   assert measured[:2] == [("kernel", "shape"), ("kernel", "rows/0/row0")]
-  assert len(measured) >= 4
+  # A row is written to the file, then named in the log: the kill may fall
+  # between the two for the 4th, never for the 3rd, printed before the 4th
+  # was written (the pipe keeps what a killed process printed).
+  assert len(measured) >= 3
   assert gpu_rehearsal.check(str(tmp_path), call["log"], ["kernel"],
                              call["killed"]) == []
   assert "| measured kernel rows/0/row0" in capsys.readouterr().out

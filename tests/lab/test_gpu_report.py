@@ -218,6 +218,17 @@ def test_a_reruns_stages_merge_into_the_first_calls_file(tmp_path):
   page = (tmp_path / "docs" / "gpu-results.md").read_text()
   assert "compiled in 50 s" in page and "| 1 | 10 | 1.0 | 100% |" in page
 
+  # A rerun's file also holds what it carried from the last call (an
+  # older scaling row here): only the stages it ran are merged.
+  rerun.data["ran"] = ["wt103"]
+  rerun.update("scaling", {"rows": [{"devices": 1, "tokens_per_s": 99.0}]},
+               rows=0)
+  rerun.save()
+  merged = gpu_report.merge(str(tmp_path / "docs"),
+                            str(tmp_path / "rerun" / "gpu-results.json"))
+  assert merged["scaling"]["rows"][0]["tokens_per_s"] == 10.0
+  assert merged["stages"]["scaling"]["status"] == "done"
+
   rerun.data["dry_run"] = True
   rerun.save()
   with pytest.raises(gpu_report.UserError, match="dry run"):

@@ -89,14 +89,22 @@ def compiled_bytes(compiled) -> int | None:
              + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def trace_op_events(trace_dir: str) -> list[dict] | None:
-  """The complete ("X") events of the newest perfetto trace under trace_dir
-  (jax.profiler with create_perfetto_trace=True); None if there is none."""
+def trace_events(trace_dir: str) -> list[dict] | None:
+  """Every event of the newest perfetto trace under trace_dir (jax.profiler
+  with create_perfetto_trace=True), metadata included; None if there is
+  none."""
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
                            recursive=True))
   if not files:
     return None
   with gzip.open(files[-1], "rt") as f:
     data = json.load(f)
-  events = data["traceEvents"] if isinstance(data, dict) else data
-  return [e for e in events if e.get("ph") == "X"]
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def trace_op_events(trace_dir: str) -> list[dict] | None:
+  """The complete ("X") events of the newest perfetto trace under
+  trace_dir; None if there is none."""
+  events = trace_events(trace_dir)
+  return None if events is None else [e for e in events
+                                      if e.get("ph") == "X"]

@@ -55,12 +55,24 @@ def test_page_shows_errors_versions_and_the_sequence(tmp_path):
                    "stripes": 8, "dtype": "bfloat16",
                    "error": "RuntimeError: ptxas error"},
                   {"name": "zebra_scan_S8", "impl": "zebra_scan",
-                   "stripes": 8, "dtype": "bfloat16", "tokens_per_s": 2e6,
-                   "ms_per_step": 2.048, "build_s": 3.0},
+                   "stripes": 8, "group": 8, "dtype": "bfloat16",
+                   "tokens_per_s": 2e6, "ms_per_step": 2.048, "min_ms": 2.0,
+                   "max_ms": 2.1, "rounds": 5, "wall_ms_per_step": 2.2,
+                   "timer": "back-to-back wall", "busy_ms": 1.8,
+                   "span_ms": 2.5, "tflops": 41.25,
+                   "math": "bf16", "peak_fraction": 0.0417, "build_s": 3.0},
                   {"name": "torch_cudnn_bf16_S1", "impl": "torch_cudnn_bf16",
-                   "stripes": 1, "dtype": "bfloat16", "tokens_per_s": 1e6,
-                   "ms_per_step": 4.096, "build_s": 1.0}],
+                   "stripes": 1, "group": 8, "dtype": "bfloat16",
+                   "tokens_per_s": 1e6, "ms_per_step": 4.096, "min_ms": 4.0,
+                   "max_ms": 4.2, "rounds": 5, "wall_ms_per_step": 4.5,
+                   "timer": "CUDA events", "tflops": 165.0, "math": "bf16",
+                   "peak_fraction": 0.1668, "build_s": 1.0},
+                  {"name": "torch_cudnn_bf16_loop_S8",
+                   "impl": "torch_cudnn_bf16_loop", "stripes": 8,
+                   "group": 8, "dtype": "bfloat16", "tokens_per_s": 2e5,
+                   "ms_per_step": 20.48, "build_s": 0.1}],
               "ratios": {"bfloat16": {"zebra_scan_S8": {
+                  "torch_cudnn_bf16_loop_S8": 10.0,
                   "torch_cudnn_bf16_S1": 2.0}}}})
   results.save()
   page = (tmp_path / "gpu-results.md").read_text()
@@ -73,10 +85,20 @@ def test_page_shows_errors_versions_and_the_sequence(tmp_path):
   assert "calls __gpu$xla.gpu.triton: backend triton; jax warned" in page
   assert ("- zebra_pallas_S8 (bfloat16): error: RuntimeError: ptxas error"
           in page)
-  assert ("- zebra_scan_S8 (bfloat16): 2,000,000 tok/s; 2.00 x "
-          "torch_cudnn_bf16_S1") in page
-  assert "| zebra_pallas_S8 | - | - | RuntimeError: ptxas error |" in page
-  assert "| torch_cudnn_bf16_S1 | 1,000,000 | 4.10 | built in 1.0 s |" in page
+  # the same-function ratio leads, the per-stripe loop's follows, labelled
+  assert ("- zebra_scan_S8 (bfloat16): 2,000,000 tok/s, 2.05 ms/step "
+          "(back-to-back wall, median of 5: 2.00-2.10), 41.2 TFLOP/s = "
+          "4.2% of the bf16 peak; same function: 2.00 x torch_cudnn_bf16_S1;"
+          " per-stripe loop (one cuDNN call a stripe, launch-bound): 10.00 x "
+          "torch_cudnn_bf16_loop_S8") in page
+  assert ("| S=8 | zebra_pallas_S8 | ours | - | - | - | - | - | - | - | "
+          "RuntimeError: ptxas error |") in page
+  assert ("| S=8 | torch_cudnn_bf16_S1 | same function | 1,000,000 | 4.10 | "
+          "4.00-4.20 | 4.50 | - | 165.0 | 16.7 (bf16) | CUDA events; built in "
+          "1.0 s |") in page
+  assert ("- clocks: torch rows' CUDA events within 9.0% of their rounds' "
+          "wall time (1 rows); JAX rows timed by back-to-back wall time, the "
+          "GPU busy 82-82% of it; the profiler's span 1.14-1.14 x it") in page
   assert "\n".join(gpu_results.sequence_lines()) in page
 
 
