@@ -17,7 +17,7 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from zebra_jax.runtime import profiling, writer
+from zebra_jax.runtime import plots, profiling, writer
 from tests.helpers import REPO
 
 event_accumulator = pytest.importorskip(
@@ -65,17 +65,9 @@ def _hparams(logdir):
 
 def _readable_records(workdir):
   """metrics.jsonl's records so far (a line being written is left out)."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     return []
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return records
+  return plots.read_metrics(workdir)
 
 
 def _train_steps(workdir):

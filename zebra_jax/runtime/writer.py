@@ -9,8 +9,8 @@ TensorBoard writer opens with purge_step S + 1, so TensorBoard discards the
 events of the steps the run will train again. Each step then has one record.
 
 TensorBoard is optional: event files come from tensorboardX when it is
-installed, else from the `tensorboard` package's own event writer (scalars and
-text, nothing else is written), else not at all. Each fallback says so in one
+installed, else from the `tensorboard` package's own event writer (scalars,
+text and hparams, nothing else is written), else not at all. Each fallback says so in one
 warning line on stderr; metrics.jsonl is written either way.
 """
 
@@ -176,11 +176,15 @@ def drop_records_after(path: str, step: int) -> tuple[int, int]:
       kept.append(line + "\n")
   if "".join(kept) != text:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.writelines(kept)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+      with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, path)
+    finally:
+      if os.path.exists(tmp):  # a failed write: the old file stays as it was
+        os.remove(tmp)
   return past, torn
 
 
