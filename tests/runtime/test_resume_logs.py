@@ -83,6 +83,18 @@ def _saved_steps(workdir):
                 if os.path.basename(n).isdigit())
 
 
+def _stopped(pid):
+  """Whether every thread of a process is stopped (state T)."""
+  states = []
+  for path in glob.glob(f"/proc/{pid}/task/*/stat"):
+    try:
+      with open(path) as f:
+        states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except FileNotFoundError:
+      continue  # a thread that ended meanwhile
+  return bool(states) and set(states) == {"T"}
+
+
 def _kill_past_a_checkpoint(args, workdir, after, log):
   """Starts the CLI and SIGKILLs it once a checkpoint past step `after` is
   on disk and metrics.jsonl has train records past that checkpoint;
@@ -99,6 +111,9 @@ def _kill_past_a_checkpoint(args, workdir, after, log):
       while True:
         if ready():
           proc.send_signal(signal.SIGSTOP)  # holds it at a step to check
+          while not _stopped(proc.pid):
+            assert time.time() < deadline, "SIGSTOP did not stop it"
+            time.sleep(0.01)
           if ready():
             break
           proc.send_signal(signal.SIGCONT)  # reached a checkpoint meanwhile
