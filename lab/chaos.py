@@ -12,7 +12,6 @@ Exits non-zero if any fault was not recovered.
 """
 
 import glob
-import json
 import os
 import shutil
 import signal
@@ -26,6 +25,7 @@ from ml_collections import config_flags
 
 from zebra_jax.cli import entry
 from zebra_jax.errors import UserError
+from zebra_jax.runtime import plots
 from zebra_jax.training import preemption
 
 
@@ -63,20 +63,14 @@ def _steps(workdir: str) -> list[int]:
   return sorted(int(d) for d in os.listdir(folder) if d.isdigit())
 
 
-def _metrics_size(workdir: str) -> int:
-  path = os.path.join(workdir, "metrics.jsonl")
-  return os.path.getsize(path) if os.path.exists(path) else 0
-
-
-def _last_logged_step(workdir: str, since: int = 0) -> int:
-  """The last training step logged (in records written after byte `since`)."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+def _last_logged_step(workdir: str, since: float = 0.0) -> int:
+  """The last training step logged (in records written at Unix time `since`
+  or later: a resumed run rewrites the file without the records past its
+  checkpoint, so byte offsets do not mark a run's own records)."""
+  if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     return 0
-  with open(path) as f:
-    f.seek(since)
-    steps = [json.loads(l)["step"] for l in f if '"train"' in l]
-  return max(steps, default=0)
+  return max((r["step"] for r in plots.read_metrics(workdir)
+              if r["kind"] == "train" and r["time"] >= since), default=0)
 
 
 def _wait_for(predicate, timeout: float = 180.0) -> bool:
@@ -94,7 +88,7 @@ _STOPPED_OR_DONE = (preemption.EXIT_STOPPED_EARLY, 0)
 
 def _partial_run(cmd, workdir: str, until_step: int):
   """Starts a run, lets it log until_step, then SIGTERMs it: (code, out, err)."""
-  since = _metrics_size(workdir)  # only this run's own progress counts
+  since = time.time()  # only this run's own progress counts
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   _wait_for(lambda: _last_logged_step(workdir, since) >= until_step
@@ -141,7 +135,7 @@ def main(argv: list[str]) -> int:
 
     # 2. SIGKILL while an async save is being written; the next run resumes
     #    from the newest complete step.
-    since = _metrics_size(chaos)
+    since = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     tmp_glob = os.path.join(chaos, "checkpoints", "*.orbax-checkpoint-tmp*")

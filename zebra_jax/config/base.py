@@ -161,7 +161,8 @@ FIELDS = dict(
     ),
     profile=dict(
         start_step=F(0, NON_NEGATIVE_INT, "first traced step (>= 2 skips "
-                     "compilation)"),
+                     "compilation); counted from the resumed step when a "
+                     "resume has passed it"),
         num_steps=F(0, NON_NEGATIVE_INT, "steps traced into workdir/profile; "
                     "0 = off"),
     ),

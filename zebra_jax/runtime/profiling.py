@@ -19,7 +19,7 @@ import json
 import os
 import resource
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -27,11 +27,14 @@ import jax
 class StepProfiler:
   """Traces steps [start_step, start_step + num_steps) into workdir/profile.
 
-  The first steps compile; start at step >= 2 or so to see steady state. A run
-  resumed past the window traces nothing. num_steps <= 0 disables it.
+  The first steps compile; start at step >= 2 or so to see steady state.
+  num_steps <= 0 disables it. start_step counts from the step the run starts
+  at when it resumes past it: resumed at step 500, start_step=10 traces steps
+  510 onwards, again after the compiling steps (one log line says so). A
+  resume exactly at start_step traces from there, as a fresh run would.
 
   Usage in a train loop (step = updates done before this one):
-    profiler = StepProfiler(workdir, start_step, num_steps)
+    profiler = StepProfiler(workdir, start_step, num_steps, first_step, log)
     profiler.before_step(step)
     state, sums = step_fn(state, batch)
     profiler.after_step(step, sums)
@@ -39,10 +42,19 @@ class StepProfiler:
     profiler.close()
   """
 
-  def __init__(self, workdir: str, start_step: int, num_steps: int):
+  def __init__(self, workdir: str, start_step: int, num_steps: int,
+               first_step: int = 0,
+               log: Callable[[str], None] | None = None):
     self.logdir = os.path.join(workdir, "profile")
-    self.start, self.stop = start_step, start_step + num_steps
     self.enabled = num_steps > 0
+    if self.enabled and start_step < first_step:
+      if log is not None:
+        log(f"profile: steps {start_step}-{start_step + num_steps - 1} came "
+            f"before the resume at step {first_step}; tracing steps "
+            f"{first_step + start_step}-"
+            f"{first_step + start_step + num_steps - 1} instead")
+      start_step += first_step
+    self.start, self.stop = start_step, start_step + num_steps
     self.active = False
 
   def before_step(self, step: int) -> None:

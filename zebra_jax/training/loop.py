@@ -30,6 +30,9 @@ from zebra_jax.training.train_state import init_state, TrainState
 
 
 _POLL_EVERY = 10  # steps between agreed stop checks with several processes
+# The hparams dashboard's metric columns: each the latest value of a scalar.
+HPARAMS_METRICS = ("train/loss", "valid/loss", "valid/ppl",
+                   "summary/best_valid_ppl")
 
 
 def _to_micro(x, k):
@@ -162,11 +165,13 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
   parallel.check_batch(cfg.data.batch_size, "data.batch_size", mesh,
                        cfg.train.grad_accum_steps)
   graphdef, tx, state = init_state(cfg, mesh, model)
-  log = writer.MetricWriter(workdir)
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint.keep_latest,
                                  cfg.checkpoint.keep_best)
+  restored = ckpt.restore_latest(state, writer.info)
+  # The logs drop what they hold past the step training goes on from.
+  log = writer.MetricWriter(workdir, start_step=restored[0] if restored else 0)
   run = _Run(cfg, log, ckpt, stop_request, state)
-  if (restored := ckpt.restore_latest(state, log.info)) is not None:
+  if restored is not None:
     run.resume(*restored)
   batcher = pipeline.make_batcher(cfg.data, splits["train"], cfg.seed,
                                   jax.process_index(), jax.process_count())
@@ -182,8 +187,9 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
            f"{jax.devices()[0].platform} device(s)")
   eval_sampler = _make_eval_sampler(cfg, model, tokenizer, graphdef)
   step = first_step = int(run.state.step)
+  log.hparams(_with_model(cfg, model).to_dict(), HPARAMS_METRICS, step)
   profiler = profiling.StepProfiler(workdir, cfg.profile.start_step,
-                                    cfg.profile.num_steps)
+                                    cfg.profile.num_steps, step, log.info)
   bar = progress.Progress(cfg.train.num_steps, initial_step=step,
                           enabled=None if jax.process_index() == 0 else False)
   log.record("start", step, {})  # wall-clock origin for plots
