@@ -14,12 +14,15 @@ LangChain's `OpenAI` and `ChatOpenAI`, lm-evaluation-harness's
 Sampling fields map to the engine's SamplingParams by name (`max_tokens`
 and chat's `max_completion_tokens` are its `max_new_tokens`): temperature,
 top_p, top_k, min_p, presence_penalty, frequency_penalty,
-repetition_penalty, logit_bias, seed, stop; so a knob added there is taken
-here without an edit. Defaults are OpenAI's (temperature 1, top_p 1), not
-the config's. A field the server does not know is ignored with one warning
-naming it, as vLLM does; a known field with a value it cannot honour is a
-400 in OpenAI's error shape whose `param` names the field. This module
-reads requests; openai_answers.py writes the answers.
+repetition_penalty, logit_bias, seed, stop, stop_token_ids, min_tokens,
+allowed_token_ids, prompt_logprobs; so a knob added there is taken here
+without an edit. Defaults are OpenAI's (temperature 1, top_p 1; max_tokens
+16 for completions, until a stop for chat), not the config's. A field of
+OpenAI's or vLLM's schema is honoured, or taken only with a value that
+asks nothing of this server (INERT); any other value is a 400 in OpenAI's
+error shape whose `param` names the field, never dropped silently. A field
+in neither schema is ignored with one warning naming it, as vLLM does.
+This module reads requests; openai_answers.py writes the answers.
 """
 
 import dataclasses
@@ -126,7 +129,9 @@ class Request:
             for j in range(self.n)]
 
 
-def _ignore_unknown(body: dict, known: set, path: str) -> None:
+def _check_known(body: dict, known: set, path: str) -> None:
+  """One warning for fields in neither schema; a 400 for an INERT field
+  that asks for something this server does not do."""
   unknown = sorted(set(body) - known)
   if unknown:
     log.warning("%s: ignored unknown field(s) %s", path, ", ".join(unknown))
@@ -237,7 +242,7 @@ class Api:
     if not isinstance(body, dict):
       raise ApiError("the body must be a JSON object, e.g. {\"model\": "
                      f"\"{MODEL_ID}\", \"prompt\": \"The \"}}")
-    _ignore_unknown(body, known, path)
+    _check_known(body, known, path)
     model = body.get("model")
     if not isinstance(model, str):
       raise ApiError("model is required: a string, e.g. "

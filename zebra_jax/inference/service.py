@@ -242,7 +242,8 @@ class Service:
   # --- vLLM's tokenizer endpoints ---
 
   def tokenize(self, body) -> dict:
-    """{"prompt": text} or {"messages": [...]} -> its tokens."""
+    """{"prompt": text} or {"messages": [...]} (with chat's
+    add_generation_prompt and continue_final_message) -> its tokens."""
     if not isinstance(body, dict):
       raise BadRequest("the body must be a JSON object, e.g. "
                        "{\"prompt\": \"The \"}")

@@ -184,19 +184,16 @@ def restrict_rows(logits, row, step):
   rows = jnp.arange(logits.shape[0])[:, None]
   allowed, stops = row["allowed_ids"], row["stop_ids"]
   limited = allowed[:, :1] != INT32_MAX  # a row's list is not empty
-  early = (step < row["min_tokens"])[:, None]
+  early = (step < row["min_tokens"])[:, None] & (stops[:, :1] != INT32_MAX)
   mark = lambda x, ids: jnp.zeros(x.shape, bool).at[rows, ids].set(
       True, mode="drop")  # the pad, INT32_MAX, is dropped
 
-  def only_allowed(x):
-    return jnp.where(mark(x, allowed) | ~limited, x, -jnp.inf)
-
-  def no_stop_yet(x):
+  def restrict(x):
+    x = jnp.where(mark(x, allowed) | ~limited, x, -jnp.inf)
     return jnp.where(mark(x, stops) & early, -jnp.inf, x)
 
-  logits = _when(jnp.any(limited), only_allowed, logits)
-  return _when(jnp.any(early & (stops[:, :1] != INT32_MAX)), no_stop_yet,
-               logits)
+  # One test for both: a cond costs a call on the CPU, at every token.
+  return _when(jnp.any(limited) | jnp.any(early), restrict, logits)
 
 
 def categorical(key, logits):
