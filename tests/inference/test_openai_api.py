@@ -10,7 +10,9 @@ import logging
 import numpy as np
 import pytest
 
-from zebra_jax.inference import loading, openai_api, sample, serve
+from zebra_jax.data.tokenizers.word import WordTokenizer
+from zebra_jax.inference import (loading, openai_answers, openai_api, sample,
+                                 serve)
 from tests.helpers import http_call, live_server
 
 openai = pytest.importorskip("openai", reason="pip install openai (.[test])")
@@ -461,6 +463,18 @@ def test_text_offset_counts_the_echoed_texts_characters(server):
   assert choice.text.startswith("\ufffd" + PROMPT + "\ufffd")
   assert choice.logprobs.tokens[0] == "<unk>"
   assert choice.logprobs.text_offset == list(range(len(choice.text)))
+
+
+def test_word_offsets_follow_the_prompts_own_spacing():
+  """Word tokens: text_offset indexes the text as sent, double spaces,
+  unknown words and line breaks included."""
+  tok = WordTokenizer.build("the cat sat\n")
+  text = "the  cat zebra\nsat"
+  ids = tok.encode_prompt(text)
+  assert tok.token_text(int(ids[2])) == "<unk>"
+  assert openai_answers.prompt_starts(tok, ids, text) == [0, 5, 9, 14, 15]
+  decoded = tok.decode(ids)  # a token-id prompt echoes this
+  assert openai_answers.prompt_starts(tok, ids, decoded) == [0, 4, 8, 13, 14]
 
 
 def test_a_body_that_is_not_json_is_refused(server):

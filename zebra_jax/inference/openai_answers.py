@@ -7,17 +7,28 @@ prebuilt head: only the choice is encoded per event.
 """
 
 import json
+import re
 import time
 import uuid
 
 from zebra_jax.inference.openai_api import Request
 
+_WORD_OR_LINE_END = re.compile(r"\n|[^\s]+")
 
-def prompt_starts(tokenizer, ids) -> list[int]:
-  """Where each prompt token starts in the prompt's decoded text: each
-  token's text as it decodes (`<unk>` as one U+FFFD), and what decoding
-  puts between two tokens (a space between words, none after a line's
-  end), in two decodes a token rather than one of every prefix."""
+
+def prompt_starts(tokenizer, ids, text: str) -> list[int]:
+  """Where each prompt token starts in the echoed prompt `text`.
+
+  Word tokens are the text's words and line breaks, in order, whatever
+  the spacing and whether a word is in the vocabulary. Other tokens are
+  the text as they decode (`<unk>` as one U+FFFD): each token's own text
+  and what decoding puts between two, in two decodes a token rather than
+  one of every prefix.
+  """
+  if not tokenizer.spaces_in_tokens:
+    starts = [m.start() for m in _WORD_OR_LINE_END.finditer(text)]
+    if len(starts) == len(ids):
+      return starts
   starts, at, before = [], 0, None
   for i in (int(t) for t in ids):
     size = len(tokenizer.decode([i]))
@@ -56,7 +67,7 @@ class Answers:
       ids += list(row.ids)
       lps += row.prompt_logprobs
       tops += row.prompt_top
-      offsets += prompt_starts(self.tokenizer, row.ids)
+      offsets += prompt_starts(self.tokenizer, row.ids, row.prompt)
     if len(tokens):
       base = len(self._echo_text(row))
       ends = row.offsets(self.tokenizer)
