@@ -505,6 +505,12 @@ def test_stream_options_without_stream_is_refused(server):
       "model": M, "messages": [{"role": "user", "content": "the"}],
       "stream_options": {"include_usage": True}})
   assert status == 400
+  with pytest.raises(openai.BadRequestError) as raised:
+    client.completions.create(model=M, prompt=PROMPT, max_tokens=2,
+                              stream=True, stream_options={
+                                  "include_usage": True,
+                                  "continuous_usage_stats": True})
+  assert raised.value.body["param"] == "stream_options"
 
 
 REFUSED = [  # (route, field, value): what the server would not do
@@ -524,6 +530,8 @@ REFUSED = [  # (route, field, value): what the server would not do
     ("chat", "chat_template", "{{ messages }}"),
     ("chat", "guided_choice", ["a", "b"]),
     ("chat", "reasoning_effort", "high"),
+    ("chat", "top_logprobs", 2),  # without logprobs
+    ("chat", "stream_options", {"include_usage": True}),  # without stream
 ]
 
 

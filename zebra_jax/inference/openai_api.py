@@ -60,7 +60,7 @@ INERT = {
     "truncation_side": ANY,     # only with truncate_prompt_tokens
     # No token ends a text by itself: only stop, stop_token_ids, max_tokens.
     "ignore_eos": (True,),
-    "skip_special_tokens": (False,),  # the text holds every token's
+    "skip_special_tokens": (False,),  # special tokens stay in the text
     "spaces_between_special_tokens": (True,),
     "include_stop_str_in_output": (False,),
     "use_beam_search": (False,), "length_penalty": (1,),
@@ -313,6 +313,10 @@ class Api:
       raise ApiError("stream_options is only for a stream: send "
                      "\"stream\": true, or leave stream_options out",
                      "stream_options")
+    if (options or {}).get("continuous_usage_stats"):
+      raise ApiError("stream_options: this server sends usage once, at the "
+                     "end (include_usage), not continuous_usage_stats",
+                     "stream_options")
     if stream and body.get("prompt_logprobs") is not None:
       raise ApiError("prompt_logprobs are not sent in a stream: leave out "
                      "\"stream\" or prompt_logprobs", "prompt_logprobs")
@@ -351,6 +355,9 @@ class Api:
         "messages")
     want = _flag(body, "logprobs")
     top = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    if top and not want:
+      raise ApiError("top_logprobs needs \"logprobs\": true",
+                     "top_logprobs")
     params = self._params(body, "max_completion_tokens", top if want else None)
     params = dataclasses.replace(
         params, stop=params.stop + self.chat_stops())

@@ -181,14 +181,14 @@ class Request:
     stop token on, dropped); returns how many it kept."""
     p = self.params
     take = tokens[:p.max_new_tokens - len(self.tokens)]
+    if len(take) and self.first_token_at is None:
+      self.first_token_at = time.monotonic()
     if p.stop_token_ids:
       first = len(self.tokens)
       hit = next((k for k, t in enumerate(take) if t in p.stop_token_ids
                   and first + k >= p.min_tokens), None)
       if hit is not None:
         take, self.stop_token = take[:hit], int(take[hit])
-    if len(take) and self.first_token_at is None:
-      self.first_token_at = time.monotonic()
     self.tokens.extend(int(t) for t in take)
     if logprobs is not None:
       for t in range(len(take)):
