@@ -28,7 +28,8 @@ def _post(url, path, body):
   parts = urllib.parse.urlsplit(url)
   conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
   try:
-    conn.request("POST", path, body=json.dumps(body).encode())
+    conn.request("POST", path, body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     data = response.read()
     if response.status != 200:

@@ -259,7 +259,8 @@ def http_call(port, method, path, body=None, headers=None):
   try:
     data = None if body is None else (
         body if isinstance(body, bytes) else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers=headers or {})
+    sent = {"Content-Type": "application/json"} if data is not None else {}
+    conn.request(method, path, body=data, headers={**sent, **(headers or {})})
     response = conn.getresponse()
     return response.status, dict(response.getheaders()), response.read()
   finally:

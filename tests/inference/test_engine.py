@@ -96,6 +96,38 @@ def test_a_request_in_a_busy_batch_equals_it_alone(gen):
   assert all(len(t) == r[1].max_new_tokens for t, r in zip(alone, REQUESTS))
 
 
+def test_stop_tokens_min_tokens_and_allowed_ids_are_each_rows_own(gen):
+  """Rows with stop_token_ids, min_tokens or allowed_token_ids in one batch
+  with rows without: each obeys its own, and every text equals the same
+  request alone."""
+  e = gen.engine
+  ids = lambda text: tuple(int(i) for i in e.tokenizer.encode_prompt(text))
+  plain = engine.SamplingParams(max_new_tokens=24, temperature=0.0)
+  greedy = e.submit(TEXT[:9], plain).result(timeout=300)
+  [first], [third] = ids(greedy[0]), ids(greedy[2])
+  change = lambda **kw: (TEXT[:9], dataclasses.replace(plain, **kw))
+  requests = [(TEXT[:9], plain), change(stop_token_ids=(third,)),
+              change(stop_token_ids=(first,), min_tokens=5),
+              change(temperature=1.0, seed=3, allowed_token_ids=ids("the ")),
+              change(temperature=1.0, seed=3)]
+  barrier = threading.Barrier(len(requests))
+
+  def send(request):
+    barrier.wait()
+    return e.submit(*request)
+
+  with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+    rows = list(pool.map(send, requests))
+  together = [r.result(timeout=300) for r in rows]
+  assert together == [e.submit(*r).result(timeout=300) for r in requests]
+  assert together[0] == greedy
+  assert together[1] == greedy[:greedy.index(greedy[2])]
+  assert rows[1].finish_reason == "stop" and rows[1].stop_token == third
+  assert len(together[2]) >= 5 and greedy[0] not in together[2]
+  assert len(together[3]) == 24 and set(together[3]) <= set("the ")
+  assert not set(together[4]) <= set("the ")
+
+
 def test_greedy_equals_the_model_level_loop(gen):
   """An independent path: the whole prompt as one window (lm.last_logits),
   then the scan of sampling.generate; the engine consumes prompts in masked

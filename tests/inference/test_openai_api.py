@@ -10,7 +10,9 @@ import logging
 import numpy as np
 import pytest
 
-from zebra_jax.inference import loading, openai_api, sample, serve
+from zebra_jax.data.tokenizers.word import WordTokenizer
+from zebra_jax.inference import (loading, openai_answers, openai_api, sample,
+                                 serve)
 from tests.helpers import http_call, live_server
 
 openai = pytest.importorskip("openai", reason="pip install openai (.[test])")
@@ -288,3 +290,276 @@ def test_bad_requests_through_the_client_and_raw(server):
                                                 "top_k": 3_000_000_000})
   assert got == 400 and "top_k" in json.loads(answer)["error"]
   assert raw(port, "GET", "/health")[0] == 200  # the engine lives on
+
+
+# --- every field the server takes is honoured; one it cannot is a 400 ---
+
+
+def greedy_text(client, **kw):
+  kw = {"model": M, "prompt": PROMPT, "max_tokens": 20, "temperature": 0,
+        **kw}
+  return client.completions.create(**kw).choices[0]
+
+
+def streamed(client, **kw):
+  """(text, last finish_reason) of a streamed completion."""
+  chunks = list(client.completions.create(
+      model=M, prompt=PROMPT, temperature=0, stream=True, **kw))
+  return ("".join(c.choices[0].text for c in chunks),
+          [c.choices[0].finish_reason for c in chunks][-1])
+
+
+def test_stop_token_ids_end_the_text_before_that_token(server):
+  _, _, _, client, service = server
+  plain = greedy_text(client).text
+  at = 3
+  [stop] = service.encode(plain[at])
+  cut = plain[:plain.index(plain[at])]  # before its first appearance
+  choice = greedy_text(client, extra_body={"stop_token_ids": [int(stop)]})
+  assert choice.text == cut and plain[at] not in choice.text
+  assert choice.finish_reason == "stop"
+  assert streamed(client, max_tokens=20, extra_body={
+      "stop_token_ids": [int(stop)]}) == (cut, "stop")
+  chat = client.chat.completions.create(
+      model=M, messages=[{"role": "user", "content": "line 9: the"}],
+      max_tokens=20, temperature=0)
+  content = chat.choices[0].message.content
+  [chat_stop] = service.encode(content[2])
+  cut_chat = client.chat.completions.create(
+      model=M, messages=[{"role": "user", "content": "line 9: the"}],
+      max_tokens=20, temperature=0,
+      extra_body={"stop_token_ids": [int(chat_stop)]}).choices[0]
+  assert cut_chat.message.content == content[:content.index(content[2])]
+  assert cut_chat.finish_reason == "stop"
+
+
+def test_min_tokens_holds_off_stop_tokens_and_stop_strings(server):
+  _, _, _, client, service = server
+  plain = greedy_text(client).text
+  [first] = (int(i) for i in service.encode(plain[0]))
+  # Without min_tokens the first token ends it at once.
+  at_once = greedy_text(client, extra_body={"stop_token_ids": [first]})
+  assert at_once.text == "" and at_once.finish_reason == "stop"
+  held = greedy_text(client, extra_body={"stop_token_ids": [first],
+                                         "min_tokens": 6})
+  assert len(held.text) >= 6 and plain[0] not in held.text
+  assert held.finish_reason in ("stop", "length")
+  assert streamed(client, max_tokens=20, extra_body={
+      "stop_token_ids": [first], "min_tokens": 6}) == (
+          held.text, held.finish_reason)
+  stop = plain[:2]
+  assert greedy_text(client, stop=[stop]).text == ""
+  late = greedy_text(client, stop=[stop], extra_body={"min_tokens": 6})
+  assert len(late.text) >= 6
+  assert stop not in late.text[6:]
+  assert late.text == plain[:len(late.text)]
+  assert streamed(client, max_tokens=20, stop=[stop],
+                  extra_body={"min_tokens": 6})[0] == late.text
+
+
+def test_allowed_token_ids_restrict_every_draw(server):
+  _, _, _, client, service = server
+  allowed = sorted({int(i) for i in service.encode("the ")})
+  draw = lambda **kw: client.completions.create(
+      model=M, prompt=PROMPT, max_tokens=40, temperature=1.0, seed=4,
+      **kw).choices[0].text
+  assert not set(draw()) <= set("the ")  # the model writes other letters
+  for text in (draw(extra_body={"allowed_token_ids": allowed}),
+               greedy_text(client, max_tokens=40,
+                           extra_body={"allowed_token_ids": allowed}).text):
+    assert len(text) == 40 and set(text) <= set("the ")
+  assert streamed(client, max_tokens=40, extra_body={
+      "allowed_token_ids": allowed})[0] == greedy_text(
+          client, max_tokens=40,
+          extra_body={"allowed_token_ids": allowed}).text
+  for bad in ([], [10**6], "1"):
+    with pytest.raises(openai.BadRequestError) as raised:
+      greedy_text(client, extra_body={"allowed_token_ids": bad})
+    assert raised.value.body["param"] == "allowed_token_ids"
+  stats = service.engine.stats()  # per-row data: no new program
+  assert stats["compiled_programs"] == stats["startup_programs"]
+
+
+def test_prompt_logprobs_in_vllms_shape(server):
+  _, _, _, client, service = server
+  ids = [int(i) for i in service.encode(PROMPT)]
+  out = client.completions.create(model=M, prompt=PROMPT, max_tokens=2,
+                                  temperature=0,
+                                  extra_body={"prompt_logprobs": 3})
+  got = out.choices[0].prompt_logprobs
+  scores = service.scorer.score_ids(np.array(ids))
+  assert len(got) == len(ids) and got[0] is None
+  for token, score, entry in zip(ids[1:], scores, got[1:]):
+    mine = entry[str(token)]
+    np.testing.assert_allclose(mine["logprob"], score, atol=2e-5)
+    assert mine["decoded_token"] == service.tokenizer.token_text(token)
+    top = sorted(entry.values(), key=lambda e: -e["logprob"])
+    assert len(entry) in (3, 4)
+    assert [e["rank"] for e in top[:3]] == [1, 2, 3]
+    greater = sum(e["logprob"] > mine["logprob"] for e in entry.values())
+    # Among the three most likely: its place; else past them.
+    assert (mine["rank"] == 1 + greater if len(entry) == 3
+            else mine["rank"] >= 4 and greater == 3)
+  assert out.choices[0].logprobs is None  # logprobs were not asked
+  messages = [{"role": "user", "content": "line 9: the"}]
+  chat = client.chat.completions.create(
+      model=M, messages=messages, max_tokens=2, temperature=0,
+      extra_body={"prompt_logprobs": 0})
+  transcript = service.api.transcript(messages)
+  assert len(chat.prompt_logprobs) == len(transcript)
+  assert all(len(e) == 1 for e in chat.prompt_logprobs[1:])
+  with pytest.raises(openai.BadRequestError) as raised:
+    list(client.completions.create(model=M, prompt=PROMPT, stream=True,
+                                   extra_body={"prompt_logprobs": 1}))
+  assert raised.value.body["param"] == "prompt_logprobs"
+
+
+def test_chat_generates_past_16_tokens_without_max_tokens(server):
+  _, _, _, client, service = server
+  out = client.chat.completions.create(
+      model=M, messages=[{"role": "user", "content": "line 9: the"}],
+      temperature=0)
+  limit = service.limits.max_new_tokens
+  assert out.usage.completion_tokens > 16
+  assert (out.choices[0].finish_reason, out.usage.completion_tokens) in (
+      ("length", limit), ("stop", out.usage.completion_tokens))
+  # Completions keep OpenAI's default of 16.
+  plain = client.completions.create(model=M, prompt=PROMPT, temperature=0)
+  assert plain.usage.completion_tokens == 16
+
+
+def test_generation_prompt_and_continuing_the_last_message(server):
+  _, _, port, client, service = server
+  messages = [{"role": "user", "content": "line 9: the"},
+              {"role": "assistant", "content": "line 10: the qu"}]
+  tokens = lambda **kw: json.loads(raw(port, "POST", "/tokenize", {
+      "messages": messages, **kw})[1])["tokens"]
+  encode = lambda text: [int(i) for i in service.encode(text)]
+  closed = "user: line 9: the\nassistant: line 10: the qu\n"
+  assert tokens() == encode(closed + "assistant: ")
+  assert tokens(add_generation_prompt=False) == encode(closed)
+  assert tokens(continue_final_message=True) == encode(closed[:-1])
+  status, body = raw(port, "POST", "/tokenize", {
+      "messages": messages, "continue_final_message": True,
+      "add_generation_prompt": True})
+  assert status == 400 and "continue_final_message" in json.loads(body)[
+      "error"]
+  reply = client.chat.completions.create(
+      model=M, messages=messages, max_tokens=12, temperature=0,
+      extra_body={"continue_final_message": True,
+                  "add_generation_prompt": False}).choices[0].message.content
+  assert reply == client.completions.create(
+      model=M, prompt=closed[:-1], max_tokens=12, temperature=0,
+      stop=["\nuser:"]).choices[0].text
+
+
+def test_text_offset_counts_the_echoed_texts_characters(server):
+  _, _, _, client, service = server
+  unk = service.tokenizer.unk_id
+  ids = [unk] + [int(i) for i in service.encode(PROMPT)] + [unk]
+  choice = client.completions.create(model=M, prompt=ids, max_tokens=3,
+                                     temperature=0, echo=True,
+                                     logprobs=0).choices[0]
+  assert choice.text.startswith("\ufffd" + PROMPT + "\ufffd")
+  assert choice.logprobs.tokens[0] == "<unk>"
+  assert choice.logprobs.text_offset == list(range(len(choice.text)))
+
+
+def test_word_offsets_follow_the_prompts_own_spacing():
+  """Word tokens: text_offset indexes the text as sent, double spaces,
+  unknown words and line breaks included."""
+  tok = WordTokenizer.build("the cat sat\n")
+  text = "the  cat zebra\nsat"
+  ids = tok.encode_prompt(text)
+  assert tok.token_text(int(ids[2])) == "<unk>"
+  assert openai_answers.prompt_starts(tok, ids, text) == [0, 5, 9, 14, 15]
+  decoded = tok.decode(ids)  # a token-id prompt echoes this
+  assert openai_answers.prompt_starts(tok, ids, decoded) == [0, 4, 8, 13, 14]
+
+
+def test_a_body_that_is_not_json_is_refused(server):
+  _, _, port, _, _ = server
+  body = json.dumps(GOOD).encode()
+  for kind in ("text/plain", "application/x-www-form-urlencoded",
+               "multipart/form-data; boundary=x", None):
+    headers = {"Content-Type": kind} if kind else {"Content-Type": ""}
+    status, _, answer = http_call(port, "POST", "/v1/completions", body,
+                                  headers)
+    assert status == 415, (kind, answer)
+    assert "application/json" in json.loads(answer)["error"]["message"]
+    status, _, _ = http_call(port, "POST", "/generate",
+                             {"prompt": "the "}, headers)
+    assert status == 415
+  status, _, answer = http_call(port, "POST", "/v1/completions", body, {
+      "Content-Type": "application/json; charset=utf-8"})
+  assert status == 200 and json.loads(answer)["choices"][0]["text"]
+
+
+def test_stream_options_without_stream_is_refused(server):
+  _, _, port, client, _ = server
+  with pytest.raises(openai.BadRequestError) as raised:
+    client.completions.create(model=M, prompt=PROMPT, max_tokens=2,
+                              stream_options={"include_usage": True})
+  assert raised.value.body["param"] == "stream_options"
+  status, _ = raw(port, "POST", "/v1/chat/completions", {
+      "model": M, "messages": [{"role": "user", "content": "the"}],
+      "stream_options": {"include_usage": True}})
+  assert status == 400
+  with pytest.raises(openai.BadRequestError) as raised:
+    client.completions.create(model=M, prompt=PROMPT, max_tokens=2,
+                              stream=True, stream_options={
+                                  "include_usage": True,
+                                  "continuous_usage_stats": True})
+  assert raised.value.body["param"] == "stream_options"
+
+
+REFUSED = [  # (route, field, value): what the server would not do
+    ("completions", "use_beam_search", True),
+    ("completions", "ignore_eos", False),
+    ("completions", "include_stop_str_in_output", True),
+    ("completions", "bad_words", ["the"]),
+    ("completions", "response_format", {"type": "json_object"}),
+    ("completions", "truncate_prompt_tokens", 3),
+    ("completions", "skip_special_tokens", True),
+    ("completions", "stop_token_ids", [10**6]),
+    ("completions", "min_tokens", 5),  # more than max_tokens 4
+    ("completions", "prompt_logprobs", -1),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("chat", "tool_choice", "required"),
+    ("chat", "echo", True),
+    ("chat", "chat_template", "{{ messages }}"),
+    ("chat", "guided_choice", ["a", "b"]),
+    ("chat", "reasoning_effort", "high"),
+    ("chat", "top_logprobs", 2),  # without logprobs
+    ("chat", "stream_options", {"include_usage": True}),  # without stream
+]
+
+
+@pytest.mark.parametrize("route, field, value", REFUSED,
+                         ids=[f"{r}:{f}" for r, f, _ in REFUSED])
+def test_a_field_it_cannot_honour_is_refused(server, route, field, value):
+  _, _, port, _, _ = server
+  body = dict(GOOD) if route == "completions" else {
+      "model": M, "messages": [{"role": "user", "content": "the"}],
+      "max_tokens": 4}
+  body[field] = value
+  status, answer = raw(port, "POST", f"/v1/{route.replace('chat', 'chat/')}"
+                       f"{'completions' if route == 'chat' else ''}", body)
+  error = json.loads(answer)["error"]
+  assert status == 400 and error["param"] == field, error
+  assert field in error["message"]
+
+
+def test_fields_that_ask_nothing_are_taken_without_a_warning(server, caplog):
+  _, _, port, _, _ = server
+  caplog.set_level(logging.WARNING, logger="zebra_jax.serve")
+  plain = json.loads(raw(port, "POST", "/v1/completions", {
+      **GOOD, "temperature": 0})[1])["choices"][0]["text"]
+  status, answer = raw(port, "POST", "/v1/completions", {
+      **GOOD, "temperature": 0, "ignore_eos": True, "length_penalty": 1.0,
+      "skip_special_tokens": False, "response_format": {"type": "text"},
+      "use_beam_search": False, "min_tokens": 0, "stop_token_ids": [],
+      "allowed_token_ids": None, "user": "u", "request_id": "r1",
+      "bad_words": []})
+  assert status == 200 and json.loads(answer)["choices"][0]["text"] == plain
+  assert not caplog.records

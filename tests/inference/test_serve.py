@@ -31,7 +31,8 @@ def call(port, method, path, body=None, raw=None, headers=None):
   try:
     data = raw if raw is not None else (
         None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers=headers or {})
+    sent = {"Content-Type": "application/json"} if data is not None else {}
+    conn.request(method, path, body=data, headers={**sent, **(headers or {})})
     response = conn.getresponse()
     return response.status, json.loads(response.read())
   finally:

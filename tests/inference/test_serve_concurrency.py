@@ -185,7 +185,8 @@ def post(port, path, body, headers=None):
   conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
   try:
     conn.request("POST", path, body=json.dumps(body).encode(),
-                 headers=headers or {})
+                 headers={"Content-Type": "application/json",
+                          **(headers or {})})
     response = conn.getresponse()
     return (response.status, dict(response.getheaders()),
             json.loads(response.read()))

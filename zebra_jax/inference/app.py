@@ -288,6 +288,12 @@ class App:
           headers={"WWW-Authenticate": "Bearer"})
 
   async def _body(self, request):
+    # JSON only: a browser sends text/plain and form bodies cross-site
+    # without asking first (no CORS preflight).
+    if request.content_type != "application/json":
+      raise BadRequest("the body must be JSON sent as `Content-Type: "
+                       f"application/json`, not {request.content_type!r}",
+                       415)
     length = request.headers.get("Content-Length")
     if length is None or not length.isdigit():
       raise BadRequest("a POST needs a Content-Length header", 411)

@@ -7,20 +7,37 @@ prebuilt head: only the choice is encoded per event.
 """
 
 import json
+import re
 import time
 import uuid
 
 from zebra_jax.inference.openai_api import Request
 
+_WORD_OR_LINE_END = re.compile(r"\n|[^\s]+")
 
-def prompt_starts(tokenizer, ids) -> list[int]:
-  """Where each prompt token starts in the prompt's text (word tokens are
-  joined by a space)."""
-  gap = 0 if tokenizer.spaces_in_tokens else 1
-  starts, at = [], 0
-  for i in ids:
+
+def prompt_starts(tokenizer, ids, text: str) -> list[int]:
+  """Where each prompt token starts in the echoed prompt `text`.
+
+  Word tokens are the text's words and line breaks, in order, whatever
+  the spacing and whether a word is in the vocabulary. Other tokens are
+  the text as they decode (`<unk>` as one U+FFFD): each token's own text
+  and what decoding puts between two, in two decodes a token rather than
+  one of every prefix.
+  """
+  if not tokenizer.spaces_in_tokens:
+    starts = [m.start() for m in _WORD_OR_LINE_END.finditer(text)]
+    if len(starts) == len(ids):
+      return starts
+  starts, at, before = [], 0, None
+  for i in (int(t) for t in ids):
+    size = len(tokenizer.decode([i]))
+    if before is not None:
+      prev, prev_size = before
+      at += len(tokenizer.decode([prev, i])) - prev_size - size
     starts.append(at)
-    at += len(tokenizer.token_text(int(i))) + gap
+    at += size
+    before = (i, size)
   return starts
 
 
@@ -50,7 +67,7 @@ class Answers:
       ids += list(row.ids)
       lps += row.prompt_logprobs
       tops += row.prompt_top
-      offsets += prompt_starts(self.tokenizer, row.ids)
+      offsets += prompt_starts(self.tokenizer, row.ids, row.prompt)
     if len(tokens):
       base = len(self._echo_text(row))
       ends = row.offsets(self.tokenizer)
@@ -89,6 +106,25 @@ class Answers:
         {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top[:n]]}
         for t, lp, top in zip(tokens, logprobs, tops)]}
 
+  def _prompt_logprobs(self, row) -> list:
+    """vLLM's prompt_logprobs: per prompt token null (the first), else
+    {token id: {logprob, rank, decoded_token}} for the token itself and
+    the N most likely."""
+    n, text = self.req.prompt_logprobs, self.tokenizer.token_text
+    entry = lambda i, lp, rank: {"logprob": lp, "rank": rank,
+                                 "decoded_token": text(i)}
+    out = []
+    for t, lp, top, rank in zip(row.ids, row.prompt_logprobs, row.prompt_top,
+                                row.prompt_ranks):
+      if lp is None:
+        out.append(None)
+        continue
+      tokens = {str(int(t)): entry(int(t), lp, rank)}
+      for k, (i, v) in enumerate(top[:n]):
+        tokens.setdefault(str(i), entry(i, v, k + 1))
+      out.append(tokens)
+    return out
+
   def usage(self, rows) -> dict:
     prompts = {}
     for (p, _), row in zip(self.req.rows(), rows):
@@ -113,11 +149,17 @@ class Answers:
       else:
         choices.append({"text": self._echo_text(row) + row.text, "index": i,
                         "logprobs": lp, "finish_reason": row.finish_reason})
-    return {"id": self.id,
-            "object": "chat.completion" if self.req.chat else
-                      "text_completion",
-            "created": self.created, "model": self.req.model,
-            "choices": choices, "usage": self.usage(rows)}
+        if self.req.prompt_logprobs is not None:
+          choices[-1]["prompt_logprobs"] = self._prompt_logprobs(row)
+    answer = {"id": self.id,
+              "object": "chat.completion" if self.req.chat else
+                        "text_completion",
+              "created": self.created, "model": self.req.model,
+              "choices": choices, "usage": self.usage(rows)}
+    if self.req.chat and self.req.prompt_logprobs is not None:
+      # One prompt for every choice: vLLM sends it beside them.
+      answer["prompt_logprobs"] = self._prompt_logprobs(rows[0])
+    return answer
 
   # --- server-sent events ---
 

@@ -14,12 +14,15 @@ LangChain's `OpenAI` and `ChatOpenAI`, lm-evaluation-harness's
 Sampling fields map to the engine's SamplingParams by name (`max_tokens`
 and chat's `max_completion_tokens` are its `max_new_tokens`): temperature,
 top_p, top_k, min_p, presence_penalty, frequency_penalty,
-repetition_penalty, logit_bias, seed, stop; so a knob added there is taken
-here without an edit. Defaults are OpenAI's (temperature 1, top_p 1), not
-the config's. A field the server does not know is ignored with one warning
-naming it, as vLLM does; a known field with a value it cannot honour is a
-400 in OpenAI's error shape whose `param` names the field. This module
-reads requests; openai_answers.py writes the answers.
+repetition_penalty, logit_bias, seed, stop, stop_token_ids, min_tokens,
+allowed_token_ids, prompt_logprobs; so a knob added there is taken here
+without an edit. Defaults are OpenAI's (temperature 1, top_p 1; max_tokens
+16 for completions, until a stop for chat), not the config's. A field of
+OpenAI's or vLLM's schema is honoured, or taken only with a value that
+asks nothing of this server (INERT); any other value is a 400 in OpenAI's
+error shape whose `param` names the field, never dropped silently. A field
+in neither schema is ignored with one warning naming it, as vLLM does.
+This module reads requests; openai_answers.py writes the answers.
 """
 
 import dataclasses
@@ -38,13 +41,48 @@ log = logging.getLogger("zebra_jax.serve")
 
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 # Request fields that are not sampling parameters by the same name.
-_COMMON = {"model", "n", "best_of", "stream", "stream_options", "user",
+_COMMON = {"model", "n", "best_of", "stream", "stream_options",
            "max_tokens", "logit_bias", "stop", "logprobs", "seed"}
-COMPLETION_FIELDS = (_PARAM_NAMES | _COMMON | {"prompt", "echo", "suffix"}) - {
-    "max_new_tokens", "prompt_logprobs"}
-CHAT_FIELDS = (_PARAM_NAMES | _COMMON | {
-    "messages", "max_completion_tokens", "top_logprobs"}) - {
-        "max_new_tokens", "prompt_logprobs"}
+# Fields of OpenAI's and vLLM's requests that this server takes without
+# acting on them. ANY: no value changes the answer. Otherwise the values
+# that ask nothing of it (null always does): any other is a 400 naming the
+# field, never silently dropped.
+ANY = None
+INERT = {
+    "user": ANY, "metadata": ANY, "store": ANY, "service_tier": ANY,
+    "request_id": ANY, "session_id": ANY, "priority": (0,),
+    "cache_salt": ANY, "prompt_cache_key": ANY, "safety_identifier": ANY,
+    "stream_interval": ANY, "prediction": ANY, "kv_transfer_params": ANY,
+    "ec_transfer_params": ANY, "vllm_xargs": ANY, "include_reasoning": ANY,
+    "parallel_tool_calls": ANY, "mm_processor_kwargs": ANY,
+    "media_io_kwargs": ANY, "return_token_offsets": ANY,
+    "add_special_tokens": ANY,  # these tokenizers add no BOS or EOS
+    "truncation_side": ANY,     # only with truncate_prompt_tokens
+    # No token ends a text by itself: only stop, stop_token_ids, max_tokens.
+    "ignore_eos": (True,),
+    "skip_special_tokens": (False,),  # special tokens stay in the text
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,), "length_penalty": (1,),
+    "truncate_prompt_tokens": (), "bad_words": ([],),
+    "logprob_token_ids": (), "prompt_embeds": (), "watermarking": (False,),
+    "repetition_detection": (), "thinking_token_budget": (-1,),
+    "reasoning_effort": (), "verbosity": (), "web_search_options": (),
+    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    "response_format": ({"type": "text"},), "structured_outputs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "modalities": (["text"],),
+    "audio": (), "tools": ([],), "tool_choice": ("none", "auto"),
+    "functions": ([],), "function_call": ("none", "auto"),
+    "chat_template": (), "chat_template_kwargs": ({},),
+    "documents": ([],),
+}
+COMPLETION_FIELDS = (_PARAM_NAMES | _COMMON | set(INERT) | {
+    "prompt", "echo", "suffix"}) - {"max_new_tokens"}
+CHAT_FIELDS = (_PARAM_NAMES | _COMMON | set(INERT) | {
+    "messages", "max_completion_tokens", "top_logprobs", "echo",
+    "add_generation_prompt", "continue_final_message"}) - {"max_new_tokens"}
 
 
 class ApiError(Exception):
@@ -82,6 +120,7 @@ class Request:
   echo: bool = False
   chat: bool = False
   logprobs: int | None = None   # alternatives per token; None = off
+  prompt_logprobs: int | None = None  # returned as vLLM's prompt_logprobs
 
   def rows(self):
     """(prompt index, choice index) per generated row: prompt-major, so
@@ -90,10 +129,28 @@ class Request:
             for j in range(self.n)]
 
 
-def _ignore_unknown(body: dict, known: set, path: str) -> None:
+def _check_known(body: dict, known: set, path: str) -> None:
+  """One warning for fields in neither schema; a 400 for an INERT field
+  that asks for something this server does not do."""
   unknown = sorted(set(body) - known)
   if unknown:
     log.warning("%s: ignored unknown field(s) %s", path, ", ".join(unknown))
+  for name in sorted(set(body) & set(INERT)):
+    allowed, value = INERT[name], body[name]
+    if allowed is ANY or value is None or any(_same(value, a)
+                                              for a in allowed):
+      continue
+    what = (" or ".join(json.dumps(a) for a in allowed) if allowed
+            else "null")
+    raise ApiError(f"{name}={json.dumps(value)[:80]}: this server does not "
+                   f"do that; send {what}, or leave {name} out", name)
+
+
+def _same(value, allowed) -> bool:
+  """value == allowed, but true and 1 differ (1 and 1.0 do not)."""
+  if isinstance(value, bool) or isinstance(allowed, bool):
+    return value is allowed
+  return value == allowed
 
 
 def _int(body, name, default, low, high):
@@ -125,6 +182,15 @@ def parse_stops(value) -> tuple:
       isinstance(s, str) for s in stops):
     raise ApiError("stop must be a string or a list of strings", "stop")
   return tuple(s for s in stops if s)
+
+
+def parse_token_ids(value, name: str) -> tuple:
+  """A list of token ids (null: none) as a tuple; the engine bounds it."""
+  if value is None:
+    return ()
+  if not isinstance(value, list) or not all(_is_id(t) for t in value):
+    raise ApiError(f"{name} must be a list of token ids, e.g. [198]", name)
+  return tuple(value)
 
 
 def parse_logit_bias(value) -> tuple:
@@ -176,7 +242,7 @@ class Api:
     if not isinstance(body, dict):
       raise ApiError("the body must be a JSON object, e.g. {\"model\": "
                      f"\"{MODEL_ID}\", \"prompt\": \"The \"}}")
-    _ignore_unknown(body, known, path)
+    _check_known(body, known, path)
     model = body.get("model")
     if not isinstance(model, str):
       raise ApiError("model is required: a string, e.g. "
@@ -190,14 +256,26 @@ class Api:
     lim = self.service.limits
     values = {k: body[k] for k in _PARAM_NAMES & set(body)
               if body[k] is not None and k not in (
-                  "stop", "logit_bias", "logprobs", "max_new_tokens")}
+                  "stop", "logit_bias", "logprobs", "max_new_tokens",
+                  "stop_token_ids", "allowed_token_ids")}
     max_tokens = body.get(max_tokens_name)
     if max_tokens is None and max_tokens_name != "max_tokens":
       max_tokens = body.get("max_tokens")  # chat's older name
-    values["max_new_tokens"] = 16 if max_tokens is None else max_tokens
+    if max_tokens is None:  # completions: OpenAI's 16; chat: to a stop
+      max_tokens = 16 if max_tokens_name == "max_tokens" else (
+          lim.max_new_tokens)
+    values["max_new_tokens"] = max_tokens
     values["stop"] = parse_stops(body.get("stop"))
     values["logit_bias"] = parse_logit_bias(body.get("logit_bias"))
     values["logprobs"] = logprobs
+    values["stop_token_ids"] = parse_token_ids(body.get("stop_token_ids"),
+                                               "stop_token_ids")
+    allowed = body.get("allowed_token_ids")
+    if allowed == []:
+      raise ApiError("allowed_token_ids must name at least one token id "
+                     "(or be left out)", "allowed_token_ids")
+    values["allowed_token_ids"] = parse_token_ids(allowed,
+                                                  "allowed_token_ids")
     names = {"max_new_tokens": max_tokens_name}
     try:
       params = SamplingParams(**values)
@@ -231,6 +309,17 @@ class Api:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
       raise ApiError("stream_options must be an object", "stream_options")
+    if options and not stream:
+      raise ApiError("stream_options is only for a stream: send "
+                     "\"stream\": true, or leave stream_options out",
+                     "stream_options")
+    if (options or {}).get("continuous_usage_stats"):
+      raise ApiError("stream_options: this server sends usage once, at the "
+                     "end (include_usage), not continuous_usage_stats",
+                     "stream_options")
+    if stream and body.get("prompt_logprobs") is not None:
+      raise ApiError("prompt_logprobs are not sent in a stream: leave out "
+                     "\"stream\" or prompt_logprobs", "prompt_logprobs")
     usage = bool((options or {}).get("include_usage"))
     return stream, usage and stream
 
@@ -247,27 +336,36 @@ class Api:
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = _flag(body, "echo")
     params = self._params(body, "max_tokens", logprobs)
-    if echo and logprobs is not None:
+    asked = params.prompt_logprobs
+    if echo and logprobs is not None and asked is None:
       params = dataclasses.replace(params, prompt_logprobs=logprobs)
     n = self._n(body, len(prompts))
     stream, usage = self._stream(body)
     return Request(model, prompts, params, n, stream, usage, echo=echo,
-                   logprobs=logprobs)
+                   logprobs=logprobs, prompt_logprobs=asked)
 
   def chat(self, body) -> Request:
     """A /v1/chat/completions request."""
     model, body = self._common(body, "/v1/chat/completions", CHAT_FIELDS)
-    prompt = self._prompt_text(self.transcript(body.get("messages")),
-                               "messages")
+    if _flag(body, "echo"):
+      raise ApiError("echo: this server does not repeat the last message in "
+                     "a chat reply; send false, or leave echo out", "echo")
+    prompt = self._prompt_text(
+        self.transcript(body.get("messages"), **self.chat_form(body)),
+        "messages")
     want = _flag(body, "logprobs")
     top = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    if top and not want:
+      raise ApiError("top_logprobs needs \"logprobs\": true",
+                     "top_logprobs")
     params = self._params(body, "max_completion_tokens", top if want else None)
     params = dataclasses.replace(
         params, stop=params.stop + self.chat_stops())
     n = self._n(body, 1)
     stream, usage = self._stream(body)
     return Request(model, [prompt], params, n, stream, usage, chat=True,
-                   logprobs=top if want else None)
+                   logprobs=top if want else None,
+                   prompt_logprobs=params.prompt_logprobs)
 
   def _prompt_text(self, text: str, field: str) -> Prompt:
     if not text:
@@ -314,9 +412,29 @@ class Api:
 
   # --- chat ---
 
-  def transcript(self, messages) -> str:
+  @staticmethod
+  def chat_form(body) -> dict:
+    """transcript()'s options from a request: add_generation_prompt (by
+    default unless continue_final_message) and continue_final_message."""
+    final = _flag(body, "continue_final_message")
+    add = body.get("add_generation_prompt")
+    if add is None:
+      add = not final
+    elif not isinstance(add, bool):
+      raise ApiError("add_generation_prompt must be true or false",
+                     "add_generation_prompt")
+    if add and final:
+      raise ApiError("continue_final_message and add_generation_prompt "
+                     "cannot both be true: the reply either continues the "
+                     "last message or opens a new one",
+                     "continue_final_message")
+    return {"add_generation_prompt": add, "continue_final_message": final}
+
+  def transcript(self, messages, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False) -> str:
     """The prompt a chat becomes: each message through the template, then
-    the template's opening for the assistant's turn."""
+    the template's opening for the assistant's turn; or the last message
+    left open, for the reply to continue it."""
     if not isinstance(messages, list) or not messages:
       raise ApiError("messages must be a non-empty list of {role, content}",
                      "messages")
@@ -327,7 +445,10 @@ class Api:
                        "messages")
       parts.append(self.chat_template.format(role=m["role"],
                                              content=_content(m)))
-    return "".join(parts) + self.opening("assistant")
+    if continue_final_message:
+      parts[-1] = self.opening(messages[-1]["role"]) + _content(messages[-1])
+    return "".join(parts) + (self.opening("assistant")
+                             if add_generation_prompt else "")
 
   def opening(self, role: str) -> str:
     """The template's text before a message of `role`."""

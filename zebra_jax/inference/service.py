@@ -49,12 +49,13 @@ class Unavailable(Exception):
 _SCORE_FIELDS = {"text": str, "texts": list, "verbose": bool}
 # /generate's own fields; every sampling parameter is taken by its name.
 _GENERATE_FIELDS = {"prompt": str, "prompts": list, "num_samples": int,
-                    "stop": (str, list), "logit_bias": dict}
+                    "stop": (str, list), "logit_bias": dict,
+                    "stop_token_ids": list, "allowed_token_ids": list}
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(engines.SamplingParams)
-                 } - {"stop", "logit_bias", "logprobs", "prompt_logprobs"}
+                 } - set(_GENERATE_FIELDS) - {"logprobs", "prompt_logprobs"}
 _GENERATE_TYPES = {**_GENERATE_FIELDS, **{
-    k: int if k in ("max_new_tokens", "top_k", "seed") else (int, float)
-    for k in _PARAM_FIELDS}}
+    k: int if k in ("max_new_tokens", "top_k", "seed", "min_tokens")
+    else (int, float) for k in _PARAM_FIELDS}}
 
 
 def _check_fields(body, allowed: dict) -> dict:
@@ -183,11 +184,14 @@ class Service:
     values = {k: v for k, v in body.items() if k in _PARAM_FIELDS}
     if "stop" in body:
       values["stop"] = openai_api.parse_stops(body["stop"])
-    if "logit_bias" in body:
-      try:
+    try:
+      if "logit_bias" in body:
         values["logit_bias"] = openai_api.parse_logit_bias(body["logit_bias"])
-      except openai_api.ApiError as e:
-        raise BadRequest(str(e)) from None
+      for name in ("stop_token_ids", "allowed_token_ids"):
+        if name in body:
+          values[name] = openai_api.parse_token_ids(body[name], name)
+    except openai_api.ApiError as e:
+      raise BadRequest(str(e)) from None
     params = dataclasses.replace(self.defaults, **values)
     try:
       params.check(self.vocab_size)
@@ -238,12 +242,14 @@ class Service:
   # --- vLLM's tokenizer endpoints ---
 
   def tokenize(self, body) -> dict:
-    """{"prompt": text} or {"messages": [...]} -> its tokens."""
+    """{"prompt": text} or {"messages": [...]} (with chat's
+    add_generation_prompt and continue_final_message) -> its tokens."""
     if not isinstance(body, dict):
       raise BadRequest("the body must be a JSON object, e.g. "
                        "{\"prompt\": \"The \"}")
     if "messages" in body:
-      text = self.api.transcript(body["messages"])
+      text = self.api.transcript(body["messages"],
+                                 **self.api.chat_form(body))
     else:
       text = body.get("prompt")
       if not isinstance(text, str):

@@ -9,7 +9,7 @@ per-row arrays, data to the compiled code, never compile-time constants.
 Row r's token i is drawn with `fold_in(key_r, i)`, key_r from the request's
 own seed and sample index, and a row's arithmetic never mixes with other
 rows', so a request's text does not depend on who else is in the batch.
-Stop strings and max tokens are checked on the host, on the text, after each
+Stop strings, stop tokens and max tokens are checked on the host after each
 call; a row may compute a few tokens past its end, which are dropped.
 
 Prompts enter by chunked prefill: `prefill_rows` prompts x `prefill_chunk`

@@ -24,6 +24,8 @@ import numpy as np
 MAX_LOGPROBS = 20          # alternatives per token (vLLM's default cap)
 MAX_LOGIT_BIAS = 300       # entries in one logit_bias (OpenAI's cap)
 MAX_STOPS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1024
 INT32_MAX = (1 << 31) - 1
 
 
@@ -43,6 +45,9 @@ class SamplingParams:
   stop: tuple = ()                  # cut before the first of these strings
   logprobs: int | None = None       # each new token's log-prob + top N
   prompt_logprobs: int | None = None  # the prompt's too (echo scoring)
+  stop_token_ids: tuple = ()        # end at the first of these, not kept
+  min_tokens: int = 0               # no stop (ids or strings) before these
+  allowed_token_ids: tuple = ()     # draw only these; () = every token
 
   def check(self, vocab_size: int | None = None) -> None:
     """ValueError (`.field` names the field) for the first value out of
@@ -51,11 +56,18 @@ class SamplingParams:
       message = problem(f.name, getattr(self, f.name))
       if message:
         raise ParamError(f.name, message)
+    if self.min_tokens > self.max_new_tokens:
+      raise ParamError("min_tokens", f"{self.min_tokens} is more than the "
+                       f"{self.max_new_tokens} tokens asked for at most")
     if vocab_size is not None:
-      for token, _ in self.logit_bias:
-        if not 0 <= token < vocab_size:
-          raise ParamError("logit_bias", f"token id {token} is outside the "
-                           f"vocabulary [0, {vocab_size})")
+      for name, ids in (
+          ("logit_bias", [t for t, _ in self.logit_bias]),
+          ("stop_token_ids", self.stop_token_ids),
+          ("allowed_token_ids", self.allowed_token_ids)):
+        for token in ids:
+          if not 0 <= token < vocab_size:
+            raise ParamError(name, f"token id {token} is outside the "
+                             f"vocabulary [0, {vocab_size})")
 
   def with_seed(self) -> "SamplingParams":
     """The same parameters with a seed: the given one, or a fresh one."""
@@ -121,6 +133,15 @@ def _bias(v):
   return None
 
 
+def _ids(limit):
+  def test(v):
+    if (not isinstance(v, tuple) or len(v) > limit
+        or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in v)):
+      return f"must be a list of at most {limit} token ids"
+    return None
+  return test
+
+
 # Every field's bound, the one place it is stated.
 BOUNDS = {
     "max_new_tokens": _int_in(0, INT32_MAX, 16),
@@ -136,6 +157,9 @@ BOUNDS = {
     "stop": _stops,
     "logprobs": _optional(_int_in(0, MAX_LOGPROBS, 1)),
     "prompt_logprobs": _optional(_int_in(0, MAX_LOGPROBS, 1)),
+    "stop_token_ids": _ids(MAX_STOP_TOKEN_IDS),
+    "min_tokens": _int_in(0, INT32_MAX, 4),
+    "allowed_token_ids": _ids(MAX_ALLOWED_TOKEN_IDS),
 }
 
 
@@ -157,10 +181,16 @@ def _top_k(p):
   return min(p.top_k, INT32_MAX) if p.top_k > 0 else 0
 
 
+def _padded(ids, width) -> np.ndarray:
+  """A row's token ids as a fixed-width array, padded with INT32_MAX (which
+  a scatter drops)."""
+  out = np.full(width, INT32_MAX, np.int32)
+  out[:len(ids)] = ids
+  return out
+
+
 def _bias_ids(p):
-  ids = np.full(MAX_LOGIT_BIAS, INT32_MAX, np.int32)  # dropped by scatter
-  ids[:len(p.logit_bias)] = [t for t, _ in p.logit_bias]
-  return ids
+  return _padded([t for t, _ in p.logit_bias], MAX_LOGIT_BIAS)
 
 
 def _bias_values(p):
@@ -184,6 +214,15 @@ ROW_FIELDS = {
         lambda p: -1 if p.prompt_logprobs is None else p.prompt_logprobs),
     "bias_ids": RowField(np.int32, INT32_MAX, _bias_ids, (MAX_LOGIT_BIAS,)),
     "bias_values": RowField(np.float32, 0.0, _bias_values, (MAX_LOGIT_BIAS,)),
+    "min_tokens": RowField(np.int32, 0),
+    "stop_ids": RowField(
+        np.int32, INT32_MAX,
+        lambda p: _padded(p.stop_token_ids, MAX_STOP_TOKEN_IDS),
+        (MAX_STOP_TOKEN_IDS,)),
+    "allowed_ids": RowField(
+        np.int32, INT32_MAX,
+        lambda p: _padded(p.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS),
+        (MAX_ALLOWED_TOKEN_IDS,)),
 }
 
 

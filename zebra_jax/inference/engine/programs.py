@@ -64,6 +64,7 @@ def decode(params, state: State, active, *, step_fn, block):
   def one(state, _):
     logits = sampler.penalize_rows(state.logits, state.seen, state.counts,
                                    row)
+    logits = sampler.restrict_rows(logits, row, state.step)
     keys = jax.vmap(jax.random.fold_in)(state.key, state.step)
     tokens = sampler.draw_rows(keys, logits, row)
     logprobs = jax.lax.cond(
@@ -101,9 +102,9 @@ def prefill(params, state: State, tokens, lengths, slots, fresh, key, index,
 
   Returns:
     (state, (logprobs float32 [P, C], top ids int32 [P, C, K], top logprobs
-    float32 [P, C, K])): each consumed token's log-probability given what
-    precedes it (a fresh row's first is meaningless), for rows that want
-    their prompt's.
+    float32 [P, C, K], ranks int32 [P, C])): each consumed token's
+    log-probability and rank given what precedes it (a fresh row's first is
+    meaningless), for rows that want their prompt's.
   """
   num_slots = state.step.shape[0]
   take = jnp.minimum(slots, num_slots - 1)
@@ -121,8 +122,12 @@ def prefill(params, state: State, tokens, lengths, slots, fresh, key, index,
     def one(c, t):
       carry, logits, seen = c
       valid = (t < lengths)[:, None]
-      logprobs = (sampler.logprob_rows(logits, tokens[:, t]) if with_logprobs
-                  else sampler.no_logprobs(*logits.shape))
+      if with_logprobs:
+        logprobs = sampler.logprob_rows(logits, tokens[:, t]) + (
+            sampler.token_ranks(logits, tokens[:, t]),)
+      else:
+        logprobs = sampler.no_logprobs(*logits.shape) + (
+            jnp.zeros(logits.shape[:1], jnp.int32),)
       new_logits, new_carry = step_fn(params, carry, tokens[:, t])
       carry = jax.tree.map(
           lambda n, o: jnp.where(valid, n.astype(o.dtype), o), new_carry,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .params import MAX_LOGPROBS
+from .params import INT32_MAX, MAX_LOGPROBS
 
 
 def first_argmax(x):
@@ -172,6 +172,30 @@ def penalize_rows(logits, seen, counts, row):
   return _when(used, penalize, logits)
 
 
+def restrict_rows(logits, row, step):
+  """allowed_token_ids and min_tokens, each row its own: a row draws only
+  from its allowed tokens (all when it names none), and none of its stop
+  tokens while it has drawn fewer than min_tokens.
+
+  Args:
+    logits: float32 [rows, V].
+    step: int32 [rows]: the tokens each row has drawn.
+  """
+  rows = jnp.arange(logits.shape[0])[:, None]
+  allowed, stops = row["allowed_ids"], row["stop_ids"]
+  limited = allowed[:, :1] != INT32_MAX  # a row's list is not empty
+  early = (step < row["min_tokens"])[:, None] & (stops[:, :1] != INT32_MAX)
+  mark = lambda x, ids: jnp.zeros(x.shape, bool).at[rows, ids].set(
+      True, mode="drop")  # the pad, INT32_MAX, is dropped
+
+  def restrict(x):
+    x = jnp.where(mark(x, allowed) | ~limited, x, -jnp.inf)
+    return jnp.where(mark(x, stops) & early, -jnp.inf, x)
+
+  # One test for both: a cond costs a call on the CPU, at every token.
+  return _when(jnp.any(limited) | jnp.any(early), restrict, logits)
+
+
 def categorical(key, logits):
   """int32: `jax.random.categorical(key, logits)` for one row, the same token
   for the same key: the Gumbel-max draw jax makes (the first argmax of
@@ -207,6 +231,13 @@ def logprob_rows(logits, tokens):
   chosen = jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
   top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
   return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def token_ranks(logits, tokens):
+  """int32 [rows]: each token's rank among its row's logits, 1 for the most
+  likely (vLLM's `rank`)."""
+  chosen = jnp.take_along_axis(logits, tokens[:, None], -1)
+  return 1 + jnp.sum(logits > chosen, -1, dtype=jnp.int32)
 
 
 def no_logprobs(rows: int, vocab: int):

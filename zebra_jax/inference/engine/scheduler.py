@@ -109,6 +109,8 @@ class Request:
     self.top_logprobs: list[list] = []     # [(id, logprob)] per token
     self.prompt_logprobs: list = []        # None for the first token
     self.prompt_top: list = []
+    self.prompt_ranks: list = []           # 1 = the most likely token
+    self.stop_token: int | None = None     # the stop token id that ended it
     self.text = ""                 # released completion text
     self.released = 0              # generated tokens released with it
     self.finish_reason: str | None = None
@@ -156,26 +158,37 @@ class Request:
 
   def consumed(self, count: int, logprobs=None) -> None:
     """`count` more prompt tokens are in the carry; logprobs: their
-    (logprob, top ids, top logprobs) when the row asked for them."""
+    (logprob, top ids, top logprobs, rank) when the row asked for them."""
     if logprobs is not None:
+      # Enough alternatives for prompt_logprobs and for echo's logprobs.
+      top = max(self.params.prompt_logprobs, self.params.logprobs or 0)
       for t in range(count):
         if self.fed + t == 0:
           self.prompt_logprobs.append(None)
           self.prompt_top.append(None)
+          self.prompt_ranks.append(None)
         else:
-          lp, ids, lps = (x[t] for x in logprobs)
+          lp, ids, lps, rank = (x[t] for x in logprobs)
           self.prompt_logprobs.append(float(lp))
-          self.prompt_top.append(_top(ids, lps, self.params.prompt_logprobs))
+          self.prompt_top.append(_top(ids, lps, top))
+          self.prompt_ranks.append(int(rank))
     self.fed += count
     if self.fed == len(self.ids):
       self.phase = Phase.DECODING
 
   def generated(self, tokens: np.ndarray, logprobs=None) -> int:
-    """Takes a block of new tokens (those past max_new_tokens dropped);
-    returns how many it kept."""
-    take = tokens[:self.params.max_new_tokens - len(self.tokens)]
+    """Takes a block of new tokens (those past max_new_tokens, and from a
+    stop token on, dropped); returns how many it kept."""
+    p = self.params
+    take = tokens[:p.max_new_tokens - len(self.tokens)]
     if len(take) and self.first_token_at is None:
       self.first_token_at = time.monotonic()
+    if p.stop_token_ids:
+      first = len(self.tokens)
+      hit = next((k for k, t in enumerate(take) if t in p.stop_token_ids
+                  and first + k >= p.min_tokens), None)
+      if hit is not None:
+        take, self.stop_token = take[:hit], int(take[hit])
     self.tokens.extend(int(t) for t in take)
     if logprobs is not None:
       for t in range(len(take)):
@@ -585,23 +598,31 @@ class Engine:
         req.cancel()
 
   def _advance(self, req: Request) -> None:
-    """Stop strings, the end, and streamed text after new tokens."""
+    """Stop strings, stop tokens, the end, and streamed text after new
+    tokens."""
     p = req.params
-    at_end = len(req.tokens) >= p.max_new_tokens
+    stopped = req.stop_token is not None
+    at_end = stopped or len(req.tokens) >= p.max_new_tokens
     track = p.logprobs is not None
     if not (p.stop or req.on_text is not None or at_end):
       return  # nothing to look at before the end
     text = text_lib.continuation(self.tokenizer, req.prompt, req.tokens)
+    # A stop string counts where it begins after the first min_tokens
+    # tokens' text.
+    start = 0
+    if p.stop and p.min_tokens:
+      start = (req.offsets(self.tokenizer).start(p.min_tokens)
+               if len(req.tokens) >= p.min_tokens else len(text))
     if p.stop:
-      cut, found = text_lib.cut_at_stop(text, p.stop)
+      cut, found = text_lib.cut_at_stop(text, p.stop, start)
       if found:
         kept = req.offsets(self.tokenizer).touching(len(cut))
         req.finish("stop", cut, kept)
         return
     if at_end:
-      req.finish("length", text)
+      req.finish("stop" if stopped else "length", text)
       return
-    safe = text_lib.stream_safe(text, p.stop, final=False)
+    safe = text_lib.stream_safe(text, p.stop, final=False, start=start)
     released = (req.offsets(self.tokenizer).covered(len(safe)) if track
                 else 0)
     req.emit(safe, released)

@@ -14,20 +14,22 @@ def continuation(tokenizer, prompt: str, ids) -> str:
   return " " + text
 
 
-def cut_at_stop(text: str, stops) -> tuple[str, bool]:
-  """(text before the earliest stop string, whether one was found)."""
-  cuts = [text.index(s) for s in stops if s in text]
+def cut_at_stop(text: str, stops, start: int = 0) -> tuple[str, bool]:
+  """(text before the earliest stop string that begins at `start` or
+  later, whether one was found)."""
+  cuts = [i for i in (text.find(s, start) for s in stops) if i >= 0]
   return (text[:min(cuts)], True) if cuts else (text, False)
 
 
-def stream_safe(text: str, stops, final: bool) -> str:
+def stream_safe(text: str, stops, final: bool, start: int = 0) -> str:
   """The part of `text` that can be sent now: before a stop string found,
   holding back a tail that might be the start of one still to come, and a
   trailing U+FFFD (a UTF-8 character whose other BPE bytes are still to
-  come: the next tokens decode it whole)."""
+  come: the next tokens decode it whole). Stop strings count from
+  `start`."""
   if not final:
     text = text.rstrip("\ufffd")
-  text, found = cut_at_stop(text, stops)
+  text, found = cut_at_stop(text, stops, start)
   if found or final or not stops:
     return text
   hold = max(len(s) for s in stops) - 1
