@@ -52,8 +52,6 @@ except ImportError:  # importable outside Triton (Artifact is useful alone)
 
 UNK, EOS = "<unk>", "<eos>"
 RECORD = "tokenizer.zebra.json"
-# SamplingParams fields whose results the outputs (text) cannot carry.
-TEXT_ONLY = ("logprobs", "prompt_logprobs")
 
 
 def _load_engine():
@@ -159,6 +157,9 @@ def load_tokenizer(folder: str):
 class Artifact:
   """The exported model: prompt/step functions, weights, tokenizer."""
 
+  # SamplingParams fields whose results the outputs (text) cannot carry.
+  TEXT_ONLY = ("logprobs", "prompt_logprobs")
+
   def __init__(self, folder: str, device=None):
     def read(name, mode="r"):
       with open(os.path.join(folder, name), mode) as f:
@@ -229,7 +230,7 @@ class Artifact:
       params.check(int(self.manifest["vocab_size"]))
     except engines.ParamError as e:
       raise ValueError(f"{e.field.upper()}: {e.reason}") from None
-    for name in TEXT_ONLY:
+    for name in self.TEXT_ONLY:
       if getattr(params, name) is not None:
         raise ValueError(f"{name.upper()}: the Triton model returns text "
                          "only; drop it, or ask --mode=serve's "
