@@ -7,13 +7,13 @@ sampled text (min_p and the penalties in play) the same through
 --mode=sample, the server's engine, the exported artifact and Triton."""
 
 import dataclasses
-
 import os
 import socket
 import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from zebra_jax.configs import demo
@@ -262,9 +262,24 @@ def test_sampled_tokens_equal_on_all_four_paths(runs, triton, monkeypatch):
       assert generator.generate(prompts, dataclasses.replace(
           params, **{knob: off})) != from_sample, knob
     plain = generator.generate(prompts, dataclasses.replace(params, **OFF))
+    # logit_bias and stop, the inputs that are not one number, arrive too.
+    space = int(loaded.tokenizer.encode_prompt(" ")[0])
+    extra = dict(logit_bias=((space, 5.0),), stop=(plain[0][-6:-3],))
+    biased = generator.generate(prompts, dataclasses.replace(
+        params, **OFF, **extra))
   finally:
     generator.close()
-  inputs, outputs = triton_local.request(
-      prompts, SEED=seed, **{k.upper(): v for k, v in OFF.items()})
-  assert triton_local.texts(client.infer(names["sampling"], inputs,
-                                         outputs=outputs)) == plain
+  overrides = {k.upper(): v for k, v in OFF.items()}
+  for expected, more in ((plain, {}), (biased, extra)):
+    inputs, outputs = triton_local.request(
+        prompts, SEED=seed, **overrides, **{k.upper(): v
+                                            for k, v in more.items()})
+    assert triton_local.texts(client.infer(names["sampling"], inputs,
+                                           outputs=outputs)) == expected
+  assert biased != plain and biased[0].count(" ") > plain[0].count(" ")
+  # An input of another type than its field's is Triton's to refuse.
+  inputs, outputs = triton_local.request(prompts[:1])
+  wrong = th.InferInput("TEMPERATURE", [1, 1], "FP32")
+  wrong.set_data_from_numpy(np.full((1, 1), 0.5, np.float32))
+  with pytest.raises(th.InferenceServerException, match="TEMPERATURE"):
+    client.infer(names["sampling"], inputs + [wrong], outputs=outputs)

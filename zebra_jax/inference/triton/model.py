@@ -233,8 +233,8 @@ class Artifact:
     for name in self.TEXT_ONLY:
       if getattr(params, name) is not None:
         raise ValueError(f"{name.upper()}: the Triton model returns text "
-                         "only; drop it, or ask --mode=serve's "
-                         "/v1/completions for log-probabilities")
+                         "only; drop it, or ask --mode=serve's OpenAI "
+                         "routes for log-probabilities")
     return params
 
   def submit(self, prompts: list[str], params):
