@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from zebra_jax.configs import wt103
-from zebra_jax.inference import serve
+from zebra_jax.inference import serve, triton_local
 from zebra_jax.model.recurrence import native as native_recurrence
 from zebra_jax.model.recurrence import scan as scan_recurrence
 from zebra_jax.runtime import parallel
@@ -190,22 +190,11 @@ def load_triton_model(model_dir, monkeypatch):
   return triton_model
 
 
-def triton_request(prompts, **scalars):
-  """A stand-in Triton request: one UTF-8 PROMPT row per prompt (uint8,
-  zero-padded, with PROMPT_LENGTH), and per-row scalars such as
-  MAX_NEW_TOKENS=10."""
-  raw = [p.encode() for p in prompts]
-  data = np.zeros((len(raw), max([len(r) for r in raw] + [1])), np.uint8)
-  for i, r in enumerate(raw):
-    data[i, :len(r)] = np.frombuffer(r, np.uint8)
-  request = {"PROMPT": _Tensor("PROMPT", data),
-             "PROMPT_LENGTH": _Tensor("PROMPT_LENGTH", np.array(
-                 [[len(r)] for r in raw], np.int32))}
-  kinds = {"MAX_NEW_TOKENS": np.int32, "TEMPERATURE": np.float32,
-           "TOP_K": np.int32, "TOP_P": np.float32, "SEED": np.int64}
-  for name, value in scalars.items():
-    request[name] = _Tensor(name, np.full((len(prompts), 1), value, kinds[name]))
-  return request
+def triton_request(prompts, **fields):
+  """A stand-in Triton request: the tensors triton_local.arrays() builds
+  (one UTF-8 PROMPT row per prompt, and fields such as MAX_NEW_TOKENS=10)."""
+  return {name: _Tensor(name, array) for name, array in
+          triton_local.arrays(prompts, **fields).items()}
 
 
 def write_metrics_run(workdir, ms_per_batch, final_loss, start=1_000_000.0):

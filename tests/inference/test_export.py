@@ -1,7 +1,9 @@
 """Export: the jax.export artifact in a fresh process, and the Triton model.py."""
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 
 from zebra_jax.errors import UserError
 from zebra_jax.inference import engine, export, loading, sample
+from zebra_jax.inference.engine import params as engine_params
 from zebra_jax.model import lm
 from tests.helpers import load_triton_model, triton_request
 
@@ -117,3 +120,100 @@ def test_triton_model_execute_with_stand_in_requests(exported, monkeypatch):
   assert sorted(os.listdir(os.path.join(model_dir, "1"))) == [
       "artifact", "engine", "model.py", "requirements.txt"]
   triton_model.finalize()
+
+
+# Candidate values by annotation: the first within bounds and unlike the
+# default is sent. A field of a new type fails here until it has one.
+_CANDIDATES = {
+    int: lambda d: [d + 1, 1],
+    int | None: lambda d: [1, 2],
+    float: lambda d: [d + 0.25, d - 0.25, 0.5],
+    tuple[str, ...]: lambda d: [("\n\n", "fox é")],
+    tuple[tuple[int, float], ...]: lambda d: [((3, -2.5), (7, 1.0))],
+}
+
+
+def _unlike_default(field):
+  for value in _CANDIDATES[field.type](field.default):
+    if value != field.default and not engine_params.problem(field.name, value):
+      return value
+  raise AssertionError(f"no in-bounds example for {field.name}")
+
+
+def _declared_inputs(config: str) -> dict:
+  """config.pbtxt's optional inputs: {name: (data_type, dims)}."""
+  return {m[1]: (m[2], m[3]) for m in re.finditer(
+      r'name: "(\w+)"\s+data_type: (\w+)\s+dims: \[ ([^\]]*) \]\s+'
+      r"optional: true", config)}
+
+
+@pytest.fixture(scope="module")
+def sampling_export(char_run, tmp_path_factory):
+  """(model dir, serving defaults): the char run exported with min_p and
+  the penalties set in its sample group."""
+  cfg, workdir = char_run
+  cfg = cfg.copy_and_resolve_references()
+  cfg.sample.update(min_p=0.2, repetition_penalty=1.3, presence_penalty=0.4,
+                    frequency_penalty=0.3, stop="fox")
+  export_dir = export.run(cfg, workdir, str(tmp_path_factory.mktemp("ex")))
+  return (os.path.join(export_dir, "triton", export.MODEL_NAME),
+          sample.serving_defaults(cfg))
+
+
+def test_every_sampling_field_is_a_triton_input_the_model_reads(
+    sampling_export, monkeypatch):
+  model_dir, defaults = sampling_export
+  config = open(os.path.join(model_dir, "config.pbtxt")).read()
+  declared = _declared_inputs(config)
+  fields = dataclasses.fields(engine.SamplingParams)
+  assert set(declared) == {f.name.upper() for f in fields}
+  for f in fields:  # the type follows the field's annotation
+    expected = {int: "TYPE_INT64", int | None: "TYPE_INT64",
+                float: "TYPE_FP64"}.get(f.type)
+    assert expected in (None, declared[f.name.upper()][0]), f.name
+  assert declared["STOP"] == ("TYPE_UINT8", "-1")
+  assert declared["LOGIT_BIAS"] == ("TYPE_FP64", "-1, 2")
+  triton_model = load_triton_model(model_dir, monkeypatch)
+  # Absent inputs: the export's defaults, --mode=serve's for this config.
+  # (The model's SamplingParams is its own copy's class: compare values.)
+  _, params = triton_model._read(triton_request(["the "]))
+  assert dataclasses.asdict(params) == dataclasses.asdict(defaults)
+  assert params.min_p == 0.2 and params.stop == ("fox",)
+  text_only = triton_model.artifact.TEXT_ONLY
+  assert text_only == ("logprobs", "prompt_logprobs")
+  for f in fields:
+    value = _unlike_default(f)
+    request = triton_request(["the "], **{f.name.upper(): value})
+    if f.name in text_only:
+      with pytest.raises(ValueError, match=f"^{f.name.upper()}: .*drop it"):
+        triton_model._read(request)
+      continue
+    _, params = triton_model._read(request)
+    assert dataclasses.asdict(params) == dataclasses.asdict(
+        dataclasses.replace(defaults, **{f.name: value})), f.name
+  # A refused field or a value out of bounds fails its request, by name.
+  responses = triton_model.execute([
+      triton_request(["the "], LOGPROBS=1),
+      triton_request(["the "], MIN_P=1.5),
+      triton_request(["the "], MAX_NEW_TOKENS=3, MIN_P=0.0, STOP=())])
+  assert responses[0].error.startswith("LOGPROBS: the Triton model returns")
+  assert responses[1].error.startswith("MIN_P: must be a number in [0, 1]")
+  assert responses[2].error is None and texts_of(responses[2])[0] != "the "
+  triton_model.finalize()
+
+
+def test_manifest_without_a_field_is_refused(sampling_export, tmp_path):
+  model_dir, _ = sampling_export
+  manifest = json.load(open(os.path.join(model_dir, "1", "artifact",
+                                         "manifest.json")))
+  assert set(manifest["sample"]) == {
+      f.name for f in dataclasses.fields(engine.SamplingParams)}
+  del manifest["sample"]["min_p"]
+  with pytest.raises(ValueError, match=r"lacks \['min_p'\].*export again"):
+    engine.wire.from_json(manifest["sample"])
+
+
+def test_a_field_without_an_encoding_stops_the_export(monkeypatch):
+  monkeypatch.delitem(engine.wire.ENCODINGS, tuple[str, ...])
+  with pytest.raises(UserError, match=r"SamplingParams.stop .* ENCODINGS"):
+    export.triton_inputs()

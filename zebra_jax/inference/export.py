@@ -18,9 +18,13 @@ a big model's weights do not hit protobuf's 2 GB limit. `carry` is one
   export/
     artifact/    prompt.jax step.jax params.npz config.json, the tokenizer
                  (tokenizer.zebra.json; BPE adds the HF tokenizer.json),
-                 manifest.json (shapes, platforms, jax version)
+                 manifest.json (shapes, platforms, jax version, and
+                 every SamplingParams field's default: the config's sample
+                 group with a fresh seed per request, as --mode=serve)
     triton/zebra_lstm/config.pbtxt   Triton Python backend; export.triton_instance
                                      picks CPU or GPU (auto: GPU if jax sees one)
+                                     and an optional input per SamplingParams
+                                     field
     triton/zebra_lstm/1/model.py     loads ./artifact (copied to 1/artifact)
     triton/zebra_lstm/1/engine/      the serving engine model.py runs
     triton/zebra_lstm/1/requirements.txt   what model.py's Python needs
@@ -104,10 +108,8 @@ def write_artifact(loaded: loading.Loaded, folder: str,
       "head": m.head,
       "outputs": ("log-probabilities" if m.head == "adaptive"
                   else "logits"),
-      "sample": {k: loaded.cfg.sample[k] for k in
-                 ("max_new_tokens", "temperature", "top_k", "top_p",
-                  "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty")},
+      # Every SamplingParams field: the Triton model's per-request defaults.
+      "sample": engines.wire.to_json(sample.serving_defaults(loaded.cfg)),
       "engine": sample.engine_options(loaded.cfg),  # serve.slots, ...
       "functions": {
           "prompt.jax": "(params, carry, tokens int32 [b, t]) -> "
@@ -180,6 +182,15 @@ def _has_gpu() -> bool:
     return False
 
 
+def triton_inputs() -> str:
+  """config.pbtxt's optional inputs, one per SamplingParams field; a field
+  with no Triton encoding stops the export rather than vanish from it."""
+  try:
+    return engines.wire.config_inputs()
+  except TypeError as e:
+    raise UserError(f"{e}") from None
+
+
 def requirements(tokenizer_kind: str) -> str:
   """requirements.txt for the Python that runs model.py."""
   lines = [
@@ -200,6 +211,7 @@ def write_triton_repository(artifact: str, repository: str,
   """A Triton model repository around the artifact; returns the model folder
   (REPOSITORY/MODEL_NAME: several exports may share one repository)."""
   group, comment = instance_group(instance, gpus)
+  sampling_inputs = triton_inputs()
   model_dir = os.path.join(repository, model_name)
   version_dir = os.path.join(model_dir, "1")
   os.makedirs(version_dir, exist_ok=True)
@@ -209,7 +221,8 @@ def write_triton_repository(artifact: str, repository: str,
             .replace("{{max_batch_size}}", str(int(max_batch_size)))
             .replace("{{instance_group}}", group)
             .replace("{{instance_comment}}", comment)
-            .replace("{{queue_delay_us}}", str(int(queue_delay_us))))
+            .replace("{{queue_delay_us}}", str(int(queue_delay_us)))
+            .replace("{{sampling_inputs}}", sampling_inputs))
   with open(os.path.join(model_dir, "config.pbtxt"), "w") as f:
     f.write(config)
   shutil.copy(os.path.join(_TRITON_TEMPLATES, "model.py"),
@@ -242,6 +255,7 @@ def run(cfg, workdir: str, export_dir: str | None = None) -> str:
   export_dir = export_dir or os.path.join(workdir, "export")
   ex = cfg.export
   instance_group(ex.triton_instance, ex.triton_gpus)  # before loading
+  triton_inputs()
   loaded = loading.load_for_inference(cfg, workdir)
   artifact = os.path.join(export_dir, "artifact")
 

@@ -34,6 +34,13 @@ def sampling_params(sample_cfg, **overrides) -> engines.SamplingParams:
   return engines.SamplingParams(**values)
 
 
+def serving_defaults(cfg) -> engines.SamplingParams:
+  """What a served request gets for a parameter it does not send, from
+  --mode=serve and from the exported Triton model alike: the config's
+  sample group, but a fresh seed per request."""
+  return sampling_params(cfg.sample, seed=None)
+
+
 def check_params(params: engines.SamplingParams) -> None:
   """UserError naming the config field for a value no request can honour
   (host side, cheap: before a checkpoint loads)."""

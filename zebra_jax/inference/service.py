@@ -127,8 +127,7 @@ class Service:
         on_fatal=self._engine_failed, on_step=self.metrics.step.observe,
         **sizes)
     self.scorer = score.Scorer(loaded, loaded.cfg.eval.seq_len)
-    # The config's sampling defaults, but a fresh seed per request.
-    self.defaults = sample.sampling_params(loaded.cfg.sample, seed=None)
+    self.defaults = sample.serving_defaults(loaded.cfg)
     self.engine = self.generator.engine  # compiles its programs now
     template = (loaded.cfg.serve.get("chat_template", "")
                 if chat_template is None else chat_template)

@@ -100,29 +100,29 @@ def check_runs(workdir: str) -> None:
     raise NotAvailable(f"tritonserver cannot start here: {line}")
 
 
-_SCALARS = {"MAX_NEW_TOKENS": "INT32", "TEMPERATURE": "FP32", "TOP_K": "INT32",
-            "TOP_P": "FP32", "SEED": "INT64"}
-
-
-def request(prompts, **scalars):
-  """(inputs, outputs) for tritonclient.http's infer(): UTF-8 prompts as
-  UINT8 rows with PROMPT_LENGTH, and scalars such as MAX_NEW_TOKENS=20."""
+def arrays(prompts, **fields) -> dict:
+  """A request's input arrays by name: UTF-8 prompts as zero-padded UINT8
+  rows with PROMPT_LENGTH, and sampling fields by their input names (any
+  SamplingParams field in capitals, e.g. MAX_NEW_TOKENS=20, MIN_P=0.05,
+  STOP=("\\n",)), each repeated per row; ValueError for an unknown name."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import tritonclient.http as th  # pylint: disable=g-import-not-at-top
+  from zebra_jax.inference import engine  # pylint: disable=g-import-not-at-top
   raw = [p.encode("utf-8") for p in prompts]
   data = np.zeros((len(raw), max([len(r) for r in raw] + [1])), np.uint8)
   for i, r in enumerate(raw):
     data[i, :len(r)] = np.frombuffer(r, np.uint8)
-  arrays = {"PROMPT": data,
-            "PROMPT_LENGTH": np.array([[len(r)] for r in raw], np.int32)}
-  for name, value in scalars.items():
-    if name not in _SCALARS:
-      raise ValueError(f"unknown input {name}: use {', '.join(_SCALARS)}")
-    dtype = {"INT32": np.int32, "FP32": np.float32,
-             "INT64": np.int64}[_SCALARS[name]]
-    arrays[name] = np.full((len(raw), 1), value, dtype)
+  out = {"PROMPT": data,
+         "PROMPT_LENGTH": np.array([[len(r)] for r in raw], np.int32)}
+  for name, value in fields.items():
+    out[name] = engine.wire.rows(name, value, len(raw))
+  return out
+
+
+def request(prompts, **fields):
+  """(inputs, outputs) for tritonclient.http's infer(): arrays()' tensors."""
+  import tritonclient.http as th  # pylint: disable=g-import-not-at-top
   inputs = []
-  for name, array in arrays.items():
+  for name, array in arrays(prompts, **fields).items():
     tensor = th.InferInput(name, list(array.shape),
                            th.np_to_triton_dtype(array.dtype))
     tensor.set_data_from_numpy(array, binary_data=True)

@@ -35,6 +35,7 @@ each, so their cost is one test a token.
   scheduler.py  requests and their phases, admission, the stepping thread,
                 recovery from a failed step
   text.py       tokens as text: continuation, stop strings, streaming
+  wire.py       SamplingParams as the Triton model's inputs and as JSON
 
 No zebra_jax import: `--mode=export` copies this folder next to the Triton
 model, which serves through it with the exported functions.
@@ -46,9 +47,10 @@ from .sampler import categorical, first_argmax, seed_key
 from .scheduler import (BadPrompt, Engine, EngineClosed, Model, Phase,
                         QueueFull, Request, Row, StepFailed)
 from .text import continuation, cut_at_stop, stream_safe
+from . import wire
 
 __all__ = ["BadPrompt", "Engine", "EngineClosed", "MAX_LOGIT_BIAS",
            "MAX_LOGPROBS", "Model", "ParamError", "Phase", "QueueFull",
            "Request", "Row", "SamplingParams", "StepFailed", "categorical",
            "continuation", "cut_at_stop", "first_argmax", "seed_key",
-           "stream_safe"]
+           "stream_safe", "wire"]

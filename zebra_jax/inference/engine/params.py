@@ -12,7 +12,8 @@ request's field maps to a parameter by name.
 A per-row knob is data to the compiled programs: `ROW_FIELDS` says how each
 becomes its row's entry in the running batch, and what a row that is not
 sampling holds (`neutral`). Adding a knob: a field and its bound here, its
-math in sampler.py, its default in config/base.py.
+math in sampler.py, its default in config/base.py. Its annotation picks how
+it travels to the Triton model (wire.py).
 """
 
 import dataclasses
@@ -40,9 +41,9 @@ class SamplingParams:
   repetition_penalty: float = 1.0   # CTRL's, over prompt and output; 1 = off
   presence_penalty: float = 0.0     # OpenAI's, over the output; 0 = off
   frequency_penalty: float = 0.0    # OpenAI's, per occurrence; 0 = off
-  logit_bias: tuple = ()            # ((token id, bias), ...), added to logits
+  logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) pairs
   seed: int | None = None           # None: a fresh seed per request
-  stop: tuple = ()                  # cut before the first of these strings
+  stop: tuple[str, ...] = ()        # cut before the first of these strings
   logprobs: int | None = None       # each new token's log-prob + top N
   prompt_logprobs: int | None = None  # the prompt's too (echo scoring)
   stop_token_ids: tuple = ()        # end at the first of these, not kept

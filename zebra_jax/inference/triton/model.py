@@ -26,12 +26,15 @@ Generation goes through the serving engine (engine/, the one --mode=sample
 and --mode=serve run), over the exported step function: every row of every
 request Triton hands to one execute() call (the dynamic batcher merges
 concurrent requests) joins the engine's running batch, whatever its
-settings (one SamplingParams, checked by the engine): temperature, top-k,
-top-p and the seed are per-row data, so nothing recompiles, and row j of a
-request draws from its own stream of the request's SEED (a fresh seed when
-none is sent), so its text does not depend on what it was batched with and
-equals what zebra_jax generates for the same settings. BATCH_ROWS returns
-how many rows ran together.
+settings. Those are the engine's SamplingParams, every field of it: an
+optional input per field (engine/wire.py names and decodes them; the
+export declares them in config.pbtxt), and the manifest's default for an
+input not sent, the defaults --mode=serve applies. They are per-row data,
+so nothing recompiles, and row j of a request draws from its own stream of
+the request's SEED (a fresh seed when none is sent), so its text does not
+depend on what it was batched with and equals what zebra_jax generates for
+the same settings. A field whose effect TEXT cannot carry (log-probabilities)
+is refused, not ignored. BATCH_ROWS returns how many rows ran together.
 """
 
 import importlib.util
@@ -154,12 +157,17 @@ def load_tokenizer(folder: str):
 class Artifact:
   """The exported model: prompt/step functions, weights, tokenizer."""
 
+  # SamplingParams fields whose results the outputs (text) cannot carry.
+  TEXT_ONLY = ("logprobs", "prompt_logprobs")
+
   def __init__(self, folder: str, device=None):
     def read(name, mode="r"):
       with open(os.path.join(folder, name), mode) as f:
         return f.read()
 
     self.manifest = json.loads(read("manifest.json"))
+    # Every field's default; ValueError for an export of another version.
+    self.defaults = engines.wire.from_json(self.manifest["sample"])
     self.tokenizer = load_tokenizer(folder)
     prompt = jax.export.deserialize(bytearray(read("prompt.jax", "rb")))
     step = jax.export.deserialize(bytearray(read("step.jax", "rb")))
@@ -213,16 +221,20 @@ class Artifact:
       self._engine = engines.Engine(model, **options)
     return self._engine
 
-  def sampling_params(self, max_new_tokens: int, temperature: float = 1.0,
-                      top_k: int = 0, top_p: float = 1.0,
-                      seed: int | None = None):
-    """The engine's SamplingParams; ValueError naming a value out of
-    bounds."""
-    params = engines.SamplingParams(
-        max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-        top_k=int(top_k), top_p=float(top_p),
-        seed=None if seed is None else int(seed))
-    params.check(int(self.manifest["vocab_size"]))
+  def sampling_params(self, **values):
+    """The manifest's defaults overridden by `values` (SamplingParams
+    fields); ValueError naming the input of a value out of bounds or of a
+    field this model cannot honour."""
+    params = engines.SamplingParams(**{**self.defaults, **values})
+    try:
+      params.check(int(self.manifest["vocab_size"]))
+    except engines.ParamError as e:
+      raise ValueError(f"{e.field.upper()}: {e.reason}") from None
+    for name in self.TEXT_ONLY:
+      if getattr(params, name) is not None:
+        raise ValueError(f"{name.upper()}: the Triton model returns text "
+                         "only; drop it, or ask --mode=serve's OpenAI "
+                         "routes for log-probabilities")
     return params
 
   def submit(self, prompts: list[str], params):
@@ -235,13 +247,11 @@ class Artifact:
         [engines.Row(p, params, sample_index=j) for j, p in
          enumerate(prompts)], block=True)
 
-  def generate(self, prompts: list[str], max_new_tokens: int,
-               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None) -> list[str]:
-    """prompt + continuation for every prompt; row j draws from stream j of
-    `seed`."""
-    rows = self.submit(prompts, self.sampling_params(
-        max_new_tokens, temperature, top_k, top_p, seed))
+  def generate(self, prompts: list[str], **values) -> list[str]:
+    """prompt + continuation for every prompt, with the manifest's sampling
+    defaults overridden by `values`; row j draws from stream j of the
+    seed."""
+    rows = self.submit(prompts, self.sampling_params(**values))
     return [p + r.result() for p, r in zip(prompts, rows)]
 
   def close(self) -> None:
@@ -322,12 +332,7 @@ class TritonPythonModel:
     if args.get("model_instance_kind") == "GPU":
       device = jax.devices("gpu")[int(args["model_instance_device_id"])]
     self.artifact = Artifact(folder, device)
-    self.defaults = self.artifact.manifest["sample"]
     self.executions = self.requests = 0
-
-  def _scalar(self, request, name, default, cast):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return default if tensor is None else cast(_numpy(tensor).reshape(-1)[0])
 
   def _read(self, request):
     """(prompts, SamplingParams) of one request; ValueError if malformed."""
@@ -337,14 +342,8 @@ class TritonPythonModel:
                        "PROMPT_LENGTH (int32 [batch, 1])")
     prompts = decode_texts(_numpy(tensor("PROMPT")),
                            _numpy(tensor("PROMPT_LENGTH")))
-    params = self.artifact.sampling_params(
-        self._scalar(request, "MAX_NEW_TOKENS",
-                     self.defaults["max_new_tokens"], int),
-        self._scalar(request, "TEMPERATURE", self.defaults["temperature"],
-                     float),
-        self._scalar(request, "TOP_K", self.defaults["top_k"], int),
-        self._scalar(request, "TOP_P", self.defaults["top_p"], float),
-        self._scalar(request, "SEED", None, int))
+    params = self.artifact.sampling_params(**engines.wire.read(
+        lambda name: None if tensor(name) is None else _numpy(tensor(name))))
     return prompts, params
 
   def execute(self, requests):
