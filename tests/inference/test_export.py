@@ -128,6 +128,7 @@ _CANDIDATES = {
     int: lambda d: [d + 1, 1],
     int | None: lambda d: [1, 2],
     float: lambda d: [d + 0.25, d - 0.25, 0.5],
+    tuple[int, ...]: lambda d: [(3, 7)],
     tuple[str, ...]: lambda d: [("\n\n", "fox é")],
     tuple[tuple[int, float], ...]: lambda d: [((3, -2.5), (7, 1.0))],
 }

@@ -46,9 +46,9 @@ class SamplingParams:
   stop: tuple[str, ...] = ()        # cut before the first of these strings
   logprobs: int | None = None       # each new token's log-prob + top N
   prompt_logprobs: int | None = None  # the prompt's too (echo scoring)
-  stop_token_ids: tuple = ()        # end at the first of these, not kept
+  stop_token_ids: tuple[int, ...] = ()  # end at the first of these, not kept
   min_tokens: int = 0               # no stop (ids or strings) before these
-  allowed_token_ids: tuple = ()     # draw only these; () = every token
+  allowed_token_ids: tuple[int, ...] = ()  # draw only these; () = all
 
   def check(self, vocab_size: int | None = None) -> None:
     """ValueError (`.field` names the field) for the first value out of

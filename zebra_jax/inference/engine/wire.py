@@ -66,7 +66,8 @@ def _decode_pairs(row):
 _INT = _scalar(int, np.int64, "TYPE_INT64")
 _FLOAT = _scalar(float, np.float64, "TYPE_FP64")  # a Python float, exactly
 
-# By annotation. Strings are UTF-8 bytes joined by NUL (UINT8, not BYTES:
+# By annotation. Ids are INT64 rows of any length; strings are UTF-8
+# bytes joined by NUL (UINT8, not BYTES:
 # Triton 2.51's Python backend misreads BYTES under numpy 2); pairs are
 # [n, 2] rows (ids up to 2^31 - 1 are exact in float64).
 ENCODINGS = {
@@ -74,6 +75,10 @@ ENCODINGS = {
     int | None: _INT,       # None: the input is absent
     float: _FLOAT,
     float | None: _FLOAT,
+    tuple[int, ...]: Encoding(
+        "TYPE_INT64", np.int64, (-1,), lambda v: np.array(v, np.int64),
+        lambda row: tuple(int(x) for x in np.asarray(row).reshape(-1)),
+        lambda v: tuple(int(x) for x in v)),
     tuple[str, ...]: Encoding(
         "TYPE_UINT8", np.uint8, (-1,), _encode_strings, _decode_strings,
         lambda v: tuple(v)),
