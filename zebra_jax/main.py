@@ -40,11 +40,13 @@ _NOUNS = dict(
     text=flags.DEFINE_multi_string("text", [], "score: a text to score "
                                    "(repeatable)."),
     text_file=flags.DEFINE_multi_string(
-        "text_file", [], "score: a UTF-8 file scored as one text (repeatable)."),
+        "text_file", [], "score: a UTF-8 file scored as one text; eval: a "
+        "file evaluated whole, instead of the corpus (repeatable)."),
     verbose=flags.DEFINE_boolean(
         "verbose", False, "score: also print every token's log-probability."),
-    split=flags.DEFINE_enum("split", "all", ["valid", "test", "all"],
-                            "eval: which split(s); all = valid and test."),
+    split=flags.DEFINE_enum("split", None, ["valid", "test", "all"],
+                            "eval: which split(s) of the corpus (default "
+                            "all = valid and test)."),
     export_dir=flags.DEFINE_string(
         "export_dir", None, "export: output folder (default WORKDIR/export)."),
     host=flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind."),

@@ -24,9 +24,14 @@ def train(cfg, workdir, *, config, **_):
   return preemption.exit_status(summary["stopped_early"])
 
 
-def evaluate(cfg, workdir, *, split, **_):
+def evaluate(cfg, workdir, *, split, text_file, **_):
+  """The corpus' splits (--split, default all), or whole --text_file files."""
+  from zebra_jax.errors import UserError
   from zebra_jax.training import evaluate as evaluation
-  evaluation.run(cfg, workdir, split)
+  if split and text_file:
+    raise UserError("--split picks the corpus' splits and --text_file "
+                    "evaluates whole files: pass one of them")
+  evaluation.run(cfg, workdir, split or "all", text_files=text_file)
 
 
 def sample(cfg, workdir, *, prompt_file, **_):
