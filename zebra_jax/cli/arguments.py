@@ -78,7 +78,8 @@ def load(mode: str, spec: str | None, workdir: str | None,
   if spec:
     cfg = files.load_file(spec)
     workdir = workdir or files.default_workdir(spec)
-    if mode != "train" and os.path.exists(files.saved_path(workdir)):
+    if mode_fields.runs_trained_model(mode) and os.path.exists(
+        files.saved_path(workdir)):
       # The file says how to run the model; the workdir what it is and
       # which corpus it was trained on (eval's default).
       cfg = mode_fields.run_settings_into(files.load_saved(workdir), cfg)
@@ -95,7 +96,7 @@ def load(mode: str, spec: str | None, workdir: str | None,
     cfg = None
   if cfg is not None:
     config_overrides.apply(cfg, overrides)
-    if mode != "train":
+    if mode_fields.runs_trained_model(mode):
       _check_overrides(mode, cfg, workdir, [field for field, _ in overrides])
   return cfg, workdir
 

@@ -63,6 +63,12 @@ def run_settings_into(trained, given):
   return trained
 
 
+def runs_trained_model(mode: str) -> bool:
+  """A zebra-jax mode that runs a workdir's model (the lab's commands, which
+  load configs the same way, keep every field they are given)."""
+  return mode in READS and mode != "train"
+
+
 def _covers(entries, dotted: str) -> bool:
   return any(e == "" or dotted == e or dotted.startswith(e + ".")
              for e in entries)
