@@ -194,3 +194,18 @@ def test_eval_text_file_scores_the_whole_file(char_run, tmp_path, capsys):
   assert "| 0 unknown to the trained vocabulary" in capsys.readouterr().out
   with pytest.raises(UserError, match="does not exist"):
     evaluate.run(cfg, workdir, text_files=[str(tmp_path / "none.txt")])
+
+
+def test_the_configuration_page_states_the_rule():
+  """docs/configuration.md's table and list say what mode_fields holds."""
+  with open(f"{REPO}/docs/configuration.md", encoding="utf-8") as f:
+    page = f.read()
+  section = page[page.index("## Overrides outside training"):]
+  section = section[:section.index("\n## ", 1)]
+  for mode in MODES:
+    row = re.search(rf"^\| `{mode}` \| (.*) \|$", section, re.M)
+    assert row, mode
+    assert row.group(1).replace("\\*", "*").startswith(
+        mode_fields.described(mode)), (mode, row.group(1))
+  for field in mode_fields.FIXED:
+    assert f"`{field}`" in section, field

@@ -134,8 +134,8 @@ def check_overrides(mode: str, fields, cfg, saved, workdir: str) -> list[str]:
 
 
 def described(mode: str) -> str:
-  """READS[mode] as a reader sees it: "eval.*, parallel.*, model.dtype"."""
-  sections = {entry.split(".")[0] for entry in READS[mode]}
-  names = [f"{e}.*" if e in sections and "." not in e else e
-           for e in READS[mode]]
-  return ", ".join(names) or "no config"
+  """READS[mode] as a reader sees it: "parallel.*, eval.seq_len"."""
+  if mode == "train":
+    return "every field"
+  return ", ".join(e if "." in e else f"{e}.*" for e in READS[mode]) or (
+      "no config")
