@@ -209,3 +209,15 @@ def test_the_configuration_page_states_the_rule():
         mode_fields.described(mode)), (mode, row.group(1))
   for field in mode_fields.FIXED:
     assert f"`{field}`" in section, field
+
+
+def test_a_flag_the_mode_does_not_read_is_warned_about(tmp_path):
+  out = _cli(f"--workdir={tmp_path}", "--mode=sample", "--text=hi",
+             "--split=test")
+  warnings = [l for l in out.stderr.splitlines() if l.startswith("warning:")]
+  assert warnings == [
+      "warning: --text: --mode=sample does not read it (it reads --prompt, "
+      "--prompt_file): ignored",
+      "warning: --split: --mode=sample does not read it (it reads --prompt, "
+      "--prompt_file): ignored"], out.stderr
+  assert out.returncode == 2 and "no config.json" in out.stderr

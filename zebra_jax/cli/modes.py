@@ -65,3 +65,10 @@ MODES = {"train": train, "eval": evaluate, "sample": sample, "score": score,
          "export": export, "serve": serve, "plot": plot}
 # Modes that read no config (neither --config nor the workdir's config.json).
 CONFIGLESS = ("plot",)
+# The command line's nouns each mode reads (a flag given to another mode is
+# warned about); which config fields it reads is config/mode_fields.py.
+NOUNS_READ = {"train": ("prompt",), "eval": ("split", "text_file"),
+              "sample": ("prompt", "prompt_file"),
+              "score": ("text", "text_file", "verbose"),
+              "export": ("export_dir",), "serve": ("host", "port"),
+              "plot": ("compare", "plot_out")}
