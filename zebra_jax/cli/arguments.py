@@ -74,7 +74,7 @@ def load(mode: str, spec: str | None, workdir: str | None,
   """(config with overrides applied, workdir), each read once."""
   if overrides and not needs_config:
     raise UserError(f"--config.{overrides[0][0]}: --mode={mode} reads no "
-                    "config")
+                    "config: drop the override")
   if spec:
     cfg = files.load_file(spec)
     workdir = workdir or files.default_workdir(spec)

@@ -10,8 +10,8 @@ the --config.* overrides. For an override given on the command line:
   read    (READS[mode]) applied;
   other   a field the mode does not read: one warning line, then ignored.
 
-Entries name a section ("eval") or one field ("eval.seq_len"). Docs
-(docs/configuration.md) and tests read the rule from here.
+Entries name a section ("eval") or one field ("eval.seq_len").
+docs/configuration.md states the rule; a test holds the page to it.
 """
 
 from zebra_jax.config import base
