@@ -18,8 +18,8 @@ from zebra_jax.cli.modes import CONFIGLESS
 from zebra_jax.config import base, mode_fields
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import rundir
-from zebra_jax.training import evaluate
-from tests.helpers import REPO
+from zebra_jax.training import evaluate, loop
+from tests.helpers import REPO, tiny_word_config, write_wikitext
 
 MODES = ("eval", "sample", "score", "serve", "export", "plot")
 SECTIONS = sorted({name.split(".")[0] for name, _ in base.fields()})
@@ -221,3 +221,27 @@ def test_a_flag_the_mode_does_not_read_is_warned_about(tmp_path):
       "warning: --split: --mode=sample does not read it (it reads --prompt, "
       "--prompt_file): ignored"], out.stderr
   assert out.returncode == 2 and "no config.json" in out.stderr
+
+
+def test_eval_of_another_wikitext_counts_unknown_words(tmp_path, capsys):
+  """Word level: words the trained vocabulary lacks are scored as <unk>,
+  and counted exactly."""
+  cfg = tiny_word_config(write_wikitext(tmp_path / "wt"), head="full")
+  cfg.train.update(num_steps=2, report_at_end=False)
+  workdir = str(tmp_path / "run")
+  loop.run(cfg, workdir)
+  other = tmp_path / "other"
+  other.mkdir()
+  lines = [" the zebra sat on a quagga mat . \n", " the cat ran . \n"] * 40
+  for split in ("train", "valid", "test"):
+    (other / f"wiki.{split}.tokens").write_text("".join(lines))
+  cfg.data.path = str(other)
+  capsys.readouterr()
+  trained = evaluate.run(tiny_word_config(tmp_path / "wt", head="full"),
+                         workdir, "test")["test"]
+  result = evaluate.run(cfg, workdir, "test")["test"]
+  words = sum(len(line.split()) + 1 for line in lines)  # + <eos> a line
+  (line,) = [l for l in capsys.readouterr().out.splitlines()
+             if "unknown to the trained vocabulary" in l]
+  assert str(other) in line and f"| {words} tokens | 80 unknown" in line
+  assert result["loss"] != pytest.approx(trained["loss"], rel=1e-3)
