@@ -15,7 +15,7 @@ import sys
 from absl import app, flags, logging
 
 from zebra_jax.cli import arguments, entry, fields, usage
-from zebra_jax.cli.modes import CONFIGLESS, MODES
+from zebra_jax.cli.modes import CONFIGLESS, MODES, NOUNS_READ
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import distributed  # defines the multi-process flags
 from zebra_jax.runtime import host_memory
@@ -40,11 +40,13 @@ _NOUNS = dict(
     text=flags.DEFINE_multi_string("text", [], "score: a text to score "
                                    "(repeatable)."),
     text_file=flags.DEFINE_multi_string(
-        "text_file", [], "score: a UTF-8 file scored as one text (repeatable)."),
+        "text_file", [], "score: a UTF-8 file scored as one text; eval: a "
+        "file evaluated whole, instead of the corpus (repeatable)."),
     verbose=flags.DEFINE_boolean(
         "verbose", False, "score: also print every token's log-probability."),
-    split=flags.DEFINE_enum("split", "all", ["valid", "test", "all"],
-                            "eval: which split(s); all = valid and test."),
+    split=flags.DEFINE_enum("split", None, ["valid", "test", "all"],
+                            "eval: which split(s) of the corpus (default "
+                            "all = valid and test)."),
     export_dir=flags.DEFINE_string(
         "export_dir", None, "export: output folder (default WORKDIR/export)."),
     host=flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind."),
@@ -62,6 +64,11 @@ def main(argv):
   train.num_steps after saving a checkpoint (docs/reliability.md).
   """
   mode, nouns = _MODE.value, {k: f.value for k, f in _NOUNS.items()}
+  for name, holder in _NOUNS.items():
+    if flags.FLAGS[holder.name].present and name not in NOUNS_READ[mode]:
+      read = ", ".join(f"--{noun}" for noun in NOUNS_READ[mode])
+      print(f"warning: --{name}: --mode={mode} does not read it (it reads "
+            f"{read}): ignored", file=sys.stderr, flush=True)
   try:  # read once, before JAX starts
     cfg, workdir = arguments.load(mode, _CONFIG.value, _WORKDIR.value, argv[1:],
                                   needs_config=mode not in CONFIGLESS)

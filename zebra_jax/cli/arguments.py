@@ -2,18 +2,24 @@
 
 - --config=FILE[:variant]: that file's get_config(variant);
 - no --config outside train: the workdir's config.json (upgraded to today's
-  fields), so --config.x=y overrides apply to it as well;
+  fields), so --config.x=y overrides apply to it as well; --config=FILE
+  outside train: config.json with the file's settings for running a model
+  (config/mode_fields.py);
+- outside train, an override that would change the trained model is
+  refused, one the mode does not read is warned about;
 - no --workdir: runs/<config name>[-<variant>];
 - a missing or broken config file, a damaged config.json, an unknown field
   or a bad value is a UserError, before JAX starts.
 """
 
+import os
 import re
+import sys
 
 import ml_collections
 
 from zebra_jax.cli import overrides as config_overrides
-from zebra_jax.config import files
+from zebra_jax.config import files, mode_fields
 from zebra_jax.errors import UserError
 
 # Flags that held numbers, now config fields (--config.sample.*).
@@ -66,9 +72,17 @@ def load(mode: str, spec: str | None, workdir: str | None,
          overrides: list[tuple[str, str | None]], needs_config: bool = True
          ) -> tuple[ml_collections.ConfigDict | None, str]:
   """(config with overrides applied, workdir), each read once."""
+  if overrides and not needs_config:
+    raise UserError(f"--config.{overrides[0][0]}: --mode={mode} reads no "
+                    "config: drop the override")
   if spec:
     cfg = files.load_file(spec)
     workdir = workdir or files.default_workdir(spec)
+    if mode_fields.runs_trained_model(mode) and os.path.exists(
+        files.saved_path(workdir)):
+      # The file says how to run the model; the workdir what it is and
+      # which corpus it was trained on (eval's default).
+      cfg = mode_fields.run_settings_into(files.load_saved(workdir), cfg)
   elif mode == "train":
     raise UserError("--mode=train needs --config=NAME or FILE, e.g. "
                     "--config=demo (other modes read the workdir's "
@@ -78,11 +92,23 @@ def load(mode: str, spec: str | None, workdir: str | None,
                     f"--config=FILE, whose workdir defaults to runs/NAME)")
   elif needs_config:
     cfg = files.load_saved(workdir)
-  elif overrides:
-    raise UserError(f"--config.{overrides[0][0]}: --mode={mode} reads no "
-                    "config")
   else:
     cfg = None
   if cfg is not None:
     config_overrides.apply(cfg, overrides)
+    if mode_fields.runs_trained_model(mode):
+      _check_overrides(mode, cfg, workdir, [field for field, _ in overrides])
   return cfg, workdir
+
+
+def _check_overrides(mode: str, cfg: ml_collections.ConfigDict, workdir: str,
+                     fields: list[str]) -> None:
+  """Refuses what would change the trained model; one warning line for
+  each field the mode does not read (config/mode_fields.py)."""
+  if not fields:
+    return
+  saved = (files.load_saved(workdir)
+           if os.path.exists(files.saved_path(workdir)) else None)
+  for warning in mode_fields.check_overrides(mode, fields, cfg, saved,
+                                             workdir):
+    print(f"warning: {warning}", file=sys.stderr, flush=True)

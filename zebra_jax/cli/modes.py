@@ -24,9 +24,14 @@ def train(cfg, workdir, *, config, **_):
   return preemption.exit_status(summary["stopped_early"])
 
 
-def evaluate(cfg, workdir, *, split, **_):
+def evaluate(cfg, workdir, *, split, text_file, **_):
+  """The corpus' splits (--split, default all), or whole --text_file files."""
+  from zebra_jax.errors import UserError
   from zebra_jax.training import evaluate as evaluation
-  evaluation.run(cfg, workdir, split)
+  if split and text_file:
+    raise UserError("--split picks the corpus' splits and --text_file "
+                    "evaluates whole files: pass one of them")
+  evaluation.run(cfg, workdir, split or "all", text_files=text_file)
 
 
 def sample(cfg, workdir, *, prompt_file, **_):
@@ -60,3 +65,10 @@ MODES = {"train": train, "eval": evaluate, "sample": sample, "score": score,
          "export": export, "serve": serve, "plot": plot}
 # Modes that read no config (neither --config nor the workdir's config.json).
 CONFIGLESS = ("plot",)
+# The command line's nouns each mode reads (a flag given to another mode is
+# warned about); which config fields it reads is config/mode_fields.py.
+NOUNS_READ = {"train": ("prompt",), "eval": ("split", "text_file"),
+              "sample": ("prompt", "prompt_file"),
+              "score": ("text", "text_file", "verbose"),
+              "export": ("export_dir",), "serve": ("host", "port"),
+              "plot": ("compare", "plot_out")}

@@ -1,9 +1,11 @@
 """Every config field, defined once: its default, what it may hold, what it means.
 
 Experiment configs (zebra_jax/configs/demo.py, wt103.py) start from
-`get_config()` here and state only what differs. Any field can be overridden
-on the command line, e.g. --config.model.num_stripes=8. Validation
-(runtime/config_checks.py) reads each field's rule from `FIELDS`.
+`get_config()` here and state only what differs. Training takes an
+override of any field on the command line, e.g.
+--config.model.num_stripes=8; which fields the other modes read is
+config/mode_fields.py. Validation (runtime/config_checks.py) reads each
+field's rule from `FIELDS`.
 """
 
 import ml_collections

@@ -24,6 +24,7 @@ import sys
 import time
 
 from absl import logging
+import numpy as np
 
 from zebra_jax.data import batching, id_cache, sources, tokenizers
 from zebra_jax.data.batching import (DataPosition, RandomWindowBatcher,
@@ -33,6 +34,7 @@ from zebra_jax.errors import UserError
 from zebra_jax import progress
 
 __all__ = ["prepare_data", "load_eval_data", "make_source", "tokenizer_spec",
+           "same_corpus", "read_with", "encode_split",
            "make_batcher", "DataPosition", "StreamBatcher",
            "RandomWindowBatcher", "SPLITS"]
 
@@ -153,3 +155,23 @@ def load_eval_data(config, workdir: str):
                     "none): train first with --mode=train and this "
                     "--workdir")
   return prepare_data(config, workdir)
+
+
+def same_corpus(data_config, trained_config) -> bool:
+  """Whether two data sections name the same text: the sources compare the
+  options they read (an embedded corpus has no path to differ in)."""
+  return make_source(data_config) == make_source(trained_config)
+
+
+def read_with(tokenizer, data_config, names) -> dict:
+  """{split name: int32 ids} of the corpus `data_config` names, for the
+  splits `names`, tokenized by a trained `tokenizer` in memory: the
+  workdir's token cache holds the training corpus alone."""
+  opened = make_source(data_config).open()
+  return {name: encode_split(tokenizer, opened[name]) for name in names}
+
+
+def encode_split(tokenizer, split) -> np.ndarray:
+  """A split's ids, read piece by piece (a split is never one string)."""
+  pieces = list(tokenizer.encode_chunks(split.chunks()))
+  return np.concatenate(pieces) if pieces else np.zeros(0, np.int32)

@@ -2,8 +2,8 @@
 
 `prepare` is the training entry (it validates the config, prepares data and
 writes config.json); `load_config` reads a workdir's config back, the
-architecture coming from the workdir and the settings a user may change at
-inference time from the caller's config.
+architecture coming from the workdir and the settings inference applies
+(config/mode_fields.py) from the caller's config.
 """
 
 import os
@@ -11,26 +11,22 @@ import os
 import jax
 import ml_collections
 
-from zebra_jax.config import files
+from zebra_jax.config import files, mode_fields
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
 from zebra_jax import strict_json
 from zebra_jax.runtime import config_checks, distributed
 
-# Fields that change the parameters' shapes or meaning: a workdir is tied to them.
-_ARCHITECTURE = ("embed_size", "hidden_size", "num_layers", "num_stripes",
-                 "stripe_input", "tie_embeddings", "vocab_size", "head")
-_ADAPTIVE = ("adaptive_cutoffs", "adaptive_div_val", "adaptive_tie")  # if used
+# Fields that change the parameters' shapes or meaning: a workdir is tied to
+# them (the adaptive head's only when both models use that head).
+_MODEL_FIELDS = [f.split(".")[1] for f in mode_fields.FIXED
+                 if f.startswith("model.")]
+_ARCHITECTURE = tuple(f for f in _MODEL_FIELDS if not f.startswith("adaptive"))
+_ADAPTIVE = tuple(f for f in _MODEL_FIELDS if f.startswith("adaptive"))
 
 
 def config_path(workdir: str) -> str:
   return files.saved_path(workdir)
-
-
-def _same(a, b) -> bool:
-  """Equal, reading JSON's lists as the tuples configs hold."""
-  as_tuple = lambda x: tuple(x) if isinstance(x, (list, tuple)) else x
-  return as_tuple(a) == as_tuple(b)
 
 
 def _check_same_architecture(saved: ml_collections.ConfigDict,
@@ -41,7 +37,7 @@ def _check_same_architecture(saved: ml_collections.ConfigDict,
   adaptive = model.head == "adaptive" == saved.head
   for field in _ARCHITECTURE + (_ADAPTIVE if adaptive else ()):
     old, new = saved[field], model[field]
-    if not _same(old, new):
+    if not mode_fields.same(old, new):
       raise UserError(
           f"workdir {workdir} holds a model with model.{field}={old}, but the "
           f"config asks for {new}: use a new --workdir, or the same model "
@@ -87,20 +83,15 @@ def _write_atomically(path: str, record: dict) -> None:
 
 def load_config(cfg: ml_collections.ConfigDict,
                 workdir: str) -> ml_collections.ConfigDict:
-  """The workdir's config.json with `cfg`'s eval, sample and compute settings.
+  """The workdir's config.json with `cfg`'s settings for running the model.
 
-  The architecture comes from the workdir (config.json of any version,
-  upgraded); eval and sample settings, the compute dtype and the head's
-  chunking (memory only) come from `cfg`, so they can be overridden on the
-  command line.
+  What the model is comes from the workdir (config.json of any version,
+  upgraded); what inference applies (mode_fields.APPLIED_AT_INFERENCE: the
+  eval, sample, serve and export sections, the compute dtype, the
+  recurrence and the layout) comes from `cfg`, which holds the command
+  line's overrides.
   """
   if not os.path.exists(config_path(workdir)):
     raise UserError(f"workdir {workdir} has no config.json: train first with "
                     f"--mode=train --workdir={workdir}")
-  merged = files.load_saved(workdir)
-  merged.eval, merged.sample = cfg.eval, cfg.sample
-  merged.serve = cfg.serve  # how to serve, not what the model is
-  merged.parallel = cfg.parallel  # how to lay the model out: not its shape
-  merged.model.dtype = cfg.model.dtype  # compute dtype may differ from training
-  merged.model.adaptive_chunk_rows = cfg.model.adaptive_chunk_rows  # memory only
-  return merged
+  return mode_fields.run_settings_into(files.load_saved(workdir), cfg)

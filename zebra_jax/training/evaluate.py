@@ -19,6 +19,7 @@ loss reads the head and the target's own cluster only).
 
 import functools
 import math
+import os
 import time
 
 import jax
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zebra_jax.data import pipeline, splits as splits_lib
 from zebra_jax.errors import UserError
 from zebra_jax.inference import loading
 from zebra_jax.model import adaptive_softmax as asm, lm, metrics
@@ -215,37 +217,88 @@ def summary_block(split: str, step: int, res: dict, char_level: bool) -> str:
 
 
 def run(cfg, workdir: str, splits_to_eval=("valid", "test"),
-        mesh=None) -> dict:
+        mesh=None, text_files=()) -> dict:
   """--mode=eval: scores the workdir's best checkpoint on the given splits.
+
+  The splits are those of the corpus cfg.data names, read with the trained
+  tokenizer; text_files (--text_file) are scored whole instead. Only the
+  training corpus' results are recorded in metrics.jsonl.
 
   Args:
     splits_to_eval: split names, or "valid" | "test" | "all" (--split).
     mesh: defaults to every device; tests pass a 1-device mesh.
+    text_files: paths of UTF-8 files, each scored as one split.
   """
   if isinstance(splits_to_eval, str):
     if splits_to_eval not in SPLIT_CHOICES:
       raise UserError(f"--split={splits_to_eval} is unknown: use one of "
                       f"{', '.join(SPLIT_CHOICES)}")
     splits_to_eval = SPLIT_CHOICES[splits_to_eval]
+  for path in text_files:
+    if not os.path.isfile(path):
+      raise UserError(f"--text_file {path} does not exist: pass the path of "
+                      "a UTF-8 text file")
   loaded = loading.load_for_inference(cfg, workdir)
+  log = writer.MetricWriter(workdir, tensorboard=False)
+  corpus, trained = _corpus(cfg, loaded, splits_to_eval, text_files, log)
   mesh = mesh or parallel.make_mesh(
       stripe_devices=loaded.cfg.parallel.stripe_devices)
   evaluator = Evaluator(loaded.graphdef, mesh, loaded.cfg.model,
                         cfg.eval.batch_size, cfg.eval.seq_len,
                         accuracy=cfg.eval.accuracy)
   char_level = loaded.tokenizer.char_level
-  log = writer.MetricWriter(workdir, tensorboard=False)
   results = {}
-  for split in splits_to_eval:
-    res = evaluator.run(loaded.params, loaded.splits[split],
-                        max_tokens=cfg.eval.max_tokens, label=split)
+  for split, ids in corpus.items():
+    res = evaluator.run(loaded.params, ids, max_tokens=cfg.eval.max_tokens,
+                        label=split)
     if not char_level:
       del res["bpc"]  # bits per word-token is not a number anyone compares
     results[split] = res
     log.info(summary_block(split, loaded.step, res, char_level))
-    log.record(f"final_{split}", loaded.step,
-                {k: res[k] for k in ("loss", "ppl", "acc", "bpc", "tokens",
-                                     "split_tokens", "seconds")
-                 if res.get(k) is not None})
+    if trained:
+      log.record(f"final_{split}", loaded.step,
+                 {k: res[k] for k in ("loss", "ppl", "acc", "bpc", "tokens",
+                                      "split_tokens", "seconds")
+                  if res.get(k) is not None})
   log.close()
   return results
+
+
+def _corpus(cfg, loaded, names, text_files, log) -> tuple[dict, bool]:
+  """({label: token ids} to score, whether it is the training corpus).
+
+  Another corpus, or a text file, is read with the trained tokenizer as
+  training read its valid and test splits: what the vocabulary lacks is
+  <unk>, and one line says how much of it there is.
+  """
+  trained = pipeline.same_corpus(cfg.data, loaded.cfg.data)
+  tokenizer = loaded.tokenizer
+  if text_files and not trained:
+    raise UserError(
+        "--text_file names the text to evaluate, and the config names a "
+        f"corpus other than the model's training one ({cfg.data.source} "
+        f"{pipeline.make_source(cfg.data)}): pass --text_file or the "
+        "--config.data.* corpus, not both")
+  if text_files:
+    corpus = {path: pipeline.encode_split(tokenizer,
+                                          splits_lib.file_split(path, path))
+              for path in text_files}
+    what = ", ".join(text_files)
+  elif trained:
+    return {name: loaded.splits[name] for name in names}, True
+  else:
+    corpus = pipeline.read_with(tokenizer, cfg.data, names)
+    what = f"{'/'.join(names)} of {pipeline.make_source(cfg.data)}"
+  log.info(unknown_line(tokenizer, corpus, what))
+  return corpus, False
+
+
+def unknown_line(tokenizer, corpus: dict, what: str) -> str:
+  """How many of the corpus' tokens the trained vocabulary lacks."""
+  total = sum(int(ids.size) for ids in corpus.values())
+  if tokenizer.unk_id is None:
+    return f"| {what} | {total} tokens | none unknown (byte-level tokens) |"
+  unknown = sum(int(np.count_nonzero(np.asarray(ids) == tokenizer.unk_id))
+                for ids in corpus.values())
+  return (f"| {what} | {total} tokens | {unknown} unknown to the trained "
+          f"vocabulary, scored as <unk> |")

@@ -41,6 +41,9 @@ class Tokenizer(Protocol):
   char_level: ClassVar[bool]
   spaces_in_tokens: ClassVar[bool]
   spec: object  # a frozen Spec: equal specs build equal tokenizers
+  # What text outside the vocabulary becomes (None: byte-level, every text
+  # encodes); eval counts it on a corpus other than the training one.
+  unk_id: int | None
 
   @property
   def kind(self) -> str:

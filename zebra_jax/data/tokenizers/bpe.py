@@ -58,6 +58,7 @@ class BPETokenizer:
   Spec: ClassVar[type] = BPESpec
   char_level: ClassVar[bool] = False
   spaces_in_tokens: ClassVar[bool] = True  # " world" is one token
+  unk_id: ClassVar[None] = None  # bytes: every text encodes
 
   def __init__(self, hf_tokenizer, spec: BPESpec):
     self._tok = hf_tokenizer
