@@ -116,9 +116,12 @@ def math_of(impl: str, dtype: str) -> str:
   return "bf16" if dtype == "bfloat16" else "tf32"
 
 
-def row_flops(shape, impl: str, stripes: int) -> float:
+def row_flops(shape, impl: str, stripes: int) -> float | None:
   """Matmul FLOPs of one train step of the row (what it computes: a dense
-  LSTM of width H at S = 1, S blocks of width H/S otherwise)."""
+  LSTM of width H at S = 1, S blocks of width H/S otherwise); None for a
+  shape that names only its batch (a whole LM step timed elsewhere)."""
+  if "hidden" not in shape or "layers" not in shape:
+    return None
   tokens = shape["batch"] * shape["seq_len"]
   return tokens * step_flops(shape, stripes, grouped=stripes > 1,
                              input_grad=False)
@@ -221,13 +224,14 @@ def _measured(shape, impl: str, dtype: str, stripes: int, timed: dict
   sec = dev["median_s"]
   math = math_of(impl, dtype)
   peak, _ = datasheet(jax.devices()[0].device_kind, math)
-  tflops = row_flops(shape, impl, stripes) / sec / 1e12
+  flops = row_flops(shape, impl, stripes)
+  tflops = flops and flops / sec / 1e12
   row = {"tokens_per_s": shape["batch"] * shape["seq_len"] / sec,
          "ms_per_step": 1e3 * sec, "min_ms": 1e3 * dev["min_s"],
          "max_ms": 1e3 * dev["max_s"], "rounds": dev["rounds"],
          "wall_ms_per_step": 1e3 * float(np.median(timed["wall_s"])),
          "timer": timed["timer"], "tflops": tflops, "math": math,
-         "peak_fraction": peak and tflops * 1e12 / peak}
+         "peak_fraction": peak and tflops and tflops * 1e12 / peak}
   for key in ("span_s", "busy_s"):  # the profiler's view of a JAX row
     if key in timed:
       row[key.replace("_s", "_ms")] = 1e3 * float(np.median(timed[key]))

@@ -221,8 +221,8 @@ def test_a_reruns_stages_merge_into_the_first_calls_file(tmp_path):
   # A rerun's file also holds what it carried from the last call (an
   # older scaling row here): only the stages it ran are merged.
   rerun.data["ran"] = ["wt103"]
-  rerun.update("scaling", {"rows": [{"devices": 1, "tokens_per_s": 99.0}]},
-               rows=0)
+  rerun.update("scaling", {**merged["scaling"], "rows": [
+      {**merged["scaling"]["rows"][0], "tokens_per_s": 99.0}]}, rows=0)
   rerun.save()
   merged = gpu_report.merge(str(tmp_path / "docs"),
                             str(tmp_path / "rerun" / "gpu-results.json"))

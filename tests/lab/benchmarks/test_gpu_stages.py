@@ -171,9 +171,11 @@ def test_the_kernel_stage_goes_on_past_errors(tmp_path, monkeypatch):
   assert kernel["ratios"]["float32"] == {"zebra_scan_S1": {},
                                          "zebra_scan_S4": {}}
   page = (tmp_path / "gpu-results.md").read_text()
-  assert "| zebra_pallas_S4 | - | - | RuntimeError: ptxas" in page
+  assert ("| S=4 | zebra_pallas_S4 | ours | - | - | - | - | - | - | - | "
+          "RuntimeError: ptxas") in page
   assert "- zebra_scan_S4 (float32): " in page
-  assert page.count("tok/s; no baseline ran") == 2  # bf16 and fp32
+  # S=1 and S=4, bf16 and fp32
+  assert page.count(" TFLOP/s; no baseline ran") == 4
 
 
 def test_smoke_names_the_backend_jax_lowers_the_kernel_to():
