@@ -71,6 +71,7 @@ def check_token_texts(kind, tokens):
     assert (len(tokens) == len(TEXT)) == (kind == "char")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["char", "word", "bpe"])
 def test_train_eval_score_sample_serve_export_triton(kind, tmp_path,
                                                      monkeypatch):

@@ -27,6 +27,7 @@ def _cli(*args, timeout=300, cwd=REPO):
                         cwd=cwd)
 
 
+@pytest.mark.slow
 def test_train_eval_sample_in_process(tmp_path):
   cfg = tiny_word_config(write_wikitext(tmp_path / "wt"))
   cfg.train.num_steps, cfg.train.eval_every = 80, 40
@@ -54,6 +55,7 @@ def test_train_eval_sample_in_process(tmp_path):
   assert len(re.findall(r"[^ \n]+|\n", texts[0])) == 2 + 8  # <eos> is "\n"
 
 
+@pytest.mark.slow
 def test_eval_uses_best_checkpoint_and_matches_training_eval(tmp_path):
   cfg = tiny_word_config(write_wikitext(tmp_path / "wt"))
   cfg.train.eval_max_batches = 0  # score the whole split, as eval mode does
@@ -69,6 +71,7 @@ def test_eval_uses_best_checkpoint_and_matches_training_eval(tmp_path):
   assert again["loss"] == pytest.approx(valid[best_step], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_train_eval_sample_char_level(tmp_path):
   """Train from anywhere; later modes need only the workdir (runs/NAME)."""
   text = tmp_path / "story.txt"
@@ -95,6 +98,7 @@ def test_cli_train_eval_sample_char_level(tmp_path):
   assert "temperature 0.8" in out.stdout  # the demo config's, from config.json
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
   data = write_wikitext(tmp_path / "wt")
   workdir = str(tmp_path / "run")
@@ -185,6 +189,7 @@ def test_workdir_with_other_tokenizer_or_model_is_rejected(tmp_path):
     loop.run(bigger, workdir)
 
 
+@pytest.mark.slow
 def test_prompt_symbols_outside_the_vocabulary(tmp_path, caplog):
   cfg = tiny_word_config(write_wikitext(tmp_path / "wt"), head="full")
   cfg.train.num_steps = 2
@@ -226,6 +231,7 @@ def test_overrides_apply_to_the_workdirs_config_json(char_run, tmp_path):
   assert "temperature 0.0" in saved and saved == from_file
 
 
+@pytest.mark.slow
 def test_config_json_without_newer_fields_evaluates_and_samples(char_run,
                                                                 tmp_path):
   """A workdir whose config.json predates the adaptive head, grouped stripes,

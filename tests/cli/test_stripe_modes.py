@@ -72,6 +72,7 @@ def test_every_mode_with_stripe_devices(tmp_path):
   assert "Triton model" in _cli(run, "--mode=export")
 
 
+@pytest.mark.slow
 def test_sampling_and_scoring_run_split_over_the_stripe_devices(tmp_path):
   cfg = demo.get_config("tiny")
   cfg.parallel.stripe_devices = 4

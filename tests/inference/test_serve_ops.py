@@ -123,6 +123,7 @@ def _serve_process(workdir, *overrides):
   raise AssertionError("the server did not start: " + "".join(errors))
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_0(char_run):
   """A real --mode=serve process: a stream in flight when SIGTERM arrives
   finishes whole; a request after it gets 503; exit 0 with one line; one

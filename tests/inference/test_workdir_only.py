@@ -54,6 +54,7 @@ def _serve_one(workdir, body) -> dict:
       server.wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_a_workdir_without_its_corpus_samples_scores_serves_exports(
     tmp_path):
   corpus = tmp_path / "story.txt"

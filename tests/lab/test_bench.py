@@ -13,6 +13,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_every_row(tmp_path):
   path = tmp_path / "bench.json"
   # One CPU device; conftest's JAX_DISABLE_MOST_OPTIMIZATIONS reaches it too.

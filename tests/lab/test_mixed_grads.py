@@ -5,11 +5,13 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import pytest
 
 from lab import mixed_grads
 from zebra_jax.model import mixed_precision
 
 
+@pytest.mark.slow
 def test_each_row_traces_its_matmul(monkeypatch):
   product = mixed_precision.matmul
   plain, calls = mixed_grads.float32_gradients, []

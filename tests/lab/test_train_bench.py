@@ -20,6 +20,7 @@ from lab.benchmarks import training_loop
 from tests.helpers import REPO
 
 
+@pytest.mark.slow
 def test_quick_run_times_both_loops_over_the_same_tokens(tmp_path):
   path = tmp_path / "train_bench.json"
   env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")

@@ -57,6 +57,7 @@ def _faults(opt_out: bool) -> dict:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_temporaries_are_not_faulted_in_on_every_call():
   reference = _faults(opt_out=True)
   assert reference["temp_pages"] > 64 * 2**20 / 4096  # above one heap

@@ -148,6 +148,7 @@ _LAYOUTS = pytest.mark.parametrize("processes,devices", [(2, 2), (4, 1)],
                                    ids=["2procs", "4procs"])
 
 
+@pytest.mark.slow
 @_LAYOUTS
 def test_time_budget_stops_every_process_at_one_step_then_eval(
     corpus, tmp_path, processes, devices):
@@ -183,6 +184,7 @@ def test_time_budget_stops_every_process_at_one_step_then_eval(
     (signal.SIGINT, 4, 1, "training"),
     (signal.SIGTERM, 4, 1, "compiling"),
 ], ids=["SIGTERM-2procs", "SIGINT-4procs", "SIGTERM-4procs-before-step-1"])
+@pytest.mark.slow
 def test_signal_to_one_process_stops_all_at_one_saved_step(
     corpus, tmp_path, sig, processes, devices, when):
   workdir = str(tmp_path / "run")
@@ -221,6 +223,7 @@ def test_signal_to_one_process_stops_all_at_one_saved_step(
     np.testing.assert_array_equal(x, y)  # bitwise
 
 
+@pytest.mark.slow
 @_LAYOUTS
 def test_bit_flip_in_one_process_shard_falls_back_everywhere(
     corpus, tmp_path, processes, devices):
@@ -245,6 +248,7 @@ def test_bit_flip_in_one_process_shard_falls_back_everywhere(
   assert _steps(workdir) == [6, 12, 14]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
 def test_train_and_eval_finish_on_any_device_count(corpus, tmp_path, devices):
   workdir = str(tmp_path / "run")
@@ -263,6 +267,7 @@ def test_train_and_eval_finish_on_any_device_count(corpus, tmp_path, devices):
     assert "valid ppl" in ev.stdout and "test ppl" in ev.stdout
 
 
+@pytest.mark.slow
 def test_stripe_devices_inside_each_process(corpus, tmp_path):
   """2 processes x 2 devices, each process's 2 devices one stripe group:
   train (with its closing eval and sample), eval, greedy sampling and

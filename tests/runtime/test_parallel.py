@@ -124,6 +124,7 @@ def test_float32_non_finite_step_is_skipped_too():
   assert float(after.loss_scale.scale) == 1.0  # no scaling outside float16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_trains_like_float32(tmp_path, dtype):
   data = write_wikitext(tmp_path / "wt")
@@ -169,6 +170,7 @@ def _losses(stdout: str) -> list[float]:
   return [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", stdout)]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   data = write_wikitext(tmp_path / "wt")
   args = ["-m", "zebra_jax.main", "--config=wt103:tiny",

@@ -68,6 +68,7 @@ def test_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
   assert meta_a["position"] == meta_b["position"]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_stopped_early_then_resumes(tmp_path):
   data = write_wikitext(tmp_path / "wt")
   workdir = str(tmp_path / "run")
