@@ -19,12 +19,11 @@ alone, so the profiler never slows a torch row.
 """
 
 import tempfile
-import time
 
 import jax
 import numpy as np
 
-from lab.benchmarks.timing import settle
+from lab.benchmarks.timing import round_times
 from zebra_jax.runtime import profiling
 
 WALL, CUDA_EVENTS, BACK_TO_BACK = ("host wall", "CUDA events",
@@ -62,24 +61,19 @@ def _cuda_round(step, calls: int) -> float:
 
 
 def _walls(steps: dict, calls: dict, rounds: int) -> tuple[dict, dict]:
-  """(wall, CUDA events) seconds per round of every row, rows interleaved;
-  each row's round run once untimed first."""
-  for name, step in steps.items():
-    _round(step, calls[name])
-  on_cpu = jax.default_backend() == "cpu"
-  wall = {name: [] for name in steps}
+  """(wall, CUDA events) seconds per round of every row, rows interleaved
+  by `timing.round_times` (each row's round run once untimed first)."""
   events = {name: [] for name in steps if _clock(steps[name]) == CUDA_EVENTS}
-  for _ in range(rounds):
-    for name, step in steps.items():
-      if on_cpu:
-        settle()
-      start = time.perf_counter()
-      if name in events:
-        events[name].append(_cuda_round(step, calls[name]))
-      else:
-        _round(step, calls[name])
-      wall[name].append(time.perf_counter() - start)
-  return wall, events
+
+  def one_round(name):
+    step, n = steps[name], calls[name]
+    if name in events:
+      return lambda: events[name].append(_cuda_round(step, n))
+    return lambda: _round(step, n)
+  wall = round_times({name: one_round(name) for name in steps}, rounds)
+  # round_times' untimed first round recorded events too: not a round
+  return ({name: list(w) for name, w in wall.items()},
+          {name: e[1:] for name, e in events.items()})
 
 
 def device_spans(events: list[dict], labels: list[str]) -> dict:

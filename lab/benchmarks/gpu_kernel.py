@@ -96,15 +96,6 @@ def candidates(shape, dtype: str, stripes: int) -> list[tuple]:
   return out
 
 
-def baseline_kind(impl: str) -> str:
-  """What a baseline computes beside a ZebraLSTM row (module docstring)."""
-  if impl.endswith("_loop"):
-    return "per-stripe loop"
-  if impl.startswith("flashrnn"):
-    return "FlashRNN"
-  return "same function"
-
-
 def math_of(impl: str, dtype: str) -> str:
   """The math a row's matmuls run in: bf16, tf32 or fp32 (IEEE). JAX's
   default precision runs our float32 dots in TF32 on a GPU."""

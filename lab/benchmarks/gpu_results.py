@@ -145,13 +145,17 @@ def _ratio_text(ratios: dict, limit: int = 4) -> str:
   return ", ".join(f"{v:.2f} x {k}" for k, v in list(ratios.items())[:limit])
 
 
-def _kind(name: str) -> str:
-  """What a baseline row computes (gpu_kernel.baseline_kind, from its name
-  alone: this module imports no JAX)."""
-  impl = name.rsplit("_S", 1)[0]
+def baseline_kind(impl: str) -> str:
+  """What a baseline computes beside a ZebraLSTM row (gpu_kernel's
+  docstring): the per-stripe loop, FlashRNN, or the same function."""
   if impl.endswith("_loop"):
     return "per-stripe loop"
   return "FlashRNN" if impl.startswith("flashrnn") else "same function"
+
+
+def _kind(name: str) -> str:
+  """baseline_kind of a row's name (its impl and _S suffix)."""
+  return baseline_kind(name.rsplit("_S", 1)[0])
 
 
 def _ratios_by_kind(against: dict, limit: int = 4) -> str:

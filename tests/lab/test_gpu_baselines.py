@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental import rnn
 
-from lab.benchmarks import cudnn_jax, flashrnn_rows, gpu_kernel
+from lab.benchmarks import cudnn_jax, flashrnn_rows, gpu_kernel, gpu_results
 from lab.benchmarks.shapes import SHAPES
 from zebra_jax.model.recurrence import scan
 
@@ -299,7 +299,7 @@ def test_an_s8_group_times_dense_baselines_beside_its_loops():
                    ("jax_cudnn_fp32_loop", 8), ("jax_cudnn_tf32_loop", 8),
                    ("torch_cudnn_fp32_loop", 8), ("torch_cudnn_tf32_loop", 8),
                    ("flashrnn_triton", 8)]
-  assert [gpu_kernel.baseline_kind(n) for n, _ in names[2:]] == (
+  assert [gpu_results.baseline_kind(n) for n, _ in names[2:]] == (
       ["same function"] * 4 + ["per-stripe loop"] * 4 + ["FlashRNN"])
   assert [gpu_kernel.math_of(n, "float32") for n, _ in names] == [
       "tf32", "tf32", "fp32", "tf32", "fp32", "tf32", "fp32", "tf32", "fp32",
