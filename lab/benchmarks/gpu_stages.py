@@ -6,6 +6,7 @@ row that says so and the stage goes on.
 """
 
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -161,12 +162,19 @@ def zipf_entropy(vocab: int) -> float:
 
 def wt103_ids(cfg, dry: bool) -> np.ndarray:
   """The synthetic corpus: Zipf-distributed ids of the recipe's vocabulary,
-  enough for WT103_MAX_STEPS batches."""
+  enough for WT103_MAX_STEPS batches (drawn once per shape: every build of
+  a stage or a tool reads the same, read-only array)."""
   m, d = cfg.model, cfg.data
-  steps = 8 if dry else WT103_MAX_STEPS
-  return np.random.default_rng(0).choice(
-      m.vocab_size, d.batch_size * (d.seq_len * steps + 1),
-      p=zipf_probs(m.vocab_size)).astype(np.int32)
+  return _zipf_ids(m.vocab_size, d.batch_size * (
+      d.seq_len * (8 if dry else WT103_MAX_STEPS) + 1))
+
+
+@functools.lru_cache(maxsize=2)
+def _zipf_ids(vocab: int, count: int) -> np.ndarray:
+  ids = np.random.default_rng(0).choice(vocab, count, p=zipf_probs(vocab))
+  ids = ids.astype(np.int32)
+  ids.flags.writeable = False
+  return ids
 
 
 def wt103_build(cfg, ids: np.ndarray, on_compiled=None) -> dict:
