@@ -363,9 +363,14 @@ def test_a_request_is_admitted_whole_and_the_queue_counts_requests(gen):
                     prefill_rows=2, decode_block=1)
   try:
     long = engine.SamplingParams(max_new_tokens=10**6, temperature=0.0)
-    started = threading.Event()
-    busy = e.submit("the ", long, on_text=lambda d, t: started.set())
-    assert started.wait(300)
+    # Both slots busy, so that no row of the five below can be admitted
+    # while the queue is counted.
+    busy = []
+    for prompt in ("the ", "a "):
+      started = threading.Event()
+      busy.append(e.submit(prompt, long,
+                           on_text=lambda d, t, s=started: s.set()))
+      assert started.wait(300)
     # Five rows wait as one request: the queue holds one request.
     five = e.submit_many([engine.Row("x", engine.SamplingParams(
         max_new_tokens=2, temperature=0.0)) for _ in range(5)])
@@ -373,7 +378,8 @@ def test_a_request_is_admitted_whole_and_the_queue_counts_requests(gen):
     with pytest.raises(engine.QueueFull):
       e.submit_many([engine.Row("y", long), engine.Row("z", long)])
     assert e.stats()["queued"] == 5  # nothing of the refused one entered
-    busy.cancel()
+    for request in busy:
+      request.cancel()
     assert [r.result(timeout=300) for r in five] == [five[0].text] * 5
   finally:
     e.close()
