@@ -24,7 +24,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from zebra_jax.configs import wt103
-from zebra_jax.inference import serve, triton_local
+from zebra_jax.inference import triton_local
+from zebra_jax.serving import serve
 from zebra_jax.model.recurrence import native as native_recurrence
 from zebra_jax.model.recurrence import scan as scan_recurrence
 from zebra_jax.runtime import parallel

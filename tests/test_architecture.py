@@ -2,12 +2,13 @@
 and importing it changes nothing in the process but what a module declares.
 
 Floors, lowest first (as docs/architecture.md and the README draw them):
-errors and the serving engine (inference/engine/, a library that imports
+errors and the serving engine (engine/, a library that imports
 nothing from the package, so that an export copies it whole and config can
 read its sampling bounds); model and data (side by side, neither imports the
 other); config;
 configs (the shipped configs, data built on config/base.py); runtime;
-inference; training; cli (flag parsing and mode dispatch, shared by main
+inference (loading, sampling, scoring, export, Triton); serving (the HTTP
+service); training; cli (flag parsing and mode dispatch, shared by main
 and the lab's scripts); main. A module imports only from its own part and
 the floors below it: no two parts may import each other. Imports made inside
 functions count as much as those at the top of a module: a lazy import that
@@ -34,7 +35,7 @@ LAB = os.path.join(ROOT, "lab")
 # Lowest first; the parts of one floor do not import each other.
 FLOORS = (("errors", "strict_json", "progress", "engine"), ("model", "data"),
           ("config",), ("configs",), ("runtime",), ("inference",),
-          ("training",), ("cli",), ("main",))
+          ("serving",), ("training",), ("cli",), ("main",))
 # What each part may import from the package (besides itself): the floors
 # below its own.
 ALLOWED = {part: {low for below in FLOORS[:level] for low in below}
@@ -78,15 +79,9 @@ def _graph(package: str = PACKAGE) -> dict[str, set[str]]:
   return {name: _imports(path, modules) for name, path in modules.items()}
 
 
-ENGINE = "zebra_jax.inference.engine"
-
-
 def _part(module: str) -> str:
   """The part a module belongs to: its subpackage, or the module itself for
-  zebra_jax.main and zebra_jax.errors; the serving engine is a part of its
-  own."""
-  if module == ENGINE or module.startswith(ENGINE + "."):
-    return "engine"
+  zebra_jax.main and zebra_jax.errors."""
   parts = module.split(".")
   if len(parts) == 1:
     return "package"
@@ -132,9 +127,9 @@ def test_imports_run_downward():
 
 
 def test_the_serving_engine_imports_nothing_from_the_package():
-  """inference/engine/ travels alone (the Triton model's copy): not even a
+  """engine/ travels alone (the Triton model's copy): not even a
   relative import may leave its folder."""
-  engine = os.path.join(PACKAGE, "inference", "engine")
+  engine = os.path.join(PACKAGE, "engine")
   files = [f for f in os.listdir(engine) if f.endswith(".py")]
   assert "scheduler.py" in files
   for name in files:

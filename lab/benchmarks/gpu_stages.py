@@ -383,7 +383,7 @@ def engine_tokens_per_s(generator, prompt_ids, slots: int,
   """The serving engine with `slots` slots, every slot busy: `slots`
   requests of new_tokens tokens each, submitted at once, `rounds` times
   after one untimed round (its programs compile); generated tokens/s."""
-  from zebra_jax.inference import engine as engines  # pylint: disable=g-import-not-at-top
+  from zebra_jax import engine as engines  # pylint: disable=g-import-not-at-top
   params = engines.SamplingParams(max_new_tokens=new_tokens, seed=0)
   engine = generator.engine
 

@@ -3,7 +3,7 @@
 The generation benchmarks time this loop, and tests hold the serving
 engine's greedy text against it (an independent path: the whole prompt in
 one window, then one scan). Requests go through the engine
-(zebra_jax.inference.engine), where the options are per-row data.
+(zebra_jax.engine), where the options are per-row data.
 
 The LM is recurrent, so generation never re-reads the prompt: the caller runs
 the prompt once to get `(carry, last_logits)`, and `generate` then alternates
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference.engine import sampler
+from zebra_jax.engine import sampler
 from zebra_jax.model import lm, metrics
 
 

@@ -18,7 +18,8 @@ import pytest
 
 from zebra_jax.configs import demo
 from zebra_jax.data import tokenizers
-from zebra_jax.inference import export, loading, sample, score, serve
+from zebra_jax.inference import export, loading, sample, score
+from zebra_jax.serving import serve
 from zebra_jax.model import lm
 from zebra_jax.training import evaluate, loop
 from tests.helpers import (WORDS, http_post, load_triton_model,

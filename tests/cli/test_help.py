@@ -62,3 +62,31 @@ def test_an_unknown_section_is_one_error_line_and_exit_2():
   assert result.stdout == ""
   assert result.stderr.startswith("error: 'modle' is not a config section")
   assert len(result.stderr.splitlines()) == 1
+
+
+# Reads what the program imported, after its own exit: the mode's help or
+# the field list, then whether JAX is among the modules.
+_IMPORTS_AFTER = """
+import runpy, sys
+sys.argv = ["zebra-jax"] + sys.argv[1:]
+try:
+  runpy.run_module("zebra_jax.main", run_name="__main__")
+except SystemExit:
+  pass
+print("jax imported:", "jax" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_help_and_fields_start_no_jax():
+  """Reading a flag or a field costs no JAX start-up (seconds on a CPU)."""
+  for args in (["--help"], ["fields"], ["fields", "sample"],
+               ["--mode=serve", "--help"]):
+    result = subprocess.run([sys.executable, "-c", _IMPORTS_AFTER, *args],
+                            capture_output=True, text=True, timeout=120)
+    assert "jax imported: False" in result.stderr, (args, result.stderr[-500:])
+  # The check itself sees JAX where a mode runs.
+  result = subprocess.run([sys.executable, "-c", _IMPORTS_AFTER + (
+      "import zebra_jax.engine as e; e.Engine\n"
+      "print('after the scheduler:', 'jax' in sys.modules, file=sys.stderr)")
+  ], capture_output=True, text=True, timeout=120)
+  assert "after the scheduler: True" in result.stderr, result.stderr[-500:]

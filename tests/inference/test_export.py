@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import engine, export, loading, sample
-from zebra_jax.inference.engine import params as engine_params
+from zebra_jax import engine
+from zebra_jax.inference import export, loading, sample
+from zebra_jax.engine import params as engine_params
 from zebra_jax.model import lm
 from tests.helpers import load_triton_model, triton_request
 

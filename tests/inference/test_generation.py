@@ -10,7 +10,8 @@ import pytest
 
 from zebra_jax.errors import UserError
 from lab.benchmarks import sampling_loop
-from zebra_jax.inference import engine, loading, sample
+from zebra_jax import engine
+from zebra_jax.inference import loading, sample
 from tests.helpers import REPO
 
 P = engine.SamplingParams

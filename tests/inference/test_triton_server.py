@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from zebra_jax.configs import demo
-from zebra_jax.inference import export, loading, sample, serve, triton_local
+from zebra_jax.inference import export, loading, sample, triton_local
+from zebra_jax.serving import serve
 from zebra_jax.training import loop
 from tests.helpers import WORDS, http_post, live_server, load_triton_model
 

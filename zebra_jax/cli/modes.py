@@ -51,7 +51,7 @@ def export(cfg, workdir, *, export_dir, **_):
 
 
 def serve(cfg, workdir, *, host, port, **_):
-  from zebra_jax.inference import serve as serving
+  from zebra_jax.serving import serve as serving
   serving.run(cfg, workdir, host, port)
 
 

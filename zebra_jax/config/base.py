@@ -15,7 +15,7 @@ from zebra_jax.config.rules import (
     NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, RATE, RATIO, SHRINK_FACTOR,
     TEXT, Checked, Field as F, one_of)
 from zebra_jax.data import batching, sources, tokenizers
-from zebra_jax.inference.engine import params as sampling
+from zebra_jax.engine import params as sampling
 from zebra_jax.model import config as model_config
 
 
@@ -170,7 +170,7 @@ FIELDS = dict(
     ),
     sample=dict(  # --mode=sample, the end-of-train sample, serve's defaults
         # The sampling parameters' bounds are the serving engine's own
-        # (inference/engine/params.py), so a config and a request agree.
+        # (engine/params.py), so a config and a request agree.
         prompt=F("The ", TEXT, "text to continue (--prompt)"),
         max_new_tokens=F(200, _sampling("max_new_tokens"), "tokens generated"),
         temperature=F(0.8, _sampling("temperature"), "0 = greedy"),

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import engine as engines
+from zebra_jax import engine as engines
 from zebra_jax.inference import loading, sample
 from zebra_jax.model import lm
 from zebra_jax import strict_json

@@ -1,7 +1,7 @@
 """--mode=sample: generate text from one or several prompts with a trained workdir.
 
 Every row (prompt x num_samples) is one request to the serving engine
-(zebra_jax.inference.engine), the same one `--mode=serve` and the Triton
+(zebra_jax.engine), the same one `--mode=serve` and the Triton
 model run: prompts enter in fixed-size chunks, then every decode call
 advances every row, each with its own parameters (one SamplingParams, the
 server's type) and random stream (row i draws from stream i of the seed).
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from zebra_jax.errors import UserError, read_user_file
-from zebra_jax.inference import engine as engines
+from zebra_jax import engine as engines
 from zebra_jax.inference import loading
 from zebra_jax.model import lm
 

@@ -9,9 +9,11 @@ one backend stub per Python version), on this machine's Python.
 The Python backend runs model.py in a stub process linked against
 libpython3.X. This module assembles a backend directory holding the stub for
 the running Python's version, and points the stub at this interpreter: its
-shared libpython first on LD_LIBRARY_PATH (so the stub imports this
-interpreter's site-packages: jax, numpy, flatbuffers), the wheel's own
-libraries after it.
+shared libpython first on LD_LIBRARY_PATH, the wheel's own libraries after
+it, and this environment's site-packages (jax, numpy, flatbuffers) in
+ZEBRA_JAX_TRITON_PATH, which model.py adds to sys.path (the stub's
+interpreter does not read PYTHONPATH, so a virtual environment's packages
+would be invisible to it).
 """
 
 import argparse
@@ -61,11 +63,8 @@ def prepare(workdir: str) -> tuple[str, str, dict]:
   paths = ([libdir] if sysconfig.get_config_var("Py_ENABLE_SHARED") else [])
   paths += [libs] + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
   env["LD_LIBRARY_PATH"] = ":".join(paths)
-  # The stub's interpreter finds this environment's packages either way
-  # (through its prefix, or a system libpython of the same version).
   site = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
-  env["PYTHONPATH"] = ":".join(
-      [p for p in env.get("PYTHONPATH", "").split(":") if p] + site)
+  env["ZEBRA_JAX_TRITON_PATH"] = os.pathsep.join(site)
   env.setdefault("JAX_PLATFORMS", "cpu" if not _cuda_visible() else "")
   return os.path.join(server, "bin", "tritonserver"), backends, env
 
@@ -106,7 +105,7 @@ def arrays(prompts, **fields) -> dict:
   SamplingParams field in capitals, e.g. MAX_NEW_TOKENS=20, MIN_P=0.05,
   STOP=("\\n",)), each repeated per row; ValueError for an unknown name."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from zebra_jax.inference import engine  # pylint: disable=g-import-not-at-top
+  from zebra_jax import engine  # pylint: disable=g-import-not-at-top
   raw = [p.encode("utf-8") for p in prompts]
   data = np.zeros((len(raw), max([len(r) for r in raw] + [1])), np.uint8)
   for i, r in enumerate(raw):

@@ -4,16 +4,14 @@ A run is multi-process when --coordinator_address/--num_processes/--process_id
 are given, or when a cluster launcher says so (SLURM with more than one task,
 Open MPI, or JAX_COORDINATOR_ADDRESS in the environment); jax.distributed then
 finds its peers and every device of every process joins the mesh. Must run
-before anything touches a JAX backend.
+before anything touches a JAX backend. JAX is imported when a function
+runs, not with the flags: --help and `zebra-jax fields` start no JAX.
 """
 
 import os
 from typing import Callable, TypeVar
 
-import jax
-import numpy as np
 from absl import flags
-from jax.experimental import multihost_utils
 
 from zebra_jax.errors import UserError
 
@@ -37,6 +35,7 @@ def _launched_by_cluster() -> bool:
 
 def initialize() -> bool:
   """Starts jax.distributed when the run spans processes; True if it did."""
+  import jax
   if _COORDINATOR.value or _NUM_PROCESSES.value:
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
                                num_processes=_NUM_PROCESSES.value,
@@ -56,6 +55,9 @@ def process_zero_first(fn: Callable[[], T], what: str) -> T:
   and only read them. If process 0 fails, every process stops with an error
   instead of waiting forever.
   """
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
   if jax.process_count() == 1:
     return fn()
   result, failure = None, None

@@ -42,8 +42,15 @@ import json
 import os
 import sys
 
-import jax
-import numpy as np
+# The Python backend's stub starts its interpreter without reading
+# PYTHONPATH, so a virtual environment's packages are named here by the
+# launcher (triton_local.py); a Triton image with the packages installed
+# leaves it unset.
+sys.path.extend(p for p in os.environ.get("ZEBRA_JAX_TRITON_PATH", "").split(
+    os.pathsep) if p and p not in sys.path)
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
 
 try:
   import triton_python_backend_utils as pb_utils  # provided by Triton
@@ -56,10 +63,10 @@ RECORD = "tokenizer.zebra.json"
 
 def _load_engine():
   """The engine/ package: next to this file in an exported repository, or
-  beside the triton/ folder in the zebra_jax sources."""
+  zebra_jax/engine in the sources this file lies in."""
   here = os.path.dirname(os.path.abspath(__file__))
   for path in (os.path.join(here, "engine"),
-               os.path.join(here, os.pardir, "engine")):
+               os.path.join(here, os.pardir, os.pardir, "engine")):
     init = os.path.join(path, "__init__.py")
     if os.path.exists(init):
       name = "zebra_serving_engine"

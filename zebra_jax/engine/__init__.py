@@ -38,16 +38,37 @@ each, so their cost is one test a token.
   wire.py       SamplingParams as the Triton model's inputs and as JSON
 
 No zebra_jax import: `--mode=export` copies this folder next to the Triton
-model, which serves through it with the exported functions.
+model, which serves through it with the exported functions. The bounds and
+types (params, text, wire) import without JAX; the scheduler and the
+programs load when first named.
 """
+
+import importlib
 
 from .params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, ParamError,
                      SamplingParams)
-from .sampler import categorical, first_argmax, seed_key
-from .scheduler import (BadPrompt, Engine, EngineClosed, Model, Phase,
-                        QueueFull, Request, Row, StepFailed)
 from .text import continuation, cut_at_stop, stream_safe
-from . import wire
+from . import params, text, wire
+
+# The names that need JAX, loaded on first use: reading a bound or a type
+# (config/base.py, `zebra-jax fields`, --help) starts no JAX.
+_LAZY = {name: "sampler" for name in ("categorical", "first_argmax",
+                                      "seed_key")}
+_LAZY.update({name: "scheduler" for name in (
+    "BadPrompt", "Engine", "EngineClosed", "Model", "Phase", "QueueFull",
+    "Request", "Row", "StepFailed")})
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__),
+                    name)
+    globals()[name] = value
+    return value
+  if name in ("programs", "sampler", "scheduler"):
+    return importlib.import_module(f".{name}", __name__)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["BadPrompt", "Engine", "EngineClosed", "MAX_LOGIT_BIAS",
            "MAX_LOGPROBS", "Model", "ParamError", "Phase", "QueueFull",

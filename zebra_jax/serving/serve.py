@@ -10,7 +10,7 @@
                                    [, "token_logprobs"]}], "step": N}
   GET  /health    -> 200 {"status": "ok", ...}; 503 while draining or
                      after the engine failed for good
-  GET  /metrics   Prometheus' text format (zebra_jax.inference.metrics)
+  GET  /metrics   Prometheus' text format (zebra_jax.serving.metrics)
   POST /v1/completions, POST /v1/chat/completions, GET /v1/models: OpenAI's
                   API as vLLM serves a base model (openai_api)
   POST /tokenize, POST /detokenize, GET /tokenizer_info: vLLM's tokenizer
@@ -50,9 +50,10 @@ import time
 from aiohttp import web
 
 from zebra_jax.errors import UserError, read_user_file
-from zebra_jax.inference import loading, openai_api
-from zebra_jax.inference.app import App, access_log
-from zebra_jax.inference.service import BadRequest, Limits, Service
+from zebra_jax.inference import loading
+from zebra_jax.serving import openai_api
+from zebra_jax.serving.app import App, access_log
+from zebra_jax.serving.service import BadRequest, Limits, Service
 
 __all__ = ["API_KEY_ENV", "App", "BadRequest", "Limits", "Server", "Service",
            "api_key", "make_server", "run"]

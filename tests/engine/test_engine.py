@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from lab.benchmarks import sampling_loop as sampling
-from zebra_jax.inference import engine, loading, sample, score
+from zebra_jax import engine
+from zebra_jax.inference import loading, sample, score
 
 TEXT = "line 7: the quick brown fox jumps over the lazy dog. "
 

@@ -104,7 +104,7 @@ def inputs() -> list[Input]:
     if f.type not in ENCODINGS:
       raise TypeError(f"SamplingParams.{f.name} is annotated {f.type}, "
                       "which has no Triton encoding: add one to "
-                      "ENCODINGS in inference/engine/wire.py")
+                      "ENCODINGS in engine/wire.py")
     out.append(Input(f.name, f.name.upper(), ENCODINGS[f.type]))
   return out
 

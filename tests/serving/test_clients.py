@@ -10,7 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from zebra_jax.inference import loading, openai_api, serve
+from zebra_jax.inference import loading
+from zebra_jax.serving import openai_api, serve
 from tests.helpers import live_server
 
 pytestmark = pytest.mark.timeout(300)

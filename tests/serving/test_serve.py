@@ -6,7 +6,9 @@ import threading
 
 import pytest
 
-from zebra_jax.inference import engine, loading, serve
+from zebra_jax import engine
+from zebra_jax.inference import loading
+from zebra_jax.serving import serve
 
 
 @pytest.fixture(scope="module")

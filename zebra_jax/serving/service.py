@@ -14,8 +14,9 @@ import threading
 import numpy as np
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import engine as engines
-from zebra_jax.inference import loading, metrics, openai_api, sample, score
+from zebra_jax import engine as engines
+from zebra_jax.inference import loading, sample, score
+from zebra_jax.serving import metrics, openai_api
 
 
 @dataclasses.dataclass(frozen=True)

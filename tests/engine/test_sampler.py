@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zebra_jax.inference.engine import params as params_lib
-from zebra_jax.inference.engine import sampler
-from zebra_jax.inference.engine import SamplingParams
+from zebra_jax.engine import params as params_lib
+from zebra_jax.engine import sampler
+from zebra_jax.engine import SamplingParams
 from tests.references import numpy_nucleus, random_logits
 
 

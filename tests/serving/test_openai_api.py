@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from zebra_jax.data.tokenizers.word import WordTokenizer
-from zebra_jax.inference import (loading, openai_answers, openai_api, sample,
-                                 serve)
+from zebra_jax.inference import loading, sample
+from zebra_jax.serving import openai_answers, openai_api, serve
 from tests.helpers import http_call, live_server
 
 openai = pytest.importorskip("openai", reason="pip install openai (.[test])")

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import loading, openai_api, serve
+from zebra_jax.inference import loading
+from zebra_jax.serving import openai_api, serve
 from zebra_jax.config import base
 from tests.helpers import REPO, http_call, http_post, live_server
 

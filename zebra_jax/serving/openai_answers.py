@@ -11,7 +11,7 @@ import re
 import time
 import uuid
 
-from zebra_jax.inference.openai_api import Request
+from zebra_jax.serving.openai_api import Request
 
 _WORD_OR_LINE_END = re.compile(r"\n|[^\s]+")
 

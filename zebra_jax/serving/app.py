@@ -21,9 +21,9 @@ from absl import logging
 from aiohttp import web
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference import engine as engines
-from zebra_jax.inference import openai_answers, openai_api
-from zebra_jax.inference.service import BadRequest, Service, Unavailable
+from zebra_jax import engine as engines
+from zebra_jax.serving import openai_answers, openai_api
+from zebra_jax.serving.service import BadRequest, Service, Unavailable
 from zebra_jax import strict_json
 
 access_log = py_logging.getLogger("zebra_jax.access")

@@ -31,8 +31,8 @@ import logging
 import time
 
 from zebra_jax.errors import UserError
-from zebra_jax.inference.engine import MAX_LOGPROBS, ParamError
-from zebra_jax.inference.engine import SamplingParams
+from zebra_jax.engine import MAX_LOGPROBS, ParamError
+from zebra_jax.engine import SamplingParams
 
 MODEL_ID = "zebra_lstm"
 DEFAULT_CHAT_TEMPLATE = "{role}: {content}\n"

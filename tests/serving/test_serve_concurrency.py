@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from lab.benchmarks import sampling_loop as sampling
-from zebra_jax.inference import loading, openai_api, serve
+from zebra_jax.inference import loading
+from zebra_jax.serving import openai_api, serve
 from tests.helpers import live_server
 
 openai = pytest.importorskip("openai", reason="pip install openai (.[test])")
