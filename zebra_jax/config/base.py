@@ -214,6 +214,10 @@ FIELDS = dict(
         decode_block=F(4, POSITIVE_INT, "tokens per decode call: fewer "
                        "dispatches against a request joining or stopping up "
                        "to this many steps late"),
+        prefix_cache_bytes=F(256 << 20, NON_NEGATIVE_INT, "host memory for "
+                             "prompt prefixes' model states (LRU): a prompt "
+                             "starts after its longest cached prefix, same "
+                             "tokens as without; 0 = off"),
         api_key=F("", TEXT, "'' = none; else every route but /health and "
                   "/metrics needs 'Authorization: Bearer KEY' (or set "
                   "$ZEBRA_JAX_API_KEY)"),

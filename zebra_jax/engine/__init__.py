@@ -56,7 +56,7 @@ _LAZY = {name: "sampler" for name in ("categorical", "first_argmax",
                                       "seed_key")}
 _LAZY.update({name: "scheduler" for name in (
     "BadPrompt", "Engine", "EngineClosed", "Model", "Phase", "QueueFull",
-    "Request", "Row", "StepFailed")})
+    "Request", "Row", "StepFailed", "DEFAULT_PREFIX_CACHE_BYTES")})
 
 
 def __getattr__(name):
@@ -65,12 +65,12 @@ def __getattr__(name):
                     name)
     globals()[name] = value
     return value
-  if name in ("programs", "sampler", "scheduler"):
+  if name in ("prefix_cache", "programs", "sampler", "scheduler"):
     return importlib.import_module(f".{name}", __name__)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["BadPrompt", "Engine", "EngineClosed", "MAX_LOGIT_BIAS",
+__all__ = ["BadPrompt", "DEFAULT_PREFIX_CACHE_BYTES", "Engine", "EngineClosed", "MAX_LOGIT_BIAS",
            "MAX_LOGPROBS", "Model", "ParamError", "Phase", "QueueFull",
            "Request", "Row", "SamplingParams", "StepFailed", "categorical",
            "continuation", "cut_at_stop", "first_argmax", "seed_key",

@@ -1,7 +1,8 @@
-"""The engine's two compiled programs: prefill (prompt chunks into slots) and
-decode (a block of tokens for every slot), over one running batch.
+"""The engine's compiled programs over one running batch: prefill (prompt
+chunks into slots), decode (a block of tokens for every slot) and, with the
+prefix cache, restore (cached prefix states into slots).
 
-Both are pure functions of the batch's device state; the scheduler jits them
+All are pure functions of the batch's device state; the scheduler jits them
 once each and calls them with the same shapes whatever the traffic.
 """
 
@@ -102,9 +103,10 @@ def prefill(params, state: State, tokens, lengths, slots, fresh, key, index,
 
   Returns:
     (state, (logprobs float32 [P, C], top ids int32 [P, C, K], top logprobs
-    float32 [P, C, K], ranks int32 [P, C])): each consumed token's
-    log-probability and rank given what precedes it (a fresh row's first is
-    meaningless), for rows that want their prompt's.
+    float32 [P, C, K], ranks int32 [P, C]), (carry, logits [P, V])): each
+    consumed token's log-probability and rank given what precedes it (a
+    fresh row's first is meaningless), for rows that want their prompt's;
+    and the rows' state after the chunk, for the prefix cache.
   """
   num_slots = state.step.shape[0]
   take = jnp.minimum(slots, num_slots - 1)
@@ -141,13 +143,28 @@ def prefill(params, state: State, tokens, lengths, slots, fresh, key, index,
   # One test a call, not one a token: a cond costs a call on the CPU.
   (carry, logits, seen), logprobs = jax.lax.cond(
       want, chunk_of(True), chunk_of(False), (carry, logits, seen))
+  state = _place(state, slots, carry, logits, seen, counts, key, index, row)
+  return (state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), logprobs),
+          (carry, logits))
+
+
+def restore(state: State, slots, carry, logits, seen, key, index, row):
+  """Puts P rows resumed from the prefix cache into their slots: the carry
+  and logits a prefill left at that boundary, the prefix's tokens `seen`
+  (bool [P, V]), nothing drawn yet. Arguments as prefill's."""
+  counts = jnp.zeros(seen.shape, jnp.int32)
+  return _place(state, slots, carry, logits, seen, counts, key, index, row)
+
+
+def _place(state: State, slots, carry, logits, seen, counts, key, index,
+           row) -> State:
+  """Writes P rows into their slots (S, out of range, writes nothing)."""
   key = jax.vmap(lambda k, j: jnp.where(j == 0, k, jax.random.fold_in(k, j)))(
       key, index)
   put = lambda dst, src: dst.at[slots].set(src, mode="drop")
-  state = State(
+  return State(
       carry=jax.tree.map(put, state.carry, carry),
       logits=put(state.logits, logits), seen=put(state.seen, seen),
       counts=put(state.counts, counts), key=put(state.key, key),
       step=put(state.step, jnp.zeros_like(slots)),
       row=jax.tree.map(put, state.row, row))
-  return state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), logprobs)

@@ -22,11 +22,17 @@ import jax
 import numpy as np
 
 from . import params as params_lib
-from . import programs, text as text_lib
+from . import prefix_cache, programs, text as text_lib
 from .params import SamplingParams
 from .sampler import seed_key
 
 log = logging.getLogger(__name__)
+
+# 256 MiB of host memory: a word model's entry (its logits over a 10k-word
+# vocabulary and a few KiB of carry) is about 45 KB, so some 6,000 chunks,
+# about 90,000 prompt tokens at 16 a chunk: many few-shot contexts and
+# conversations at once, for less than the process's own footprint.
+DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 
 
 class QueueFull(Exception):
@@ -123,6 +129,7 @@ class Request:
     self.packed = params_lib.packed_row(self.params)
     self.key = seed_key(self.params.seed)
     self.first_token_at: float | None = None
+    self.prefix_keys: list[bytes] | None = None  # set at the first lookup
 
   @property
   def prompt_tokens(self) -> int:
@@ -152,6 +159,10 @@ class Request:
 
   def admit(self, slot: int, order: int) -> None:
     self.phase, self.slot, self.order = Phase.PREFILLING, slot, order
+
+  @property
+  def wants_prompt_logprobs(self) -> bool:
+    return self.params.prompt_logprobs is not None
 
   def next_chunk(self, size: int) -> np.ndarray:
     return self.ids[self.fed:self.fed + size]
@@ -235,14 +246,16 @@ class Engine:
                prefill_chunk: int = 16, prefill_rows: int = 16,
                decode_block: int = 4, max_prompt_tokens: int | None = None,
                max_failures: int = 3, on_fatal: Callable | None = None,
-               on_step: Callable | None = None, name: str = "engine"):
+               on_step: Callable | None = None, name: str = "engine",
+               prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
     for label, value in (("slots", slots), ("queue", queue),
                          ("prefill_chunk", prefill_chunk),
                          ("prefill_rows", prefill_rows),
-                         ("decode_block", decode_block)):
-      if not (isinstance(value, int) and value >= (0 if label == "queue"
-                                                   else 1)):
-        raise ValueError(f"{label}={value} is not a whole number >= 1")
+                         ("decode_block", decode_block),
+                         ("prefix_cache_bytes", prefix_cache_bytes)):
+      least = 0 if label in ("queue", "prefix_cache_bytes") else 1
+      if not (isinstance(value, int) and value >= least):
+        raise ValueError(f"{label}={value} is not a whole number >= {least}")
     self.model, self.tokenizer = model, model.tokenizer
     self.slots, self.queue_limit = slots, queue
     self.chunk, self.prefill_rows = prefill_chunk, min(prefill_rows, slots)
@@ -261,8 +274,17 @@ class Engine:
       return programs.prefill(params, state, *args, step_fn=model.step_fn,
                               init_carry=model.init_carry)
 
+    def restore(state, *args):
+      self._traces += 1
+      return programs.restore(state, *args)
+
     self._decode = jax.jit(decode, donate_argnums=1)
     self._prefill = jax.jit(prefill, donate_argnums=1)
+    # 0 bytes: no cache, and no restore program.
+    self._cache = (prefix_cache.PrefixCache(prefix_cache_bytes)
+                   if prefix_cache_bytes else None)
+    self._restore = jax.jit(restore, donate_argnums=0)
+    self._new_params = None  # set_params's, taken at the next step
     self._state = self._device_state()
     self._warm_up()
     self.startup_programs = self.compiled_programs()
@@ -274,7 +296,7 @@ class Engine:
     self._closed = False
     self.failure: BaseException | None = None
     self._steps = self._tokens = self._admitted = self._restarts = 0
-    self._prompt_tokens = 0
+    self._prompt_tokens = self._prefill_tokens = self._prefill_calls = 0
     self._finish_times: collections.deque = collections.deque(maxlen=64)
     self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
     self._thread.start()
@@ -300,32 +322,65 @@ class Engine:
     p, c = self.prefill_rows, self.chunk
     tokens = np.zeros((p, c), np.int32)
     lengths = np.zeros(p, np.int32)
-    slots = np.full(p, self.slots, np.int32)
     fresh = np.zeros(p, bool)
-    key = np.zeros((p, 2), np.uint32)
-    index = np.zeros(p, np.int32)
     for i, req in enumerate(batch):
       part = req.next_chunk(c)
       tokens[i, :len(part)] = part
-      lengths[i], slots[i], fresh[i] = len(part), req.slot, req.fed == 0
-      key[i], index[i] = req.key, req.sample_index
-    row = params_lib.packed_batch([req.packed for req in batch], p)
+      lengths[i], fresh[i] = len(part), req.fed == 0
+    slots, key, index, row = self._slot_args(batch)
     return tokens, lengths, slots, fresh, key, index, row
 
+  def _slot_args(self, batch: list[Request]):
+    """(slots, keys, sample indices, parameters) of `batch`'s rows, padded
+    to prefill_rows with rows that write nothing."""
+    p = self.prefill_rows
+    slots = np.full(p, self.slots, np.int32)
+    key = np.zeros((p, 2), np.uint32)
+    index = np.zeros(p, np.int32)
+    for i, req in enumerate(batch):
+      slots[i], key[i], index[i] = req.slot, req.key, req.sample_index
+    row = params_lib.packed_batch([req.packed for req in batch], p)
+    return slots, key, index, row
+
+  def _restore_args(self, batch: list[tuple[Request, Any]]):
+    """Host arrays for one restore call: (request, cache entry) pairs."""
+    p, vocab = self.prefill_rows, self.model.vocab_size
+    blank = programs.initial_state(self.model.init_carry, p, vocab)
+    carry = jax.tree.map(np.copy, blank.carry)
+    logits, seen = blank.logits, blank.seen
+    for i, (req, entry) in enumerate(batch):
+      for dst, src in zip(jax.tree.leaves(carry),
+                          jax.tree.leaves(entry.carry)):
+        dst[i] = src
+      logits[i] = entry.logits
+      seen[i, req.ids[:req.fed]] = True
+    slots, key, index, row = self._slot_args([req for req, _ in batch])
+    return slots, carry, logits, seen, key, index, row
+
   def _warm_up(self) -> None:
-    """Compiles both programs (twice each: a state that came out of a
+    """Compiles the programs (twice each: a state that came out of a
     program may be laid out differently from the first, hand-made one)."""
     for _ in range(2):
-      self._state, _ = self._prefill(self.model.params, self._state,
+      self._state, _, _ = self._prefill(self.model.params, self._state,
                                      *self._prefill_args([]))
       self._state, tokens, _ = self._decode(self.model.params, self._state,
                                             np.zeros(self.slots, bool))
-      jax.block_until_ready(tokens)
+      if self._cache is not None:
+        self._state = self._restore(self._state, *self._restore_args([]))
+      jax.block_until_ready((tokens, self._state))
 
   def compiled_programs(self) -> int:
     """Programs the engine has traced, each compiled once (or read from the
     persistent compilation cache): a jit cache miss is a trace."""
     return self._traces
+
+  def set_params(self, params) -> None:
+    """New weights of the same layout (the programs stay valid), taken by
+    the engine's thread at its next step, when it also empties the prefix
+    cache: no state computed with the old weights serves a later prompt."""
+    with self._cond:
+      self._new_params = params
+      self._cond.notify_all()
 
   # --- requests ---
 
@@ -423,13 +478,17 @@ class Engine:
       # A finished row frees its slot at the end of the step.
       busy = sum(r is not None and not r.done() for r in self._rows)
       queued, waiting = len(self._pending), self._room(0)[1]
+    cache = (self._cache.stats() if self._cache is not None else
+             prefix_cache.PrefixCache(0).stats())
     return {"slots": self.slots, "busy": busy, "queued": queued,
             "queued_requests": waiting,
             "compiled_programs": self.compiled_programs(),
             "startup_programs": self.startup_programs,
             "steps": self._steps, "tokens": self._tokens,
             "prompt_tokens": self._prompt_tokens,
-            "restarts": self._restarts, "healthy": self.healthy}
+            "prefill_tokens": self._prefill_tokens,
+            "prefill_calls": self._prefill_calls,
+            "restarts": self._restarts, "healthy": self.healthy, **cache}
 
   def close(self) -> None:
     """Stops the thread; unfinished requests end "cancelled"."""
@@ -512,10 +571,14 @@ class Engine:
     dropped = []
     with self._cond:
       while not self._closed and not self._pending and not any(
-          r is not None for r in self._rows):
+          r is not None for r in self._rows) and self._new_params is None:
         self._cond.wait()
       if self._closed:
         return None
+      if self._new_params is not None:
+        self.model.params, self._new_params = self._new_params, None
+        if self._cache is not None:
+          self._cache.clear()
       for slot, req in enumerate(self._rows):
         if req is not None and req.cancelled:
           self._rows[slot] = None
@@ -548,7 +611,11 @@ class Engine:
     # Oldest first: by slot, a row in a high slot could wait behind ever
     # new prompts in the low ones.
     filling = sorted((r for r in rows if r.phase is Phase.PREFILLING),
-                     key=lambda r: r.order)[:self.prefill_rows]
+                     key=lambda r: r.order)
+    if self._cache is None:
+      filling = filling[:self.prefill_rows]
+    else:
+      filling = self._resume_from_cache(filling)
     if filling:
       self._prefill_batch(filling)
     done = [r for r in rows if r.phase is Phase.DONE]
@@ -568,18 +635,90 @@ class Engine:
     return True
 
   def _prefill_batch(self, filling: list[Request]) -> None:
+    """One prefill call; with the cache, what each row ends at is cached
+    before any of them can finish (a request that follows finds it)."""
     args = self._prefill_args(filling)
-    self._state, logprobs = self._prefill(self.model.params, self._state,
-                                          *args)
-    want = any(r.params.prompt_logprobs is not None for r in filling)
+    keys = [r.prefix_keys[r.fed // self.chunk] if r.prefix_keys else None
+            for r in filling]
+    self._state, logprobs, rows = self._prefill(self.model.params,
+                                                self._state, *args)
+    self._prefill_calls += 1
+    want = any(r.wants_prompt_logprobs for r in filling)
     logprobs = jax.device_get(logprobs) if want else None
+    if self._cache is not None:
+      self._store(filling, keys, args[1], logprobs, rows)
     for i, req in enumerate(filling):
       mine = (tuple(x[i] for x in logprobs)
-              if want and req.params.prompt_logprobs is not None else None)
-      req.consumed(int(args[1][i]), mine)
-      self._prompt_tokens += int(args[1][i])
-      if req.phase is Phase.DECODING and req.params.max_new_tokens == 0:
-        self._safe(req.finish, "length", "", 0)  # the prompt alone: scoring
+              if want and req.wants_prompt_logprobs else None)
+      self._prefill_tokens += int(args[1][i])
+      self._consume(req, int(args[1][i]), mine)
+
+  def _consume(self, req: Request, count: int, logprobs) -> None:
+    req.consumed(count, logprobs)
+    self._prompt_tokens += count
+    if req.phase is Phase.DECODING and req.params.max_new_tokens == 0:
+      self._safe(req.finish, "length", "", 0)  # the prompt alone: scoring
+
+  # --- the prefix cache ---
+
+  def _resume_from_cache(self, waiting: list[Request]) -> list[Request]:
+    """Moves rows (oldest first) past their cached prefix, restoring that
+    state into their slots; returns the rows to prefill now, at most
+    prefill_rows. A row whose next chunk an older row computes in this call
+    waits for it (then finds it cached): a prefix shared by rows admitted
+    together (n > 1, several prompts) is computed once."""
+    batch, restored, computing = [], [], {}
+    for req in waiting:
+      if len(batch) == self.prefill_rows:
+        break
+      entry = self._lookup(req)
+      if entry is not None:
+        restored.append((req, entry))
+      if req.phase is not Phase.PREFILLING:
+        continue
+      key, wants = req.prefix_keys[req.fed // self.chunk], (
+          req.wants_prompt_logprobs)
+      if key in computing and (computing[key] or not wants):
+        continue
+      computing[key] = computing.get(key, False) or wants
+      batch.append(req)
+    for start in range(0, len(restored), self.prefill_rows):
+      self._state = self._restore(self._state, *self._restore_args(
+          restored[start:start + self.prefill_rows]))
+    return batch
+
+  def _lookup(self, req: Request):
+    """Consumes the cached chunks from the row's next one on; returns the
+    last one's entry (None if none was cached)."""
+    cache = self._cache
+    if req.prefix_keys is None:
+      req.prefix_keys = prefix_cache.chunk_keys(req.ids, self.chunk)
+      cache.queries += len(req.ids)
+    last, wants = None, req.wants_prompt_logprobs
+    for key in req.prefix_keys[req.fed // self.chunk:]:
+      entry = cache.get(key, wants)
+      if entry is None:
+        break
+      cache.hits += entry.tokens
+      self._consume(req, entry.tokens, entry.logprobs if wants else None)
+      last = entry
+    return last
+
+  def _store(self, filling: list[Request], keys, counts, logprobs,
+             rows) -> None:
+    """Caches the state each row of the last prefill call ended at."""
+    new = [i for i, (req, key) in enumerate(zip(filling, keys))
+           if not self._cache.has(key, req.wants_prompt_logprobs)]
+    if not new:
+      return
+    carry, logits = jax.device_get(rows)
+    for i in new:
+      req, count = filling[i], int(counts[i])
+      mine = (tuple(np.array(x[i, :count]) for x in logprobs)
+              if req.wants_prompt_logprobs else None)
+      self._cache.put(keys[i], prefix_cache.Entry(
+          carry=jax.tree.map(lambda a: np.array(a[i]), carry),
+          logits=np.array(logits[i]), tokens=count, logprobs=mine))
 
   def _decode_batch(self, decoding: list[Request]) -> None:
     active = np.zeros(self.slots, bool)

@@ -58,14 +58,15 @@ def _consume_prompt(params, tokens, carry, *, graphdef, mesh=None):
 
 
 ENGINE_FIELDS = ("slots", "queue", "prefill_chunk", "prefill_rows",
-                 "decode_block")
+                 "decode_block", "prefix_cache_bytes")
 
 
 def engine_options(cfg, **overrides) -> dict:
   """The engine's sizes from cfg.serve (slots, queue, chunks), overridden."""
   serve = cfg.get("serve", {})
   defaults = {"slots": 64, "queue": 256, "prefill_chunk": 16,
-              "prefill_rows": 16, "decode_block": 4}
+              "prefill_rows": 16, "decode_block": 4,
+              "prefix_cache_bytes": engines.DEFAULT_PREFIX_CACHE_BYTES}
   out = {k: int(serve.get(k, v)) for k, v in defaults.items()}
   out.update(overrides)
   return out
@@ -122,7 +123,7 @@ class Generator:
     self.params = jax.device_put(
         params, jax.tree.map(lambda a: a.sharding, self.params))
     if self._engine is not None:
-      self._engine.model.params = self.params
+      self._engine.set_params(self.params)
 
   def close(self) -> None:
     if self._engine is not None:
