@@ -22,7 +22,8 @@ the first request at a never-seen prompt length and temperature against the
 same request repeated, the engine's compiled-program count (GET /health)
 before and after, and the server's RSS at start, after the phases and over
 an optional soak of varied traffic. Prints a table; writes JSON (--json,
-default WORKDIR/serve_bench.json).
+default WORKDIR/serve_bench.json). --scenario=prefix instead measures the
+prefix state cache, on against off (lab/prefix_bench.py).
 """
 
 import concurrent.futures
@@ -427,6 +428,15 @@ def main(argv) -> None:
   if f.url and server_cpus:
     raise UserError("--server_cpus pins the server the bench starts: drop it "
                     "with --url")
+  if f.scenario == "prefix":
+    if not f.workdir or f.url:
+      raise UserError("--scenario=prefix starts its own two servers: give "
+                      "--workdir and no --url")
+    from lab import prefix_bench  # pylint: disable=g-import-not-at-top
+    report = prefix_bench.run(f, overrides, server_cpus, client_cpus)
+    report["command"] = " ".join(["python -m lab.serve_bench"] + sys.argv[1:])
+    _write_json(f, report)
+    return
   server = None if f.url else Server(f.workdir, overrides, cpus=server_cpus)
   try:
     url = f.url.rstrip("/") if f.url else server.url
@@ -486,6 +496,10 @@ def main(argv) -> None:
           f"{soaked['rss_mb'][0]} -> {soaked['rss_mb'][-1]} MB "
           f"({soaked['growth_pct']:+.2f}%)")
   print(f"load average (1, 5, 15 min) at start/after phases/end: {load}")
+  _write_json(f, report)
+
+
+def _write_json(f, report: dict) -> None:
   path = f.json or (os.path.join(f.workdir, "serve_bench.json")
                     if f.workdir else "serve_bench.json")
   with open(path, "w", encoding="utf-8") as out:
@@ -502,6 +516,10 @@ def _flags() -> None:
                       "http://127.0.0.1:8000 (API key: $ZEBRA_JAX_API_KEY).")
   flags.DEFINE_list("clients", ["1", "16", "64"], "Concurrent clients per "
                     "phase.")
+  flags.DEFINE_enum("scenario", "throughput", ["throughput", "prefix"],
+                    "throughput: the phases above; prefix: the prefix state "
+                    "cache on against off (lab/prefix_bench.py; its cold "
+                    "phase has the last --clients).")
   flags.DEFINE_float("seconds", 15.0, "Length of each phase.")
   flags.DEFINE_integer("max_tokens", 32, "Tokens generated per request.")
   flags.DEFINE_enum("client", "aiohttp", list(CLIENTS), "The clients: "

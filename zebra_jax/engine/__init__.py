@@ -16,9 +16,14 @@ Prompts enter by chunked prefill: `prefill_rows` prompts x `prefill_chunk`
 tokens per call, each row stepping the same one-token recurrence as decoding
 with a per-row length mask, so a prompt of any length is consumed exactly
 (no padding reaches the carry) by ceil(length / chunk) calls of ONE shape.
-The engine therefore compiles exactly two programs (prefill, decode), both
-at start-up, whatever the traffic: stats()["compiled_programs"] counts their
-traces (jit cache misses). Every decode call computes all slots, busy or
+A prompt whose leading chunks another prompt already consumed starts from
+the state cached after them (prefix_cache.py: carry and next-token logits at
+a chunk boundary, a few KiB however long the prefix), restored into its
+slot by a third program; it then consumes the same chunks a cold start
+would, so its tokens and log-probabilities are the same to the bit. The
+engine therefore compiles exactly three programs (prefill, decode, restore;
+two with the cache off), all at start-up, whatever the traffic:
+stats()["compiled_programs"] counts their traces (jit cache misses). Every decode call computes all slots, busy or
 not: a program for fewer rows rounds differently (on the CPU a logit's last
 bits differed between 8 and 64 rows), so a request's text would depend on
 how many ran beside it. On the tiny char model (hidden 32, 2 CPU cores) a
@@ -31,7 +36,8 @@ each, so their cost is one test a token.
   params.py     SamplingParams: every knob, its bound, its per-row array
   sampler.py    the per-row math on the device: penalties, filters, draws,
                 log-probabilities
-  programs.py   the two compiled programs over the batch's device state
+  programs.py   the compiled programs over the batch's device state
+  prefix_cache.py  prompt prefixes' states, by chained chunk keys, LRU
   scheduler.py  requests and their phases, admission, the stepping thread,
                 recovery from a failed step
   text.py       tokens as text: continuation, stop strings, streaming

@@ -1,0 +1,135 @@
+"""What the prefix state cache buys: `python -m lab.serve_bench
+--scenario=prefix --workdir=DIR`, one server with the cache and one without
+(serve.prefix_cache_bytes=0), one after the other in the same run:
+
+  lm-eval  lm-evaluation-harness's `local-completions` on the multiple-choice
+           task of docs/examples/lm_eval (4 choices after one passage of 360
+           characters): wall time, accuracy, every choice's log-likelihood.
+  chat     10 turns of a streamed chat behind a 2,000-character system
+           prompt, and the same turns behind a 20-character one: the time
+           to the first text of turns 2-10.
+  cold     --clients clients of serve_bench's request mix (prompts cut at
+           random from model text: no shared prefixes): tokens/s.
+"""
+
+import json
+import os
+import statistics
+import time
+
+from lab import serve_bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "docs", "examples", "lm_eval")
+TASK = "zebra_choice"
+
+
+def _passages() -> list[str]:
+  with open(os.path.join(EXAMPLES, "choices.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line)["context"] for line in f]
+
+
+def lm_eval_run(url: str) -> dict:
+  """The multiple-choice task through local-completions, as its users run
+  it (the server's own tokenizer through /tokenize)."""
+  import lm_eval  # pylint: disable=g-import-not-at-top
+  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
+  here = os.getcwd()
+  os.chdir(ROOT)  # the task's data path is relative to it
+  try:
+    start = time.perf_counter()
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=(f"model={serve_bench.MODEL},base_url={url}/v1/completions,"
+                    "tokenizer_backend=remote,tokenized_requests=True,"
+                    "max_length=1024"),
+        tasks=[TASK], task_manager=TaskManager(include_path=EXAMPLES),
+        log_samples=True)
+    seconds = time.perf_counter() - start
+  finally:
+    os.chdir(here)
+  samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
+  return {"seconds": round(seconds, 2),
+          "acc": out["results"][TASK]["acc,none"],
+          "loglikelihoods": [r[0][0] for s in samples for r in s["resps"]]}
+
+
+def chat_first_text(url: str, key: str, system: str, turns: int = 10,
+                    max_tokens: int = 16) -> list[float]:
+  """Seconds to the first streamed text of each turn after the first."""
+  import openai  # pylint: disable=g-import-not-at-top
+  client = openai.OpenAI(base_url=url + "/v1", api_key=key or "unused")
+  users = [p[:40] for p in _passages()[-turns:]]
+  messages, waits = [{"role": "system", "content": system}], []
+  for user in users:
+    messages.append({"role": "user", "content": user})
+    start, first, reply = time.perf_counter(), None, ""
+    for chunk in client.chat.completions.create(
+        model=serve_bench.MODEL, messages=messages, max_tokens=max_tokens,
+        temperature=0.0, stream=True):
+      delta = chunk.choices[0].delta.content if chunk.choices else None
+      if delta:
+        first = first or time.perf_counter()
+        reply += delta
+    waits.append((first or time.perf_counter()) - start)
+    messages.append({"role": "assistant", "content": reply})
+  return waits[1:]
+
+
+def _median_ms(seconds: list[float]) -> float:
+  return round(1e3 * statistics.median(seconds), 1)
+
+
+def measure(url: str, key: str, f, client_cpus, pid) -> dict:
+  text = " ".join(_passages())
+  long_system, short_system = text[:2000], text[:20]
+  figures = {"lm_eval": lm_eval_run(url)}
+  figures["chat_ms"] = {
+      "system_2000": _median_ms(chat_first_text(url, key, long_system)),
+      "system_20": _median_ms(chat_first_text(url, key, short_system))}
+  seed = f.seed_prompt or serve_bench.seed_prompt_of(f.workdir)
+  mix = serve_bench.source_text(url, key, seed, 4000)
+  clients = int(f.clients[-1])
+  figures["cold"] = serve_bench.phase(
+      url, key, mix, clients, f.seconds, f.max_tokens, f.client_procs, pid,
+      f.client, client_cpus)
+  figures["engine"] = serve_bench._get(url, "/health", key)["engine"]
+  return figures
+
+
+def run(f, overrides: list[str], server_cpus, client_cpus) -> dict:
+  """Both servers' figures, the ratios, the machine's load; prints them."""
+  key = os.environ.get("ZEBRA_JAX_API_KEY", "")
+  load, report = [os.getloadavg()], {}
+  for label, extra in (("cache", []),
+                       ("no_cache", ["--config.serve.prefix_cache_bytes=0"])):
+    server = serve_bench.Server(f.workdir, overrides + extra,
+                                cpus=server_cpus)
+    try:
+      report[label] = measure(server.url, key, f, client_cpus,
+                              server.proc.pid)
+    finally:
+      server.close()
+    load.append(os.getloadavg())
+  on, off = report["cache"], report["no_cache"]
+  report["summary"] = {
+      "lm_eval_speedup": round(off["lm_eval"]["seconds"]
+                               / on["lm_eval"]["seconds"], 2),
+      "lm_eval_same_loglikelihoods": (on["lm_eval"]["loglikelihoods"]
+                                      == off["lm_eval"]["loglikelihoods"]),
+      "lm_eval_acc": [on["lm_eval"]["acc"], off["lm_eval"]["acc"]],
+      "chat_2000_over_20": round(on["chat_ms"]["system_2000"]
+                                 / on["chat_ms"]["system_20"], 2),
+      "cold_tokens_per_s_ratio": round(on["cold"]["tokens_per_s"]
+                                       / off["cold"]["tokens_per_s"], 3)}
+  report["load_average_1_5_15"] = load
+  for label in ("cache", "no_cache"):
+    r = report[label]
+    print(f"{label:>8}: lm-eval {r['lm_eval']['seconds']} s (acc "
+          f"{r['lm_eval']['acc']:.3f}) | chat first text, turns 2-10, p50: "
+          f"{r['chat_ms']['system_2000']} ms behind 2,000 chars of system "
+          f"prompt, {r['chat_ms']['system_20']} ms behind 20 | cold "
+          f"{r['cold']['tokens_per_s']} tokens/s")
+  print(f"summary: {json.dumps(report['summary'])}")
+  print(f"load average (1, 5, 15 min) at start/after each server: {load}")
+  return report
