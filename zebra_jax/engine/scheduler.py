@@ -285,6 +285,7 @@ class Engine:
                    if prefix_cache_bytes else None)
     self._restore = jax.jit(restore, donate_argnums=0)
     self._new_params = None  # set_params's, taken at the next step
+    self._blank_carry = None  # restore's host carry template
     self._state = self._device_state()
     self._warm_up()
     self.startup_programs = self.compiled_programs()
@@ -345,9 +346,12 @@ class Engine:
   def _restore_args(self, batch: list[tuple[Request, Any]]):
     """Host arrays for one restore call: (request, cache entry) pairs."""
     p, vocab = self.prefill_rows, self.model.vocab_size
-    blank = programs.initial_state(self.model.init_carry, p, vocab)
-    carry = jax.tree.map(np.copy, blank.carry)
-    logits, seen = blank.logits, blank.seen
+    if self._blank_carry is None:  # its shapes traced once, not per call
+      self._blank_carry = programs.initial_state(self.model.init_carry, p,
+                                                 1).carry
+    carry = jax.tree.map(np.zeros_like, self._blank_carry)
+    logits = np.zeros((p, vocab), np.float32)
+    seen = np.zeros((p, vocab), bool)
     for i, (req, entry) in enumerate(batch):
       for dst, src in zip(jax.tree.leaves(carry),
                           jax.tree.leaves(entry.carry)):
