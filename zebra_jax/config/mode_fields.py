@@ -33,7 +33,7 @@ CORPUS = ("data.source", "data.path", "data.hf_name", "data.hf_config",
           "data.hf_cache_dir", "data.valid_fraction", "data.test_fraction")
 # The serving engine's sizes, which --mode=sample shares with serve.
 _ENGINE = ("serve.slots", "serve.queue", "serve.prefill_chunk",
-           "serve.prefill_rows")
+           "serve.prefill_rows", "serve.prefix_cache_bytes")
 
 READS = {
     "train": ("",),  # every field
