@@ -11,8 +11,9 @@
            each, alternated: the median time to the first text of turns
            2-10.
   cold     the last --clients clients of serve_bench's request mix (prompts
-           cut at random from model text: no shared prefixes), 4 phases on
-           each server, alternated: tokens/s.
+           cut at random from model text, each after its own number: no
+           two share a prefix), 4 phases on each server, alternated:
+           tokens/s.
 """
 
 import json
@@ -131,7 +132,7 @@ def run(f, overrides: list[str], server_cpus, client_cpus) -> dict:
         rates[label].append(serve_bench.phase(
             server.url, key, mix, int(f.clients[-1]), f.seconds,
             f.max_tokens, f.client_procs, server.proc.pid, f.client,
-            client_cpus)["tokens_per_s"])
+            client_cpus, tag=f"{round_}.")["tokens_per_s"])
     for label, server in servers.items():
       report[label]["cold_tokens_per_s"] = rates[label]
       report[label]["engine"] = serve_bench._get(server.url, "/health",

@@ -157,12 +157,16 @@ def seed_prompt_of(workdir: str) -> str:
   return "".join(letters[:3]) + (" " if " " in texts else "")
 
 
-def request_mix(text: str, client: int, k: int, max_tokens: int) -> dict:
-  """Request k of a client: deterministic, varied, half streamed."""
+def request_mix(text: str, client: int, k: int, max_tokens: int,
+                tag: str = "") -> dict:
+  """Request k of a client: deterministic, varied, half streamed. With a
+  `tag`, the prompt starts with the tag, the client and k: no two requests
+  share a prefix (a phase meant to miss the prefix state cache)."""
   rng = random.Random(client * 1_000_003 + k)
   length = rng.randint(5, 60)
   at = rng.randrange(0, max(1, len(text) - length))
-  return {"prompt": text[at:at + length], "max_tokens": max_tokens,
+  unique = f"{tag}{client}.{k} " if tag else ""
+  return {"prompt": unique + text[at:at + length], "max_tokens": max_tokens,
           "temperature": rng.choice(TEMPERATURES),
           "seed": rng.randrange(1 << 31), "stream": (client + k) % 2 == 1}
 
@@ -191,7 +195,7 @@ def _clients(args) -> list[dict]:
   import threading  # pylint: disable=g-import-not-at-top
   import openai  # pylint: disable=g-import-not-at-top
   _quiet()
-  url, key, text, ids, start_at, stop_at, max_tokens = args
+  url, key, text, ids, start_at, stop_at, max_tokens, tag = args
   records, lock = [], threading.Lock()
 
   def run(client_id):
@@ -200,7 +204,7 @@ def _clients(args) -> list[dict]:
     time.sleep(max(0.0, start_at - time.time()))
     k = 0
     while time.time() < stop_at:
-      req = request_mix(text, client_id, k, max_tokens)
+      req = request_mix(text, client_id, k, max_tokens, tag)
       t0 = time.time()
       try:
         tokens, first = complete(client, req)
@@ -228,7 +232,7 @@ def _aiohttp_clients(args) -> list[dict]:
   client reads (usage; the stream's text and finish_reason)."""
   import asyncio  # pylint: disable=g-import-not-at-top
   import aiohttp  # pylint: disable=g-import-not-at-top
-  url, key, text, ids, start_at, stop_at, max_tokens = args
+  url, key, text, ids, start_at, stop_at, max_tokens, tag = args
   headers = {"Authorization": f"Bearer {key}"} if key else {}
 
   async def complete_one(session, req):
@@ -259,7 +263,7 @@ def _aiohttp_clients(args) -> list[dict]:
       await asyncio.sleep(max(0.0, start_at - time.time()))
       k = 0
       while time.time() < stop_at:
-        req = request_mix(text, client_id, k, max_tokens)
+        req = request_mix(text, client_id, k, max_tokens, tag)
         t0 = time.time()
         try:
           tokens, first = await complete_one(session, req)
@@ -308,8 +312,9 @@ def _percentile(values, q):
 
 
 def phase(url, key, text, clients, seconds, max_tokens, procs,
-          pid=None, client="openai", cpus=None) -> dict:
-  """`clients` concurrent clients for `seconds`: the phase's figures."""
+          pid=None, client="openai", cpus=None, tag: str = "") -> dict:
+  """`clients` concurrent clients for `seconds`: the phase's figures
+  (`tag`: see request_mix)."""
   cpu = cpu_seconds(pid)
   children = resource.getrusage(resource.RUSAGE_CHILDREN)
   procs = max(1, min(procs, clients))
@@ -319,7 +324,7 @@ def phase(url, key, text, clients, seconds, max_tokens, procs,
   with concurrent.futures.ProcessPoolExecutor(
       procs, mp_context=ctx, initializer=_pin(cpus)) as pool:
     parts = pool.map(CLIENTS[client], [(url, key, text, ids, start_at,
-                                 start_at + seconds, max_tokens)
+                                 start_at + seconds, max_tokens, tag)
                                 for ids in shares])
     records = [r for part in parts for r in part]
   if cpu is not None:
