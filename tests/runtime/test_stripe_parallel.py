@@ -227,9 +227,9 @@ def test_accumulation_loop_holds_only_the_layer_exchanges():
 @pytest.mark.parametrize("stripe_input,data", [("dense", 1), ("grouped", 1),
                                                ("grouped", 2)])
 def test_scaling_model_counts_the_bytes_the_step_sends(stripe_input, data):
-  """docs/scaling.md's stripe-axis bytes per device and step are those of the
-  collectives in the compiled step (without a data axis to mix in, or with
-  only all-to-alls and all-gathers on the stripe axis)."""
+  """lab/notes/scaling-model.md's stripe-axis bytes per device and step are
+  those of the collectives in the compiled step (without a data axis to mix
+  in, or with only all-to-alls and all-gathers on the stripe axis)."""
   stripe = 8 // data
   cfg = tiny_config(stripe_input, stripe)
   text = compiled_train_step(cfg, data, stripe).as_text()
