@@ -10,7 +10,7 @@ The corpus is English documentation text shipped with every Python install
 (pydoc topics and standard-library docstrings), so it needs no network.
 
 Why 4 dense stripes at hidden 256 (base's model): at equal wall-clock on this
-corpus (docs/stripes_vs_classic.md, 3 seeds x 3.25 min on 2 CPU cores, with
+corpus (docs/figures.md, 3 seeds x 3.25 min on 2 CPU cores, with
 this config's native time loops) nothing separates from it over characters,
 where it reaches the classic LSTM's final perplexity in 50% of its training
 time and ends lower (test ppl 4.16 against 4.45); over words dense stripes

@@ -75,7 +75,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       num_stripes=8,            # 8 stripes of 256: 8x fewer recurrent FLOPs; dense
                                 # input, which tied for best at equal wall-clock on
                                 # the embedded corpus's characters and words
-                                # (docs/stripes_vs_classic.md)
+                                # (docs/figures.md)
       dropout_embed=0.1,
       dropout_hidden=0.2,
       dropout_output=0.2,

@@ -3,8 +3,8 @@
 Why: on a CPU, XLA runs every time step of `scan.py`'s scans as
 separate ops (the step's matmul, a gate fusion, one write per output
 window) one after another on one thread, so the time loops take about half
-of a grouped layer's step while the second core idles
-(docs/performance.md). `native.cc` runs each loop as one call:
+of a grouped layer's step while the second core idles.
+`native.cc` runs each loop as one call:
 a step is one pass over its rows (the recurrent matmul accumulated onto the
 projected inputs in registers, the gate math on the rows just written), and
 each thread runs whole windows of its own stripes, or of its own batch rows
