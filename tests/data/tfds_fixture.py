@@ -1,0 +1,53 @@
+"""A tiny TFDS text dataset, prepared as array_record without TensorFlow:
+what data.source=tfds reads in the tests and in docs/data.md's example.
+
+  python -c "from tests.data.tfds_fixture import prepare; prepare('/tmp/tfds')"
+
+writes /tmp/tfds/zebra_tiny_lm/1.0.0/ with splits train (240 rows) and test
+(40 rows) and no validation, like lm1b, so a run carves one out of train.
+"""
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+NAME = "zebra_tiny_lm"
+_WORDS = ("the cat sat on a mat while the dog ran to the park and the bird "
+          "sang in a tree near the old house by the river").split()
+
+
+def _lines(count: int, seed: int) -> list[str]:
+  """Learnable sentences: 8 consecutive words of _WORDS and a full stop."""
+  rng = np.random.default_rng(seed)
+  starts = rng.integers(0, len(_WORDS) - 8, size=count)
+  return [" ".join(_WORDS[s:s + 8]) + " ." for s in starts]
+
+
+LINES = {"train": _lines(240, seed=0), "test": _lines(40, seed=1)}
+
+
+class ZebraTinyLm(tfds.core.GeneratorBasedBuilder):
+  """LINES as a TFDS dataset: one `text` feature a row, stored in order."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    # disable_shuffling: rows keep the order written, so tests compare texts.
+    return tfds.core.DatasetInfo(
+        builder=self, disable_shuffling=True,
+        features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # nothing to download
+    return {split: self._generate_examples(lines)
+            for split, lines in LINES.items()}
+
+  def _generate_examples(self, lines):
+    for index, line in enumerate(lines):
+      yield index, {"text": line}
+
+
+def prepare(data_dir: str) -> str:
+  """Prepares the dataset under data_dir (array_record); returns data_dir."""
+  ZebraTinyLm(data_dir=data_dir,
+              file_format="array_record").download_and_prepare()
+  return data_dir
