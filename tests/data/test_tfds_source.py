@@ -111,7 +111,8 @@ def test_a_dataset_prepared_as_tfrecord_is_refused(fixture, tmp_path):
      "data.tfds_valid_split='validation' does not select rows of "
      "'zebra_tiny_lm' \\(splits train, test\\): Unknown split"),
     (dict(tfds_test_split="test[:abc]"), "fix --config.data.tfds_test_split"),
-    (dict(tfds_valid_split="train[5:5]"), "selects no rows"),
+    (dict(tfds_valid_split="train[5:5]"),
+     "tfds_valid_split=.train\\[5:5\\]. does not select rows"),
     (dict(tfds_text_key="body"),
      "has features \\['text'\\], not 'body': set --config.data.tfds_text_key"),
 ])

@@ -132,9 +132,6 @@ def _data_source(builder, spec: str, name: str, source):
         f"(splits {', '.join(builder.info.splits)}): {_first_sentence(e)}; "
         f"fix --config.{field}, e.g. train[:99%] and train[99%:] to carve "
         "a split out of train") from None
-  if not len(rows):
-    raise UserError(f"{field}={spec!r} selects no rows of "
-                    f"{source.tfds_name!r}: fix --config.{field}")
   return rows
 
 
