@@ -19,6 +19,7 @@ from huggingface_hub import constants as hub_constants  # pylint: disable=g-impo
 from zebra_jax.data import pipeline, sources  # pylint: disable=g-import-not-at-top
 from zebra_jax.data.splits import SPLITS  # pylint: disable=g-import-not-at-top
 from zebra_jax.errors import UserError
+from tests.data import fixtures
 from tests.helpers import REPO
 
 # An endpoint nothing listens on: connections are refused at once.
@@ -62,15 +63,8 @@ def write_parquet(folder, subfolder="wikitext-103-v1", rows=None,
 
 
 def write_hub_cache(hf_home, configs=("wikitext-103-v1",)):
-  """What huggingface_hub leaves of Salesforce/wikitext in HF_HOME/hub:
-  refs/main naming a snapshot folder holding the repo's files."""
-  repo = hf_home / "hub" / "datasets--Salesforce--wikitext"
-  revision = "b08601e04326c79dfdd32d625aee71d232d685c3"
-  (repo / "refs").mkdir(parents=True)
-  (repo / "refs" / "main").write_text(revision)
-  for config in configs:
-    write_parquet(repo / "snapshots" / revision, config)
-  return hf_home
+  """What huggingface_hub leaves of Salesforce/wikitext in HF_HOME/hub."""
+  return fixtures.write_hub_cache(hf_home, ROWS, configs)
 
 
 @pytest.fixture(autouse=True)

@@ -7,22 +7,12 @@ writes /tmp/tfds/zebra_tiny_lm/1.0.0/ with splits train (240 rows) and test
 (40 rows) and no validation, like lm1b, so a run carves one out of train.
 """
 
-import numpy as np
 import tensorflow_datasets as tfds
 
+from tests.data.fixtures import sentences
+
 NAME = "zebra_tiny_lm"
-_WORDS = ("the cat sat on a mat while the dog ran to the park and the bird "
-          "sang in a tree near the old house by the river").split()
-
-
-def _lines(count: int, seed: int) -> list[str]:
-  """Learnable sentences: 8 consecutive words of _WORDS and a full stop."""
-  rng = np.random.default_rng(seed)
-  starts = rng.integers(0, len(_WORDS) - 8, size=count)
-  return [" ".join(_WORDS[s:s + 8]) + " ." for s in starts]
-
-
-LINES = {"train": _lines(240, seed=0), "test": _lines(40, seed=1)}
+LINES = {"train": sentences(240, seed=0), "test": sentences(40, seed=1)}
 
 
 class ZebraTinyLm(tfds.core.GeneratorBasedBuilder):
