@@ -203,4 +203,4 @@ def test_sources_are_frozen_and_picked_by_name():
   with pytest.raises(Exception):  # frozen: options cannot drift after checks
     source.path = "b.txt"
   assert [s.needs_path for s in sources.SOURCES.values()] == [
-      False, True, True, False]
+      False, True, True, False, False]
