@@ -32,7 +32,10 @@ TRAINED = {"model.vocab_size", "model.embed_size", "model.hidden_size",
 RUNS = {"model.dtype", "model.adaptive_chunk_rows", "model.recurrence",
         "model.unroll", "parallel"}
 CORPUS = {"data.source", "data.path", "data.hf_name", "data.hf_config",
-          "data.hf_cache_dir", "data.valid_fraction", "data.test_fraction"}
+          "data.hf_cache_dir", "data.hf_text_column", "data.tfds_name",
+          "data.tfds_data_dir", "data.tfds_train_split",
+          "data.tfds_valid_split", "data.tfds_test_split", "data.tfds_text_key",
+          "data.valid_fraction", "data.test_fraction"}
 APPLIED = {
     "eval": RUNS | CORPUS | {"eval"},
     "sample": RUNS | {"sample", "serve.slots", "serve.queue",

@@ -30,7 +30,10 @@ COMPUTE = ("model.dtype", "model.adaptive_chunk_rows", "model.recurrence",
            "model.unroll", "parallel")
 # Which text --mode=eval scores (read with the trained tokenizer).
 CORPUS = ("data.source", "data.path", "data.hf_name", "data.hf_config",
-          "data.hf_cache_dir", "data.valid_fraction", "data.test_fraction")
+          "data.hf_cache_dir", "data.hf_text_column", "data.tfds_name",
+          "data.tfds_data_dir", "data.tfds_train_split",
+          "data.tfds_valid_split", "data.tfds_test_split", "data.tfds_text_key",
+          "data.valid_fraction", "data.test_fraction")
 # The serving engine's sizes, which --mode=sample shares with serve.
 _ENGINE = ("serve.slots", "serve.queue", "serve.prefill_chunk",
            "serve.prefill_rows")
