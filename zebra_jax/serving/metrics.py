@@ -103,24 +103,24 @@ class Metrics:
     self.latency = Histogram("zebra_request_seconds", "time to the whole "
                              "answer", ["endpoint"], registry=r,
                              buckets=LATENCY_BUCKETS)
-    self.first_token = Histogram(
+    histogram = lambda name, text, buckets: Histogram(
+        name, text, registry=r, buckets=buckets)
+    self.first_token = histogram(
         "zebra_time_to_first_token_seconds", "time from a generating "
-        "request's arrival to its first generated token", registry=r,
-        buckets=FIRST_TOKEN_BUCKETS)
-    self.per_token = Histogram(
+        "request's arrival to its first generated token", FIRST_TOKEN_BUCKETS)
+    self.per_token = histogram(
         "zebra_time_per_output_token_seconds", "a request's time between "
         "tokens: (e2e - first token) / (its longest row's tokens - 1)",
-        registry=r, buckets=PER_TOKEN_BUCKETS)
-    self.e2e = Histogram(
+        PER_TOKEN_BUCKETS)
+    self.e2e = histogram(
         "zebra_e2e_request_latency_seconds", "time from a generating "
-        "request's arrival to its last token delivered", registry=r,
-        buckets=E2E_BUCKETS)
-    self.request_prompt_tokens = Histogram(
+        "request's arrival to its last token delivered", E2E_BUCKETS)
+    self.request_prompt_tokens = histogram(
         "zebra_request_prompt_tokens", "prompt tokens per request (its "
-        "usage's)", registry=r, buckets=buckets_1_2_5(max_prompt_tokens))
-    self.request_generation_tokens = Histogram(
+        "usage's)", buckets_1_2_5(max_prompt_tokens))
+    self.request_generation_tokens = histogram(
         "zebra_request_generation_tokens", "generated tokens per request "
-        "(its usage's)", registry=r, buckets=buckets_1_2_5(max_new_tokens))
+        "(its usage's)", buckets_1_2_5(max_new_tokens))
     self.prompt_tokens = Counter("zebra_prompt_tokens", "prompt tokens "
                                  "consumed", registry=r)
     self.generated_tokens = Counter("zebra_generation_tokens", "generated "

@@ -16,8 +16,12 @@ and chat's `max_completion_tokens` are its `max_new_tokens`): temperature,
 top_p, top_k, min_p, presence_penalty, frequency_penalty,
 repetition_penalty, logit_bias, seed, stop, stop_token_ids, min_tokens,
 allowed_token_ids, prompt_logprobs; so a knob added there is taken here
-without an edit. Defaults are OpenAI's (temperature 1, top_p 1; max_tokens
-16 for completions, until a stop for chat), not the config's. A field of
+without an edit. vLLM's return_token_ids, return_tokens_as_token_ids,
+truncate_prompt_tokens (and truncation_side), chat's echo,
+add_generation_prompt and continue_final_message, and
+stream_options.continuous_usage_stats are honoured. Defaults are OpenAI's
+(temperature 1, top_p 1; max_tokens 16 for completions, until a stop for
+chat), not the config's. A field of
 OpenAI's or vLLM's schema is honoured, or taken only with a value that
 asks nothing of this server (INERT); any other value is a 400 in OpenAI's
 error shape whose `param` names the field, never dropped silently. A field
