@@ -26,8 +26,8 @@ signals, the drain and the exit status.
 
 Bound to 127.0.0.1 unless --host says otherwise. With an API key
 (serve.api_key, serve.api_key_file or $ZEBRA_JAX_API_KEY) every route but
-/health and /metrics needs `Authorization: Bearer KEY`, compared in constant
-time, else 401. Request bodies are strict JSON (NaN and Infinity are a 400).
+/health, /metrics and /version needs `Authorization: Bearer KEY`, compared
+in constant time, else 401. Request bodies are strict JSON (NaN and Infinity are a 400).
 A full queue gets 503 with Retry-After. A failed engine step fails only the
 requests in it (500, saying so); an engine that cannot recover turns
 /health to 503 and the process exits 1, for a supervisor to restart it.
@@ -233,7 +233,7 @@ def run(cfg, workdir: str, host: str = "127.0.0.1", port: int = 8000) -> None:
         f"| API key {'required' if key else 'off'} "
         "| POST /v1/completions, /v1/chat/completions, /generate, /score, "
         "/tokenize, /detokenize; GET /v1/models, /health, /metrics, "
-        "/tokenizer_info", flush=True)
+        "/tokenizer_info, /version", flush=True)
   try:
     server.serve_forever(handle_signals=True)
   finally:
