@@ -12,7 +12,14 @@ the --config.* overrides. For an override given on the command line:
 
 Entries name a section ("eval") or one field ("eval.seq_len").
 docs/configuration.md states the rule; a test holds the page to it.
+
+In every mode, training included, a field whose meaning begins with
+`FIELD=VALUE:` ("source=hf: ...", "head=adaptive: ...") is read only when
+its section's FIELD has that VALUE: an override of it otherwise gets one
+warning line (`unselected`).
 """
+
+import re
 
 from zebra_jax.config import base
 from zebra_jax.errors import UserError
@@ -52,6 +59,7 @@ READS = {
 # config.json (eval's corpus is chosen by evaluate.run itself).
 APPLIED_AT_INFERENCE = (*COMPUTE, "eval", "sample", "serve", "export")
 _RULES = dict(base.fields())
+_CONDITION = re.compile(r"(\w+)=([\w.-]+): ")
 
 
 def run_settings_into(trained, given):
@@ -142,3 +150,21 @@ def described(mode: str) -> str:
     return "every field"
   return ", ".join(e if "." in e else f"{e}.*" for e in READS[mode]) or (
       "no config")
+
+
+def unselected(fields, cfg) -> list[str]:
+  """One warning for each override of a field that another field's value
+  leaves unread (its meaning says `FIELD=VALUE:` and FIELD is not VALUE)."""
+  warnings = []
+  for dotted in dict.fromkeys(fields):
+    field = _RULES.get(dotted)
+    match = field and _CONDITION.match(field.doc)
+    if not match:
+      continue
+    section = dotted.rpartition(".")[0]
+    switch = f"{section}.{match.group(1)}" if section else match.group(1)
+    if switch in _RULES and str(_get(cfg, switch)) != match.group(2):
+      warnings.append(
+          f"--config.{dotted}: read only with {switch}={match.group(2)}, and "
+          f"this run has {switch}={_get(cfg, switch)!r}: ignored")
+  return warnings
