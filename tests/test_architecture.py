@@ -8,8 +8,8 @@ read its sampling bounds); model and data (side by side, neither imports the
 other); config;
 configs (the shipped configs, data built on config/base.py); runtime;
 inference (loading, sampling, scoring, export, Triton); serving (the HTTP
-service); training; cli (flag parsing and mode dispatch, shared by main
-and the lab's scripts); main. A module imports only from its own part and
+service); training; api (the Python API, zebra_jax.load); cli (flag parsing
+and mode dispatch, shared by main and the lab's scripts); main. A module imports only from its own part and
 the floors below it: no two parts may import each other. Imports made inside
 functions count as much as those at the top of a module: a lazy import that
 dodges a cycle is still a cycle.
@@ -35,7 +35,7 @@ LAB = os.path.join(ROOT, "lab")
 # Lowest first; the parts of one floor do not import each other.
 FLOORS = (("errors", "strict_json", "progress", "engine"), ("model", "data"),
           ("config",), ("configs",), ("runtime",), ("inference",),
-          ("serving",), ("training",), ("cli",), ("main",))
+          ("serving",), ("training",), ("api",), ("cli",), ("main",))
 # What each part may import from the package (besides itself): the floors
 # below its own.
 ALLOWED = {part: {low for below in FLOORS[:level] for low in below}
