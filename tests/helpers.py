@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -343,3 +344,12 @@ def pallas_layer_grad(s, t, b, g, n_in, dtype, remat=False):
     return jnp.sum(ys.astype(f32)) + jnp.sum(h) + jnp.sum(c)
 
   return jax.value_and_grad(loss, argnums=tuple(range(6))), specs
+
+
+def python_block(page: str, contains: str) -> str:
+  """The ```python block of a docs page (path from the repository root)
+  that holds `contains`: the tests run the pages' examples as written."""
+  with open(os.path.join(REPO, page), encoding="utf-8") as f:
+    blocks = re.findall(r"^```python\n(.*?)^```", f.read(), re.M | re.S)
+  [block] = [b for b in blocks if contains in b]
+  return block
