@@ -16,6 +16,7 @@ def model(char_run):
     yield loaded
 
 
+@pytest.mark.slow  # the serving engine compiles its programs
 def test_generate_stream_and_callback_agree(model):
   import zebra_jax
   params = zebra_jax.SamplingParams(temperature=0.8, max_new_tokens=12, seed=3)
@@ -53,6 +54,7 @@ def test_score_and_evaluate(model, tmp_path):
     model.evaluate("train")
 
 
+@pytest.mark.slow  # the serving engine compiles its programs
 def test_the_api_is_the_commands_path(char_run, model, capsys):
   """sample and score in the CLI print what the API returns."""
   from zebra_jax.cli import modes
@@ -69,6 +71,7 @@ def test_the_api_is_the_commands_path(char_run, model, capsys):
   assert f"loss {s.loss:.4f}" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the serving engine compiles its programs
 def test_the_pages_examples_run(char_run, tmp_path, monkeypatch, capsys):
   """docs/python-api.md's example, as written, on runs/demo."""
   _, workdir = char_run
