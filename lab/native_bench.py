@@ -43,6 +43,7 @@ from lab.benchmarks import sampling_loop as sampling
 from zebra_jax.cli import entry
 from zebra_jax.model import lm
 from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import native_build
 
 # -march targets, this CPU's first: what other CPUs of the architecture run.
 TARGETS = {"x86_64": ("native", "x86-64-v3", "x86-64")}.get(
@@ -53,8 +54,8 @@ SETTINGS = {"S1": (1, False), "S8g": (8, True)}  # stripes, grouped
 def _with_target(target: str, build):
   """build() with the library for -march=target (traced and compiled now,
   so the target's FFI calls are in the compiled program); its vector ISA."""
-  before = os.environ.get(native_recurrence.MARCH_ENV)
-  os.environ[native_recurrence.MARCH_ENV] = target
+  before = os.environ.get(native_build.MARCH_ENV)
+  os.environ[native_build.MARCH_ENV] = target
   try:
     why = native_recurrence.unavailable(jnp.float32)
     if why:
@@ -62,9 +63,9 @@ def _with_target(target: str, build):
     return build(), native_recurrence.vector_isa()
   finally:
     if before is None:
-      del os.environ[native_recurrence.MARCH_ENV]
+      del os.environ[native_build.MARCH_ENV]
     else:
-      os.environ[native_recurrence.MARCH_ENV] = before
+      os.environ[native_build.MARCH_ENV] = before
 
 
 def _sampler(shape, stripes, grouped, kernel):

@@ -28,6 +28,7 @@ from zebra_jax.configs import wt103
 from zebra_jax.inference import triton_local
 from zebra_jax.serving import serve
 from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import native_build
 from zebra_jax.model.recurrence import scan as scan_recurrence
 from zebra_jax.runtime import parallel
 from zebra_jax.training import loop, train_state
@@ -271,8 +272,8 @@ def native_layer_args():
 
 
 needs_compiler = pytest.mark.skipif(
-    native_recurrence.compiler() is None
-    or shutil.which(native_recurrence.compiler().split()[0]) is None,
+    native_build.compiler() is None
+    or shutil.which(native_build.compiler().split()[0]) is None,
     reason="no C++ compiler on this machine")
 
 
