@@ -71,15 +71,14 @@ MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 1024
 # one piece per set bit of (rest / piece rows): 289 owned rows of 1,024-row
 # chunks run as pieces of 256 and 64 rows (320 scored), where whole chunks
 # scored 1,024, and 128-row chunks 384 in three loop iterations. On a CPU,
-# whose time is FLOPs, that made the word-level adaptive head (hidden 256,
-# 16,384 words, lab.bench's head_adaptive) about 1.15x faster than 128-row
-# chunks. Elsewhere the piece is the whole chunk: accelerators want rows
+# whose time is FLOPs, that made the word-level adaptive head (lab.bench's
+# head_adaptive) faster than 128-row chunks. Elsewhere the piece is the
+# whole chunk: accelerators want rows
 # to fill their matmul units more than they lose to padding.
 PLATFORM_PIECE_ROWS = {"cpu": 32}
 # At most this many rows a chunk of `predict` (accuracy), by platform, where
-# chunk_rows=0: on a CPU, 1,024-row chunks of the word-level head took 1.34x
-# the time of 128-row ones (20 interleaved rounds), its [rows, 8,192]
-# blocks outgrowing the caches.
+# chunk_rows=0: on a CPU, 1,024-row chunks of the word-level head were
+# slower than 128-row ones, its [rows, 8,192] blocks outgrowing the caches.
 PLATFORM_MAX_PREDICT_ROWS = {"cpu": 128}
 
 
@@ -132,8 +131,8 @@ def _chunk_logits(h, proj, table, bias, dtype):
 @jax.custom_vjp
 def _permute_rows(x, order, inverse):
   """x[order], whose gradient is g[inverse]: a gather, where autodiff's
-  transpose of a gather is a scatter-add, one row at a time on a CPU (about
-  6% of the word-level adaptive head's step, for two tails)."""
+  transpose of a gather is a scatter-add, one row at a time on a CPU (a
+  visible share of the word-level adaptive head's step, for two tails)."""
   return jnp.take(x, order, axis=0)
 
 
@@ -380,8 +379,8 @@ class AdaptiveSoftmax(nnx.Module):
     c, piece = chunk_and_piece(self.chunk_rows, n)
     padded = -(-n // piece) * piece
     # Owned rows first, each side in its order: row r goes to inverse[r]
-    # (counts, not a sort: an argsort of 2,048 rows took 0.39 ms on a CPU,
-    # these 0.08).
+    # (counts, not a sort: on a CPU an argsort of the rows is several times
+    # the cumulative sums' time).
     owned = inside.astype(jnp.int32)
     inverse = jnp.where(inside, jnp.cumsum(owned) - 1,
                         owned.sum() + jnp.cumsum(1 - owned) - 1)

@@ -4,8 +4,9 @@ result, whose gradient dots run in the compute dtype too.
 Why not plain `einsum(..., preferred_element_type=float32)`: its float32
 result gets a float32 cotangent, and JAX's transpose of that dot promotes
 the other (bfloat16) operand to float32, so both gradient dots run in
-float32. On the WikiText-103 recipe's step (bf16, H100) the shortlist's two
-gradient dots ran as TF32 cuBLAS kernels, about a fifth of the step's time.
+float32. On the WikiText-103 recipe's step (bf16, on a GPU) the
+shortlist's two gradient dots ran as TF32 cuBLAS kernels, a large share of
+the step's time.
 Here the cotangent is cast to the compute dtype first, as mixed-precision
 training does elsewhere (PyTorch's autocast): the gradient dots read bf16
 (or fp16) operands, accumulate in float32 and return float32, cast once to

@@ -47,9 +47,9 @@ def eval_step(params, carry, inputs, targets, *, graphdef,
   head_width: the head's widest logits block (the vocabulary, or the
   adaptive head's shortlist and clusters). The head then scores the window
   a few time steps at a time (`head_steps`), so its temporaries stay within
-  the platform's budget whatever the window: a CPU scoring 16 x 256 tokens
-  of a 267k vocabulary held 0.9 GB of them at once, which the process's
-  heap kept as its high-water mark.
+  the platform's budget whatever the window: a CPU scoring a whole window
+  of a 267k vocabulary at once held a large block of them, which the
+  process's heap kept as its high-water mark.
   """
   model = nnx.merge(graphdef, params)
   rows = model.rows(inputs.shape[0], mesh)

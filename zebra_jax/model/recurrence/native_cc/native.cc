@@ -128,6 +128,27 @@ std::string FirstMismatch(const std::string& why,
 // A thread count from an attribute, within reason.
 int Clipped(int64_t n) { return int(std::min<int64_t>(n, 1 << 16)); }
 
+// A forward call's buffers, by name: the two forward handlers' shared
+// arguments and results, in the order both take them; cs empty: none kept.
+ForwardBuffers ForwardBuffersOf(
+    const float* x_proj, const ffi::Buffer<ffi::F32>& h0,
+    const ffi::Buffer<ffi::F32>& c0, const ffi::Buffer<ffi::F32>& w_h,
+    ffi::ResultBuffer<ffi::F32>& ys, ffi::ResultBuffer<ffi::F32>& h,
+    ffi::ResultBuffer<ffi::F32>& c, ffi::ResultBuffer<ffi::F32>& cs,
+    ffi::ResultBuffer<ffi::F32>& gates) {
+  ForwardBuffers io;
+  io.x_proj = x_proj;
+  io.h0 = h0.typed_data();
+  io.c0 = c0.typed_data();
+  io.w_h = w_h.typed_data();
+  io.ys = ys->typed_data();
+  io.h_out = h->typed_data();
+  io.c_out = c->typed_data();
+  io.cs = cs->element_count() > 0 ? cs->typed_data() : nullptr;
+  io.gates = gates->typed_data();
+  return io;
+}
+
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
                        ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> c0,
                        ffi::Buffer<ffi::F32> w_h,
@@ -143,16 +164,8 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
   const std::string m = FirstMismatch(
       why, ForwardMismatches(d, keep, h0, c0, w_h, ys, h, c, cs, gates));
   if (!m.empty()) return Failed("zebra_native_forward: " + m);
-  ForwardBuffers io;
-  io.x_proj = x_proj.typed_data();
-  io.h0 = h0.typed_data();
-  io.c0 = c0.typed_data();
-  io.w_h = w_h.typed_data();
-  io.ys = ys->typed_data();
-  io.h_out = h->typed_data();
-  io.c_out = c->typed_data();
-  io.cs = keep ? cs->typed_data() : nullptr;
-  io.gates = gates->typed_data();
+  const ForwardBuffers io = ForwardBuffersOf(x_proj.typed_data(), h0, c0, w_h,
+                                             ys, h, c, cs, gates);
   return Guarded("zebra_native_forward", [&] {
     Forward(d, Clipped(threads), Clipped(unit_parts), &pool, io);
   });
@@ -186,16 +199,9 @@ ffi::Error ForwardProjectedImpl(
   proj.w_x = w_x.typed_data();
   proj.bias = bias.typed_data();
   proj.width = int(width);
-  ForwardBuffers io;
-  io.x_proj = nullptr;  // the projection starts each step's gates
-  io.h0 = h0.typed_data();
-  io.c0 = c0.typed_data();
-  io.w_h = w_h.typed_data();
-  io.ys = ys->typed_data();
-  io.h_out = h->typed_data();
-  io.c_out = c->typed_data();
-  io.cs = keep ? cs->typed_data() : nullptr;
-  io.gates = gates->typed_data();
+  // No projected window: the projection starts each step's gates.
+  const ForwardBuffers io = ForwardBuffersOf(nullptr, h0, c0, w_h, ys, h, c,
+                                             cs, gates);
   return Guarded("zebra_native_forward_projected", [&] {
     Forward(d, Clipped(threads), 1, &pool, io, &proj);
   });
