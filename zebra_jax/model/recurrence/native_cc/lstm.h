@@ -101,10 +101,7 @@ struct ForwardBuffers {
   float* gates;  // the activated gates; may be x_proj's buffer
 };
 
-// Forward: gates = act(x_proj + h W), then c, h; writes ys, the final
-// (h, c) and, where cs is given, every c_t. unit_parts > 1: each stripe's
-// hidden units split over that many threads, in lockstep (ForwardUnits);
-// else whole stripes or batch rows a thread.
+// Forward split by hidden units (below).
 void ForwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
                   const ForwardBuffers& io);
 
@@ -118,6 +115,10 @@ struct Projection {
   int width;  // I/S
 };
 
+// Forward: gates = act(x_proj + h W), then c, h; writes ys, the final
+// (h, c) and, where cs is given, every c_t. unit_parts > 1: each stripe's
+// hidden units split over that many threads, in lockstep (ForwardUnits);
+// else whole stripes or batch rows a thread.
 void Forward(const Shape& d, int threads, int unit_parts,
              ffi::ThreadPool* pool, const ForwardBuffers& io,
              const Projection* proj = nullptr) {
@@ -232,15 +233,17 @@ struct BackwardBuffers {
   float* dc0;
 };
 
+// Backward split by hidden units (below).
+void BackwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
+                   const BackwardBuffers& io);
+
 // Backward: the reverse loop carries (dh, dc); per step the pre-activation
 // gradients dz_t (written over the gates, which may share dz's buffer) and
 // dh_{t-1} = dz_t W^T. W^T comes transposed by the caller, one copy that
 // every thread reads: a copy per thread made the reverse loop slower than
 // the forward one at dense S=1 and doubled what the threads read from the
 // shared cache each step. unit_parts as Forward's.
-void BackwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
-                   const BackwardBuffers& io);
-
+//
 // With `grads`, Backward gives the window's weight gradients too
 // (WeightGrads' results). Where each thread runs whole stripes they are
 // summed inside the loop, each chunk of a stripe's dz as soon as it is

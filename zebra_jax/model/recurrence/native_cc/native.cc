@@ -2,7 +2,8 @@
 // backward one with the window's weight gradients where it can). This file
 // is the calls themselves: each checks the buffers XLA hands it against the
 // window's shape, names them (ForwardBuffers, BackwardBuffers) and runs a
-// loop; and the build record native.py reads before it loads the library.
+// loop; and the build record native_check.py reads before the library is
+// loaded.
 //
 // Why hand-written: XLA's CPU backend runs every time step of a lax.scan as
 // separate ops (a matmul, a gate fusion, one write per output window), one
