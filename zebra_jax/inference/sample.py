@@ -235,8 +235,8 @@ def run(cfg, workdir: str, prompts: list[str] | None = None, *,
   The engine has the server's `serve.slots`, so a text here is the server's
   byte for byte (each program's arithmetic depends on its batch size).
   preview=True sizes it to the rows instead: every decode call computes
-  every slot, and with a 267,735-word head one row's token cost 24x more at
-  64 slots than at 1 (376 ms against 15.7 ms, hidden 512, 2 CPU cores).
+  every slot, and with a 267,735-word head one row's token costs many times
+  more among 64 slots than alone.
   """
   params, prompts = checked_request(cfg, prompts)  # before loading
   loaded = loading.load_for_inference(cfg, workdir)

@@ -225,8 +225,8 @@ def run(cfg, workdir: str, host: str = "127.0.0.1", port: int = 8000) -> None:
   engine = service.engine
   # What start-up built (the model, jax's and flax's objects) lives as long
   # as the server: out of the collector's sight, a full collection scans
-  # only what requests left, where it stalled every thread for 130 ms under
-  # 64 clients (the p99 latency).
+  # only what requests left, where it stalled every thread under many
+  # clients (it was the p99 latency).
   gc.freeze()
   print(f"| serving step {loaded.step} on http://{host}:{server.server_port} "
         f"| {engine.slots} slots, queue {engine.queue_limit} "

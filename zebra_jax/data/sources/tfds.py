@@ -15,8 +15,7 @@ tf.io.gfile) does import TensorFlow, once, wherever that runs.
                          train[:99%] | train[99%:] | test, or train[-5000:]
   data.tfds_text_key     the feature holding the text (bytes or str)
 
-Decoding costs ~20 us a row on one core (lm1b's 30M train rows: ~10 min),
-once: the id cache keeps the tokens.
+Rows are decoded once, on the first run: the id cache keeps the tokens.
 
 `tensorflow-datasets` is optional (`pip install 'zebra_jax[tfds]'`):
 imported here only.
