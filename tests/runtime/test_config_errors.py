@@ -35,7 +35,7 @@ POSITIVE_INTS = (
     "export.triton_max_batch_size")
 NON_NEGATIVE_INTS = (
     "data.min_freq", "data.max_vocab_size", "model.vocab_size",
-    "model.adaptive_chunk_rows",
+    "model.adaptive_chunk_rows", "model.adaptive_tile",
     "optim.warmup_steps", "train.eval_max_batches", "checkpoint.keep_best",
     "profile.start_step", "profile.num_steps",
     "eval.max_tokens", "serve.queue", "export.triton_queue_delay_us")
@@ -45,6 +45,7 @@ POSITIVE_NUMBERS = ("optim.learning_rate", "optim.eps",
 NON_NEGATIVE_NUMBERS = ("optim.weight_decay", "optim.clip_norm",
                         "train.time_budget_minutes", "serve.drain_seconds")
 BOOLS = ("model.tie_embeddings", "model.adaptive_tie", "model.remat",
+         "model.head_fused_xent",
          "train.report_at_end", "train.sample_at_eval", "eval.accuracy",
          "sample.stream", "serve.access_log")
 TEXTS = ("data.path", "data.hf_name", "data.hf_config", "data.hf_cache_dir",
@@ -101,6 +102,7 @@ CASES = (
        ("model.stripe_input", "sparse", "is not one of"),
        ("export.triton_instance", "tpu", "is not one of"),
        ("model.recurrence", "cuda", "is not one of"),
+       ("model.head_logits_dtype", "bfloat16", "is not one of"),
        ("optim.name", "adagrad", "is not one of"),
        ("model.num_stripes", 3, "not divisible by model.num_stripes=3"),
        ("parallel.stripe_devices", 3,

@@ -101,6 +101,23 @@ FIELDS = dict(
                               "loss/accuracy chunk (memory: rows x cluster "
                               "size); 0 = sized to the device (a 267k "
                               "vocabulary: 64 on a CPU, 1024 on a GPU)"),
+        head_logits_dtype=F("float32", one_of(
+            model_config.HEAD_LOGITS_DTYPES), "head=adaptive: the loss's "
+            "logits as their matmuls return them: float32 | compute (in "
+            "model.dtype, accumulated in float32 and rounded once; "
+            "log-sum-exp and softmax in float32): half the bytes of the "
+            "step's largest arrays"),
+        head_fused_xent=F(False, BOOL, "head=adaptive: score the head's "
+                          "words and clusters in chunks of "
+                          "adaptive_chunk_rows rows whose backward "
+                          "recomputes their logits, as the tails do: no "
+                          "[rows, shortlist] logits kept for the backward, "
+                          "one more matmul"),
+        adaptive_tile=F(0, NON_NEGATIVE_INT, "head=adaptive: pad each "
+                        "cluster's loss logits with masked columns to a "
+                        "multiple of this (128: a GPU's matmul tile; the "
+                        "head's words and clusters then one matmul); no id "
+                        "changes cluster; 0 = off"),
         dtype=F("float32", one_of(model_config.DTYPES), "compute dtype; "
                 "parameters stay float32"),
         unroll=F(1, POSITIVE_INT, "lax.scan unroll factor"),
