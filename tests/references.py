@@ -32,6 +32,17 @@ def random_model(cfg, seed, scale=0.5):
       for x in leaves])
 
 
+def randomize(module, seed=1):
+  """An NNX module with every parameter drawn N(0, 0.5^2): zero-initialised
+  cluster logits and biases hide bugs."""
+  graphdef, state = nnx.split(module)
+  leaves, tree = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  leaves = [jax.random.normal(k, x.shape, x.dtype) * 0.5
+            for k, x in zip(keys, leaves)]
+  return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
+
+
 def random_carry(cfg, batch, seed, scale=0.8):
   rng = np.random.default_rng(seed)
   draw = lambda: jnp.asarray(

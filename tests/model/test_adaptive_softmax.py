@@ -12,6 +12,7 @@ from flax import nnx
 
 from zebra_jax.errors import UserError
 from zebra_jax.model import adaptive_softmax as asm
+from tests.references import randomize
 
 V, D = 50, 16
 CUTOFFS = (10, 20, 35)  # clusters: 10 shortlist + 3 tails of 10, 15, 15
@@ -19,16 +20,6 @@ CUTOFFS = (10, 20, 35)  # clusters: 10 shortlist + 3 tails of 10, 15, 15
 
 def make(cutoffs=CUTOFFS, div_val=2, seed=0, **kw):
   return asm.AdaptiveSoftmax(V, D, cutoffs, div_val, rngs=nnx.Rngs(seed), **kw)
-
-
-def randomize(module, seed=1):
-  """Zero-initialised cluster logits and biases hide bugs: randomise all."""
-  graphdef, state = nnx.split(module)
-  leaves, tree = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  leaves = [jax.random.normal(k, x.shape, x.dtype) * 0.5
-            for k, x in zip(keys, leaves)]
-  return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
 
 
 def hidden(n=37, seed=2):

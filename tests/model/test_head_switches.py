@@ -15,7 +15,9 @@ from zebra_jax.config import base
 from zebra_jax.model import adaptive_softmax as asm
 from zebra_jax.model import lm
 from tests import references as ref
-from tests.model.test_adaptive_softmax import CUTOFFS, D, V, randomize
+
+V, D = 50, 16
+CUTOFFS = (10, 20, 35)  # a shortlist of 10 words, tails of 10, 15 and 15
 
 # (rows, chunk_rows): whole 8-row chunks; a 128-row chunk, then pieces of
 # 64 and 32 rows on a CPU (PLATFORM_PIECE_ROWS) with 29 rows padded.
@@ -30,7 +32,7 @@ SWITCHES = [dict(fused_xent=True), dict(tile=8),
 def _loss_and_grads(n, chunk_rows, dtype=jnp.float32, **switches):
   """(mean nll, per-row nll, gradients of the parameters and the hidden
   states) of a randomised head, rows weighted unequally."""
-  head = randomize(asm.AdaptiveSoftmax(V, D, CUTOFFS, 2, rngs=nnx.Rngs(0),
+  head = ref.randomize(asm.AdaptiveSoftmax(V, D, CUTOFFS, 2, rngs=nnx.Rngs(0),
                                        chunk_rows=chunk_rows, dtype=dtype,
                                        **switches))
   graphdef, params = nnx.split(head)
