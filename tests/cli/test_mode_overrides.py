@@ -54,7 +54,8 @@ UNSELECTED = {"data.hf_name", "data.hf_config", "data.hf_cache_dir",
               "data.hf_text_column", "data.tfds_name", "data.tfds_data_dir",
               "data.tfds_train_split", "data.tfds_valid_split",
               "data.tfds_test_split", "data.tfds_text_key",
-              "model.adaptive_chunk_rows"}
+              "model.adaptive_chunk_rows", "model.head_logits_dtype",
+              "model.head_fused_xent", "model.adaptive_tile"}
 
 
 def expected(mode: str, field: str) -> str:
