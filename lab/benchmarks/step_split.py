@@ -13,8 +13,12 @@ Parts: recurrence = the layers' time loops (native custom calls, or the
 scan's ops); projections = the layers' other matmuls (the input projection
 and its gradients); layers other = the layers' elementwise ops outside the
 loops (dropout, stripe shuffles); head = logits, softmax, loss and their
-gradients; embedding; optimizer = clipping and the update; host = wall -
-data - device: dispatch, Python, the gaps between ops.
+gradients; embedding; optimizer = clipping and the update. A CPU runs
+independent ops on several threads at once: each instant of the trace is
+shared among the ops running then, so the parts add up to the time any op
+ran. host = the traced step's span - that - data: dispatch, Python, the
+gaps between ops. The parts are of a traced step, synchronised and slowed
+by the profiler; `wall` is the loop's pace.
 """
 
 import tempfile
@@ -45,20 +49,43 @@ def op_part(hlo_op: str, scope: str) -> str | None:
 
 
 def device_parts(trace_dir: str, hlo_text: str, names: list[str]) -> dict:
-  """{part: seconds} summed over the ops inside the `names` annotations."""
+  """{part: seconds} of the ops inside the `names` annotations, and the
+  busy seconds (when any op ran). A CPU runs independent ops on several
+  threads at once: each instant is shared equally among the ops running
+  then, so the parts add up to the busy time, not to more."""
   events = profiling.trace_op_events(trace_dir) or []
-  spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-           if e.get("name") in names]
+  spans = traced_spans(trace_dir, names)
   scopes = traces.hlo_op_scopes(hlo_text)
-  seconds = dict.fromkeys(PARTS, 0.0)
+  intervals = []
   for e in events:
     op = e.get("args", {}).get("hlo_op")
     if not op or not any(a <= e["ts"] <= b for a, b in spans):
       continue
     part = op_part(op, scopes.get(op, ""))
     if part:
-      seconds[part] += e.get("dur", 0) / 1e6
-  return seconds
+      intervals.append((e["ts"] / 1e6, (e["ts"] + e.get("dur", 0)) / 1e6,
+                        part))
+  return partition(intervals)
+
+
+def partition(intervals) -> tuple[dict, float]:
+  """[(start, end, part)] -> ({part: seconds}, busy seconds): each instant
+  shared equally among the intervals covering it."""
+  edges = sorted([(a, 1, p) for a, _, p in intervals] +
+                 [(b, -1, p) for _, b, p in intervals],
+                 key=lambda x: (x[0], -x[1]))
+  seconds = dict.fromkeys(PARTS, 0.0)
+  running = dict.fromkeys(PARTS, 0)
+  busy, last = 0.0, None
+  for t, change, part in edges:
+    active = sum(running.values())
+    if last is not None and active:
+      busy += t - last
+      for p, n in running.items():
+        seconds[p] += (t - last) * n / active
+    running[part] += change
+    last = t
+  return seconds, busy
 
 
 def split_step(step_fn, state, next_batch, steps: int = 30,
@@ -86,30 +113,45 @@ def split_step(step_fn, state, next_batch, steps: int = 30,
       state, sums = step_fn(state, next_batch(i))
       jax.block_until_ready(sums)
   jax.profiler.stop_trace()
-  seconds = device_parts(trace_dir, hlo, names)
+  seconds, busy = device_parts(trace_dir, hlo, names)
+  span = sum(b - a for a, b in traced_spans(trace_dir, names)) / 1e6
   ms = {k: 1e3 * v / traced for k, v in seconds.items()}
   ms["data"] = 1e3 * data
-  device = sum(v for k, v in ms.items() if k not in ("data", "host"))
-  ms["host"] = max(0.0, 1e3 * wall - device - ms["data"])
-  return {"ms": ms, "wall_ms": 1e3 * wall, "device_ms": device,
-          "trace_dir": trace_dir}
+  traced_ms = 1e3 * span / traced
+  ms["host"] = max(0.0, traced_ms - 1e3 * busy / traced - ms["data"])
+  return {"ms": ms, "traced_ms": traced_ms, "wall_ms": 1e3 * wall,
+          "device_ms": 1e3 * busy / traced, "trace_dir": trace_dir}
 
 
-def matmul_rate(m: int, k: int, n: int, reps: int = 20) -> float:
-  """FLOP/s of one float32 [m, k] x [k, n] matmul on this device, the best
-  of a few timed rounds (the rate the step's matmuls could reach)."""
+def traced_spans(trace_dir: str, names: list[str]) -> list[tuple[int, int]]:
+  """(start, end) in microseconds of each `names` annotation."""
+  events = profiling.trace_op_events(trace_dir) or []
+  return [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+          if e.get("name") in names]
+
+
+def matmul_rate(m: int, k: int, n: int, seconds: float = 0.05) -> float:
+  """FLOP/s of float32 [m, k] x [k, n] matmuls on this device, repeated
+  inside one compiled loop (no dispatch between them), best of 5 rounds."""
+  reps = max(1, int(seconds * 1e11 / (2.0 * m * k * n)))  # at ~100 GFLOP/s
   a = jax.numpy.full((m, k), 0.01, jax.numpy.float32)
   w = jax.numpy.full((k, n), 0.01, jax.numpy.float32)
-  f = jax.jit(lambda a, w: a @ w)
-  jax.block_until_ready(f(a, w))
+
+  @jax.jit
+  def loop(a, w):
+    # `a` flips sign each time: a loop-invariant matmul would be hoisted.
+    def body(_, carry):
+      a, acc = carry
+      return -a, acc + (a @ w)[0, 0]
+    return jax.lax.fori_loop(0, reps, body, (a, 0.0))[1]
+
+  jax.block_until_ready(loop(a, w))
   best = np.inf
   for _ in range(5):
     start = time.perf_counter()
-    for _ in range(reps):
-      out = f(a, w)
-    jax.block_until_ready(out)
-    best = min(best, (time.perf_counter() - start) / reps)
-  return 2.0 * m * k * n / best
+    jax.block_until_ready(loop(a, w))
+    best = min(best, time.perf_counter() - start)
+  return 2.0 * m * k * n * reps / best
 
 
 def loop_step(cfg, workdir: str):
@@ -161,12 +203,13 @@ def trace_row(cfg, name: str, steps: int = 30, traced: int = 5) -> dict:
 
 
 def print_trace(row: dict) -> None:
-  ms, wall = row["ms"], row["wall_ms"]
-  print(f"\n{row['name']}: {wall:.1f} ms a step ({row['tokens']} tokens, "
-        f"{1e3 * row['tokens'] / wall:,.0f} tok/s), ops {row['device_ms']:.1f} "
-        f"ms")
+  ms, traced = row["ms"], row["traced_ms"]
+  print(f"\n{row['name']}: {row['wall_ms']:.1f} ms a step run as the loop "
+        f"runs it ({1e3 * row['tokens'] / row['wall_ms']:,.0f} tok/s); "
+        f"traced, each step synchronised: {traced:.1f} ms, ops busy "
+        f"{row['device_ms']:.1f} ms")
   for part in PARTS:
-    print(f"  {part:<13}{ms[part]:>8.2f} ms {100 * ms[part] / wall:>6.1f}%")
+    print(f"  {part:<13}{ms[part]:>8.2f} ms {100 * ms[part] / traced:>6.1f}%")
   head_floor = 1e3 * row["head_flops"] / row["head_rate"]
   rec_floor = 1e3 * row["recurrent_flops"] / row["recurrent_rate"]
   passes = row["time_steps"] * row["layers"] * 2  # forward and backward
