@@ -25,7 +25,8 @@ import tempfile
 import ml_collections
 
 from lab.benchmarks import word_corpus, word_lm
-from lab.benchmarks.table import print_rows, ratio_text
+from lab.benchmarks.table import (load_column, print_and_save, print_rows,
+                                 ratio_text)
 
 FULL = dict(target_tokens=1_100_000, vocab_size=10_000, width=200)
 QUICK = dict(target_tokens=60_000, vocab_size=2_000, width=32)
@@ -102,11 +103,7 @@ def run(seconds: float, variants, threads: int, quick: bool = False,
   result = {"seconds": seconds, "threads": threads, "cpus": os.cpu_count(),
             "corpus": {"folder": folder, **manifest},
             "width": sizes["width"], "rows": rows + [reference]}
-  print_table(result)
-  if json_path:
-    with open(json_path, "w") as f:
-      json.dump(result, f, indent=1)
-  return result
+  return print_and_save(result, print_table, json_path)
 
 
 def print_table(result: dict) -> None:
@@ -126,8 +123,7 @@ def print_table(result: dict) -> None:
       ("steady tok/s", 14, lambda r: (f"{r['steady_tokens_per_s']:,.0f}"
                                       if r.get("steady_tokens_per_s")
                                       else "-")),
-      ("load before/after", 19,
-       lambda r: f"{r['load_before']:.2f} / {r['load_after']:.2f}")])
+      load_column()])
   torch_side = result["rows"][-1]
   print(f"note: torch {torch_side['torch']}: {torch_side['epochs']:.2f} "
         f"epochs, lr {torch_side['lr_final']:g} at the end (divided by 4 "

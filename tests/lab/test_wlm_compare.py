@@ -67,3 +67,19 @@ def test_quick_run_reports_every_row(tmp_path):
     assert r["tokens_per_s"] > 0 and math.isfinite(r["valid_ppl"])
     assert r["seconds"] >= result["seconds"]
   assert rows["torch_example"]["ratio_to_torch"] == 1.0
+
+
+def test_the_wlm_config_trains_a_few_steps(tmp_path):
+  """configs/wlm.py's tiny variant through the real loop: SGD at lr 20 with
+  clipping keeps the loss finite."""
+  from zebra_jax.configs import wlm  # pylint: disable=g-import-not-at-top
+  from zebra_jax.training import loop  # pylint: disable=g-import-not-at-top
+  folder, _ = word_corpus.prepare(equal_time.QUICK["target_tokens"],
+                                  equal_time.QUICK["vocab_size"],
+                                  str(tmp_path))
+  cfg = wlm.get_config("tiny")
+  cfg.data.path = folder
+  cfg.train.sample_at_eval = False
+  summary = loop.run(cfg, str(tmp_path / "run"))
+  assert summary["steps"] == cfg.train.num_steps
+  assert math.isfinite(summary["best_valid_ppl"])

@@ -65,10 +65,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   if variant == "grouped8":
     c.model.update(num_stripes=8, stripe_input="grouped")
   elif variant == "tiny":  # same code path, shrunk for tests and smoke runs
-    c.data.update(batch_size=4, seq_len=8)
+    c.data.update(batch_size=8, seq_len=8)
     c.model.update(embed_size=16, hidden_size=16)
     c.train.update(num_steps=10, log_every=5, eval_every=5, eval_max_batches=2)
-    c.eval.update(batch_size=4, seq_len=8)
+    c.eval.update(batch_size=8, seq_len=8)
     c.checkpoint.every_steps = 5
     c.sample.update(max_new_tokens=5)
   elif variant:
