@@ -14,7 +14,7 @@ import ml_collections
 import pytest
 
 from zebra_jax.config import files
-from zebra_jax.configs import base, demo, lm1b, wt103
+from zebra_jax.configs import base, demo, lm1b, wlm, wt103
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import config_checks
 from tests.helpers import REPO
@@ -146,7 +146,8 @@ def test_bad_value_is_one_line_naming_field_and_fix(field, value, message):
 def test_shipped_configs_and_edge_values_pass():
   for cfg in (base.get_config(), demo.get_config(), demo.get_config("tiny"),
               wt103.get_config("tiny"), lm1b.get_config(),
-              lm1b.get_config("tiny")):
+              lm1b.get_config("tiny"), wlm.get_config(),
+              wlm.get_config("grouped8"), wlm.get_config("tiny")):
     if cfg.data.source == "wikitext":
       cfg.data.path = "/data/wikitext-103"
     config_checks.validate(cfg)
@@ -202,7 +203,7 @@ def test_a_config_file_of_ones_own_loads_by_path(tmp_path, monkeypatch):
 
 def test_shipped_names_are_the_shipped_files():
   folder = os.path.dirname(demo.__file__)
-  assert files.shipped_names() == ["base", "demo", "lm1b", "wt103"]
+  assert files.shipped_names() == ["base", "demo", "lm1b", "wlm", "wt103"]
   assert files.as_path("demo:tiny") == os.path.join(folder, "demo.py") + ":tiny"
   assert files.as_path("nope:tiny") == "nope:tiny"  # left for its reader
 
@@ -238,7 +239,7 @@ def test_cli_mistyped_config_path(tmp_path):
   line = _one_error_line(_cli(tmp_path, "--config=configs/nope.py",
                               f"--workdir={tmp_path}"))
   assert "no such file 'configs/nope.py'" in line
-  assert "shipped configs: base, demo, lm1b, wt103" in line  # what exists instead
+  assert "shipped configs: base, demo, lm1b, wlm, wt103" in line  # what exists instead
   line = _one_error_line(_cli(tmp_path, "--config=dmeo:tiny"))
   assert "no shipped config 'dmeo'" in line
   assert "e.g. --config=demo:tiny" in line
