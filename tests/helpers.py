@@ -24,7 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from zebra_jax.configs import wt103
+from zebra_jax.configs import demo, wt103
 from zebra_jax.inference import triton_local
 from zebra_jax.serving import serve
 from zebra_jax.model.recurrence import native as native_recurrence
@@ -99,6 +99,36 @@ def run_train_steps(cfg, num_devices, batches, accum=1, state=None):
     state, m = step(state, batch)
     metrics.append(jax.device_get(m))
   return jax.device_get(state), metrics
+
+
+def stripe_config(stripe_input="dense", stripe_devices=1, **model):
+  """2 layers x hidden 32 in 8 stripes, window 4, batch 8, SGD, no dropout:
+  the stripe-parallel step the compiled-program checks read."""
+  cfg = demo.get_config("tiny")
+  model = {"dropout_hidden": 0.0, "dropout_output": 0.0, **model}
+  cfg.model.update(vocab_size=29, embed_size=32, hidden_size=32, num_layers=2,
+                   num_stripes=8, stripe_input=stripe_input, **model)
+  cfg.data.update(batch_size=8, seq_len=4)
+  cfg.optim.update(name="sgd", momentum=0.9, learning_rate=0.5,
+                   warmup_steps=0)
+  cfg.parallel.stripe_devices = stripe_devices
+  return cfg
+
+
+def stripe_mesh(data, stripe):
+  return parallel.make_mesh(jax.devices()[:data * stripe],
+                            stripe_devices=stripe)
+
+
+def compiled_train_step(cfg, data, stripe, accum=1):
+  """The train step compiled on a `data x stripe` mesh, for one batch."""
+  mesh = stripe_mesh(data, stripe)
+  graphdef, tx, state = train_state.init_state(cfg, mesh)
+  step = loop.compile_train_step(graphdef, tx, mesh, state, accum)
+  b = random_batches(cfg, 1)[0]
+  batch = {k: parallel.global_batch(mesh, v) if v.ndim else v
+           for k, v in b.items()}
+  return step.lower(state, batch).compile()
 
 
 def assert_trees_close(a, b, atol):

@@ -255,6 +255,21 @@ def test_no_test_module_imports_another():
           for hit in _test_module_imports(path)] == []
 
 
+def test_only_the_lab_tests_import_the_lab():
+  """The product's tests hold it against references of their own
+  (tests/references.py, tests/hlo_collectives.py): a test that imported the
+  lab would check the product against the code that measures it."""
+  tests = os.path.dirname(os.path.abspath(__file__))
+  lab_tests = os.path.join(tests, "lab")
+  paths = [os.path.join(folder, name) for folder, _, files in os.walk(tests)
+           if not (folder + os.sep).startswith(lab_tests + os.sep)
+           for name in files if name.endswith(".py")]
+  assert os.path.join(tests, "engine", "test_engine.py") in paths
+  wrong = [os.path.relpath(p, ROOT) for p in sorted(paths)
+           if "lab" in _top_level_imports(p)]
+  assert not wrong, wrong
+
+
 # What importing a module may change in the process, by module: each kind
 # it changes, and why. Any other change at import is a failure, and so is a
 # declaration that no longer holds.
