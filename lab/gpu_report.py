@@ -1,9 +1,9 @@
-"""Every GPU figure in one command: docs/gpu-results.md and its JSON.
+"""Every GPU figure in one command: lab/notes/gpu-results.md and its JSON.
 
   python -m lab.gpu_report --out=OUT                 # every stage
   python -m lab.gpu_report --stages=wt103,infer --out=OUT   # a rerun
   python -m lab.gpu_report --dry_run --out=/tmp/r    # CPU, tiny shapes
-  python -m lab.gpu_report --merge=RERUN/gpu-results.json --out=docs
+  python -m lab.gpu_report --merge=RERUN/gpu-results.json --out=lab/notes
 
 A GPU node is lent for 15 minutes: one command runs every stage, under
 one budget (lab/benchmarks/gpu_budget.py: CALL_BUDGET_S, each stage's
@@ -13,7 +13,7 @@ is measured (the whole file written, then renamed over the old one) and
 rewrite OUT/gpu-results.md from it, so a call killed at any second returns
 every row measured before. A second call may rerun named stages: where OUT
 has no gpu-results.json yet, the run starts from --carry_from
-(docs/gpu-results.json) and replaces only the stages it runs; --merge puts
+(lab/notes/gpu-results.json) and replaces only the stages it runs; --merge puts
 a rerun's stages into a results file afterwards.
 
 Every stage runs in its own process; a stage past its budget is killed and
@@ -86,9 +86,9 @@ def _flags() -> None:
   flags.DEFINE_list("stages", "all", "Comma-separated stages to run "
                     f"({', '.join(STAGES)}), or all.")
   flags.DEFINE_alias("stage", "stages")
-  flags.DEFINE_string("out", "docs", "Folder for gpu-results.md/.json and "
-                      "the profile's archives.")
-  flags.DEFINE_string("carry_from", os.path.join(REPO, "docs",
+  flags.DEFINE_string("out", "lab/notes", "Folder for gpu-results.md/.json "
+                      "and the profile's archives.")
+  flags.DEFINE_string("carry_from", os.path.join(REPO, "lab", "notes",
                                                  "gpu-results.json"),
                       "Where OUT has no gpu-results.json: the previous "
                       "call's file to start from ('' for none).")

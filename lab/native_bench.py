@@ -14,8 +14,9 @@ ratios the median of each round's ratio):
               FFI calls, no XLA work around them) with each build: what
               the build's vector width changes, undiluted by the step's
               matmuls
-  sample_{S}_b1_{native,scan}  sampling.generate at batch 1, one token at a
-              time (T = 1, B = 1 calls), native against the scan
+  sample_{S}_b1_{native,scan}  one request of one row through the serving
+              engine (steps.py gen_runner): one token per step of the
+              recurrence (T = 1, B = 1), native against the scan
   split_S1_{rows,units}_{N}  one dense S=1 layer's forward and backward time
               loops (the FFI calls alone) cut into N parts as on an N-core
               machine, by batch rows or by hidden units (the parts then run
@@ -35,14 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from lab.benchmarks.shapes import SHAPES, model_config
-from lab.benchmarks.steps import _create, core_runner
+from lab.benchmarks.shapes import SHAPES
+from lab.benchmarks.steps import core_runner, gen_runner
 from lab.benchmarks.table import print_rows, ratio_text
 from lab.benchmarks.timing import round_times
-from lab.benchmarks import sampling_loop as sampling
 from zebra_jax.cli import entry
-from zebra_jax.model import lm
 from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import native_build
 
 # -march targets, this CPU's first: what other CPUs of the architecture run.
 TARGETS = {"x86_64": ("native", "x86-64-v3", "x86-64")}.get(
@@ -53,8 +53,8 @@ SETTINGS = {"S1": (1, False), "S8g": (8, True)}  # stripes, grouped
 def _with_target(target: str, build):
   """build() with the library for -march=target (traced and compiled now,
   so the target's FFI calls are in the compiled program); its vector ISA."""
-  before = os.environ.get(native_recurrence.MARCH_ENV)
-  os.environ[native_recurrence.MARCH_ENV] = target
+  before = os.environ.get(native_build.MARCH_ENV)
+  os.environ[native_build.MARCH_ENV] = target
   try:
     why = native_recurrence.unavailable(jnp.float32)
     if why:
@@ -62,22 +62,9 @@ def _with_target(target: str, build):
     return build(), native_recurrence.vector_isa()
   finally:
     if before is None:
-      del os.environ[native_recurrence.MARCH_ENV]
+      del os.environ[native_build.MARCH_ENV]
     else:
-      os.environ[native_recurrence.MARCH_ENV] = before
-
-
-def _sampler(shape, stripes, grouped, kernel):
-  """sampling.generate at batch 1: shape["gen_tokens"] tokens per call."""
-  cfg = model_config(shape, stripes, grouped, recurrence=kernel)
-  graphdef, params = _create(cfg)
-  step_fn = functools.partial(lm.decode_step, graphdef=graphdef)
-  run = functools.partial(
-      sampling.generate, step_fn, params, lm.init_carry(cfg, 1),
-      jnp.zeros((1, shape["vocab"]), jnp.float32), jax.random.key(0),
-      num_new_tokens=shape["gen_tokens"], temperature=1.0)
-  jax.block_until_ready(run())  # compiles
-  return lambda: jax.block_until_ready(run())
+      os.environ[native_build.MARCH_ENV] = before
 
 
 def _loops_runner(shape, stripes: int, parts: int | None = None,
@@ -147,8 +134,8 @@ def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
     fns[f"train_{name}_scan"] = core_runner(shape, stripes, grouped=grouped)
   for name, (stripes, grouped) in SETTINGS.items():
     for kernel in ("native", "scan"):
-      fns[f"sample_{name}_b1_{kernel}"] = _sampler(shape, stripes, grouped,
-                                                   kernel)
+      fns[f"sample_{name}_b1_{kernel}"] = gen_runner(
+          shape, stripes, 1, grouped, kernel=kernel)
   # Ratios are taken round by round: on a loaded machine a round's load hits
   # its rows alike.
   times = round_times(fns, rounds)

@@ -1,9 +1,11 @@
-"""The scaling model of docs/scaling.md: bytes, seconds and memory per device.
+"""The scaling model: bytes, seconds and memory per device.
+
+lab/notes/scaling-model.md gives its tables and reads them.
 
 Arithmetic on paper, not a measurement. Parameter counts come from the model
 itself (`lm.abstract`, no memory allocated); everything else is the formula
-beside it, its assumptions named in docs/scaling.md. `python -m lab.scaling`
-prints the tables of that document.
+beside it, its assumptions named in lab/notes/scaling-model.md.
+`python -m lab.scaling` prints the tables of that page.
 """
 
 import argparse
@@ -199,7 +201,7 @@ def main(argv=None):
   argparse.ArgumentParser(
       prog="python -m lab.scaling",
       description=__doc__.split("\n\n")[0] + ": prints the tables of "
-      "docs/scaling.md.").parse_args(argv)
+      "lab/notes/scaling-model.md.").parse_args(argv)
   gb, ms = 1e9, 1e3
   print("| model (LSTM + embedding/head params) | data x stripe | sent "
         "(data, stripe, mesh) | comm | compute | step | efficiency |")

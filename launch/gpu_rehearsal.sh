@@ -141,7 +141,7 @@ fi
 read -r -a stages <<< "${stages_arg}"
 out=$(mktemp -d "${TMPDIR:-/tmp}/zebra-gpu-rehearsal-out.XXXXXX")
 cleanup+=("$out")
-rm -f "$tree/docs/gpu-results.json"  # the call starts with no results
+rm -f "$tree/lab/notes/gpu-results.json"  # the call starts with no results
 echo "== the call: bash launch/gpu_report.sh --dry-run${stages_arg:+ $stages_arg}" \
      "(OUT empty${kill_after:+; killed once ${kill_after%%:*} has ${kill_after#*:} rows})"
 args=(--out="$out")

@@ -30,9 +30,9 @@
 #
 # Writes OUT/gpu-results.md, OUT/gpu-results.json and the profile's two
 # archives (and, where the caller set OUT, the call's log gpu-report.log):
-# OUT=docs by default, a folder under /tmp for --dry-run (its
+# OUT=lab/notes by default, a folder under /tmp for --dry-run (its
 # figures mean nothing). Where OUT has no gpu-results.json, the run starts
-# from docs/gpu-results.json (the previous call's, carried in the tree).
+# from lab/notes/gpu-results.json (the previous call's, carried in the tree).
 # PYTHON=... picks the interpreter (default: the first of python3 and python
 # on PATH that imports jax, else python3).
 set -euo pipefail
@@ -84,7 +84,7 @@ echo "python: ${PYTHON}"
 if [[ -n "$dry" ]]; then
   OUT=${OUT:-${TMPDIR:-/tmp}/zebra-gpu-report-dry-run}
 else
-  OUT=${OUT:-docs}
+  OUT=${OUT:-lab/notes}
 fi
 # Imports zebra_jax and the lab from this checkout, in every subprocess too.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

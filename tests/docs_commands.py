@@ -1,4 +1,5 @@
-"""Every shell command README.md and docs/*.md show, checked against the code.
+"""Every shell command README.md, docs/*.md and lab/notes/*.md show, checked
+against the code.
 
 So that a page cannot drift from the software: each command in a fenced
 shell block (```bash, ```sh, ```shell, or `$ ` lines of ```console and
@@ -429,10 +430,11 @@ def optional_dependencies() -> frozenset:
 
 
 def pages() -> list[str]:
-  """README.md and docs/*.md, relative to the repository root."""
-  return ["README.md"] + sorted(
-      os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs",
-                                                               "*.md")))
+  """README.md, docs/*.md and the lab's notes (lab/notes/*.md), relative to
+  the repository root."""
+  found = [p for folder in (("docs",), ("lab", "notes"))
+           for p in glob.glob(os.path.join(REPO, *folder, "*.md"))]
+  return ["README.md"] + sorted(os.path.relpath(p, REPO) for p in found)
 
 
 def check_repository() -> list[str]:

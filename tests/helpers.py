@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -23,10 +24,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from zebra_jax.configs import wt103
+from zebra_jax.configs import demo, wt103
 from zebra_jax.inference import triton_local
 from zebra_jax.serving import serve
 from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import native_build
 from zebra_jax.model.recurrence import scan as scan_recurrence
 from zebra_jax.runtime import parallel
 from zebra_jax.training import loop, train_state
@@ -97,6 +99,36 @@ def run_train_steps(cfg, num_devices, batches, accum=1, state=None):
     state, m = step(state, batch)
     metrics.append(jax.device_get(m))
   return jax.device_get(state), metrics
+
+
+def stripe_config(stripe_input="dense", stripe_devices=1, **model):
+  """2 layers x hidden 32 in 8 stripes, window 4, batch 8, SGD, no dropout:
+  the stripe-parallel step the compiled-program checks read."""
+  cfg = demo.get_config("tiny")
+  model = {"dropout_hidden": 0.0, "dropout_output": 0.0, **model}
+  cfg.model.update(vocab_size=29, embed_size=32, hidden_size=32, num_layers=2,
+                   num_stripes=8, stripe_input=stripe_input, **model)
+  cfg.data.update(batch_size=8, seq_len=4)
+  cfg.optim.update(name="sgd", momentum=0.9, learning_rate=0.5,
+                   warmup_steps=0)
+  cfg.parallel.stripe_devices = stripe_devices
+  return cfg
+
+
+def stripe_mesh(data, stripe):
+  return parallel.make_mesh(jax.devices()[:data * stripe],
+                            stripe_devices=stripe)
+
+
+def compiled_train_step(cfg, data, stripe, accum=1):
+  """The train step compiled on a `data x stripe` mesh, for one batch."""
+  mesh = stripe_mesh(data, stripe)
+  graphdef, tx, state = train_state.init_state(cfg, mesh)
+  step = loop.compile_train_step(graphdef, tx, mesh, state, accum)
+  b = random_batches(cfg, 1)[0]
+  batch = {k: parallel.global_batch(mesh, v) if v.ndim else v
+           for k, v in b.items()}
+  return step.lower(state, batch).compile()
 
 
 def assert_trees_close(a, b, atol):
@@ -270,8 +302,8 @@ def native_layer_args():
 
 
 needs_compiler = pytest.mark.skipif(
-    native_recurrence.compiler() is None
-    or shutil.which(native_recurrence.compiler().split()[0]) is None,
+    native_build.compiler() is None
+    or shutil.which(native_build.compiler().split()[0]) is None,
     reason="no C++ compiler on this machine")
 
 
@@ -343,3 +375,12 @@ def pallas_layer_grad(s, t, b, g, n_in, dtype, remat=False):
     return jnp.sum(ys.astype(f32)) + jnp.sum(h) + jnp.sum(c)
 
   return jax.value_and_grad(loss, argnums=tuple(range(6))), specs
+
+
+def python_block(page: str, contains: str) -> str:
+  """The ```python block of a docs page (path from the repository root)
+  that holds `contains`: the tests run the pages' examples as written."""
+  with open(os.path.join(REPO, page), encoding="utf-8") as f:
+    blocks = re.findall(r"^```python\n(.*?)^```", f.read(), re.M | re.S)
+  [block] = [b for b in blocks if contains in b]
+  return block

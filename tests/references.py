@@ -2,9 +2,11 @@
 
 A float64 NumPy LSTM with per-step loops and PyTorch's dense gate layout
 (rows [i | f | g | o], each H wide), its cross-entropy, the random models,
-carries, tokens and logits the comparisons run on, and NumPy's nucleus. Nothing here calls the
-code under test except `lm.abstract` (shapes only) and `lm.apply` (the side
-being checked).
+carries, tokens and logits the comparisons run on, NumPy's nucleus, and
+greedy decoding outside the serving engine. Nothing here calls the code under
+test except `lm.abstract` (shapes only) and `lm.apply` (the side being
+checked); the greedy reference runs the model (`lm.last_logits`,
+`lm.decode_step`) but none of the engine it is held against.
 """
 
 import jax
@@ -30,6 +32,17 @@ def random_model(cfg, seed, scale=0.5):
   return graphdef, jax.tree.unflatten(treedef, [
       jnp.asarray(rng.uniform(-scale, scale, x.shape), jnp.float32)
       for x in leaves])
+
+
+def randomize(module, seed=1):
+  """An NNX module with every parameter drawn N(0, 0.5^2): zero-initialised
+  cluster logits and biases hide bugs."""
+  graphdef, state = nnx.split(module)
+  leaves, tree = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  leaves = [jax.random.normal(k, x.shape, x.dtype) * 0.5
+            for k, x in zip(keys, leaves)]
+  return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
 
 
 def random_carry(cfg, batch, seed, scale=0.8):
@@ -111,3 +124,34 @@ def numpy_nucleus(logits, top_p):
     num_kept = int(np.argmax(np.cumsum(p[order]) >= top_p)) + 1
     keep[row, order[:num_kept]] = True
   return keep
+
+
+# Jitted once per model: graphdef is static.
+_prompt = jax.jit(lm.last_logits, static_argnums=0)
+_step = jax.jit(lambda graphdef, params, carry, tokens: lm.decode_step(
+    params, carry, tokens, graphdef=graphdef), static_argnums=0)
+
+
+def greedy_ids(graphdef, params, model_cfg, ids, n) -> list[int]:
+  """`n` greedy tokens after the prompt `ids`, by another path than the
+  engine's: the whole prompt as one window, then one step per token in a
+  host loop, NumPy's argmax (the first of ties) choosing each token. The
+  engine consumes prompts in masked chunks and decodes in blocks, its
+  filters and draw on the device."""
+  tokens = jnp.asarray(np.asarray(ids, np.int32)[None])
+  logits, carry = _prompt(graphdef, params, tokens,
+                          lm.init_carry(model_cfg, 1))
+  out = []
+  for _ in range(n):
+    out.append(int(np.argmax(np.asarray(logits[0]))))
+    logits, carry = _step(graphdef, params, carry,
+                          jnp.asarray([out[-1]], jnp.int32))
+  return out
+
+
+def greedy_text(generator, prompt: str, n: int) -> str:
+  """greedy_ids for a zebra_jax.inference.sample.Generator's model (its
+  weights as placed for inference), decoded."""
+  ids = greedy_ids(generator.loaded.graphdef, generator.params,
+                   generator.loaded.cfg.model, generator.encode(prompt), n)
+  return generator.tokenizer.decode(ids)

@@ -8,8 +8,8 @@ read its sampling bounds); model and data (side by side, neither imports the
 other); config;
 configs (the shipped configs, data built on config/base.py); runtime;
 inference (loading, sampling, scoring, export, Triton); serving (the HTTP
-service); training; cli (flag parsing and mode dispatch, shared by main
-and the lab's scripts); main. A module imports only from its own part and
+service); training; api (the Python API, zebra_jax.load); cli (flag parsing
+and mode dispatch, shared by main and the lab's scripts); main. A module imports only from its own part and
 the floors below it: no two parts may import each other. Imports made inside
 functions count as much as those at the top of a module: a lazy import that
 dodges a cycle is still a cycle.
@@ -35,7 +35,7 @@ LAB = os.path.join(ROOT, "lab")
 # Lowest first; the parts of one floor do not import each other.
 FLOORS = (("errors", "strict_json", "progress", "engine"), ("model", "data"),
           ("config",), ("configs",), ("runtime",), ("inference",),
-          ("serving",), ("training",), ("cli",), ("main",))
+          ("serving",), ("training",), ("api",), ("cli",), ("main",))
 # What each part may import from the package (besides itself): the floors
 # below its own.
 ALLOWED = {part: {low for below in FLOORS[:level] for low in below}
@@ -253,6 +253,21 @@ def test_no_test_module_imports_another():
   assert len([p for p in paths if os.path.basename(p).startswith("test_")]) > 30
   assert [hit for path in sorted(paths)
           for hit in _test_module_imports(path)] == []
+
+
+def test_only_the_lab_tests_import_the_lab():
+  """The product's tests hold it against references of their own
+  (tests/references.py, tests/hlo_collectives.py): a test that imported the
+  lab would check the product against the code that measures it."""
+  tests = os.path.dirname(os.path.abspath(__file__))
+  lab_tests = os.path.join(tests, "lab")
+  paths = [os.path.join(folder, name) for folder, _, files in os.walk(tests)
+           if not (folder + os.sep).startswith(lab_tests + os.sep)
+           for name in files if name.endswith(".py")]
+  assert os.path.join(tests, "engine", "test_engine.py") in paths
+  wrong = [os.path.relpath(p, ROOT) for p in sorted(paths)
+           if "lab" in _top_level_imports(p)]
+  assert not wrong, wrong
 
 
 # What importing a module may change in the process, by module: each kind

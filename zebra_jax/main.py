@@ -21,9 +21,10 @@ from zebra_jax.runtime import distributed  # defines the multi-process flags
 from zebra_jax.runtime import host_memory
 
 _CONFIG = flags.DEFINE_string(
-    "config", None, "Shipped config NAME[:variant] (base, demo, wt103, e.g. "
-    "demo:tiny) or a config file path[:variant]; outside --mode=train, "
-    "default: the workdir's config.json. --config.x.y=v sets a field.")
+    "config", None, "Shipped config NAME[:variant] (base, demo, lm1b, "
+    "wt103, e.g. demo:tiny) or a config file path[:variant]; outside "
+    "--mode=train, default: the workdir's config.json. --config.x.y=v sets "
+    "a field.")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory: config.json, tokenizer/, checkpoints/, "
     "metrics.jsonl (default: runs/<config name>[-<variant>]).")

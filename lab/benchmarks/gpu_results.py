@@ -43,7 +43,7 @@ def sequence_lines() -> list[str]:
       f"with a {gpu_budget.CALL_BUDGET_S} s timeout and `OUT` set to the "
       "folder the node sends back.",
       "3. Copy `gpu-results.json` and `gpu-results.md` from that folder "
-      "over `docs/` and commit them (the call's log `gpu-report.log` and "
+      "over `lab/notes/` and commit them (the call's log `gpu-report.log` and "
       "the trace and XLA dump archives beside them stay out of the "
       "repository).",
       "",
@@ -57,7 +57,7 @@ def sequence_lines() -> list[str]:
            f"{gpu_budget.RELEASE_S} s of the first call's end, while the "
            "node is still warm, so it comes before step 3, and step 3 then "
            "puts its stages into the first call's file: `python -m "
-           "lab.gpu_report --merge=RERUN/gpu-results.json --out=docs`, "
+           "lab.gpu_report --merge=RERUN/gpu-results.json --out=lab/notes`, "
            "RERUN being the folder the rerun sent back."),
       "",
       "```text"] + gpu_budget.ledger_lines() + ["```"]

@@ -135,21 +135,45 @@ def wt103_config(dry: bool):
 WT103_MAX_STEPS = 1200
 # The candidates timed beside the recipe's step, interleaved, in order of
 # value: (name, {model field: value}). Each computes the recipe's function
-# (the CPU suite holds the kernel to the scan and every chunk size to a
-# float64 reference); the winner becomes the recipe's default.
-# On an H200 (2026-11-28) larger chunks than the GPU's 1,024 rows lost
-# (4,096: 0.81x; 16,384: 0.46x) and the kernel won 1.05x: smaller chunks
-# are timed next.
+# (the CPU suite holds the kernel to the scan, every chunk size to a
+# float64 reference, and the head's switches to the default loss:
+# tests/model/test_head_switches.py); the winner becomes the recipe's
+# default. On an H200 (2026-11-28) larger chunks than the GPU's 1,024 rows
+# lost (4,096: 0.81x; 16,384: 0.46x) and the kernel won 1.05x. The head
+# is about 38% of the step: its three loss switches come first, then the
+# kernel, the kernel with all of them, and one smaller chunk (512; 256
+# waits for its result). Six builds fit the stage's 130 s: the recipe and
+# four variants took 83 s on the H200, 5-11 s of compile each; a variant
+# the budget leaves out is a row that says so.
 WT103_VARIANTS = (
+    ("head_logits_dtype=compute", {"head_logits_dtype": "compute"}),
+    ("head_fused_xent", {"head_fused_xent": True}),
+    ("adaptive_tile=128", {"adaptive_tile": 128}),
     ("recurrence=pallas", {"recurrence": "pallas"}),
+    ("recurrence=pallas, head_logits_dtype=compute, head_fused_xent, "
+     "adaptive_tile=128",
+     {"recurrence": "pallas", "head_logits_dtype": "compute",
+      "head_fused_xent": True, "adaptive_tile": 128}),
     ("adaptive_chunk_rows=512", {"adaptive_chunk_rows": 512}),
-    ("adaptive_chunk_rows=256", {"adaptive_chunk_rows": 256}),
-    ("recurrence=pallas, adaptive_chunk_rows=512",
-     {"recurrence": "pallas", "adaptive_chunk_rows": 512}),
 )
 # A variant is built only while this much of the stage is left for it and
-# for timing every variant built.
+# for timing every variant built; a dry run times one step a round, so
+# needs less (its five builds took 58 s of the dry 90 s on a loaded
+# 2-core CPU with 35 s kept back, leaving the fifth unbuilt).
 WT103_BUILD_MARGIN_S = 35
+WT103_DRY_BUILD_MARGIN_S = 15
+
+
+def dry_variants(variants=WT103_VARIANTS) -> tuple:
+  """What a dry run builds: each variant that sets a field no earlier one
+  did, so every candidate's code path is built once and combinations of
+  paths already built are not."""
+  seen, chosen = set(), []
+  for name, fields in variants:
+    if set(fields) - seen:
+      chosen.append((name, fields))
+    seen |= set(fields)
+  return tuple(chosen)
 
 
 def zipf_entropy(vocab: int) -> float:
@@ -270,13 +294,18 @@ def stage_wt103(results: Results, dry: bool, seconds: float,
   then all of them timed interleaved: tok/s, the loss (above the ids'
   entropy: nothing memorised), peak device memory, and the hours the
   recipe's token budget would take on one GPU. Off a GPU the fused kernel
-  runs in interpret mode: its row checks the code path, not the speed."""
+  runs in interpret mode: its row checks the code path, not the speed. A
+  dry run builds each candidate's code path once (`dry_variants`) in the
+  tiny recipe's float32, where head_logits_dtype=compute is the float32
+  path (its bf16 one: tests/model/test_head_switches.py)."""
   cfg = wt103_config(dry)
   m, d = cfg.model, cfg.data
   results.update("wt103", {
       "model": {k: m[k] for k in ("hidden_size", "num_layers", "num_stripes",
                                   "vocab_size", "head", "dtype",
-                                  "recurrence", "adaptive_chunk_rows")},
+                                  "recurrence", "adaptive_chunk_rows",
+                                  "head_logits_dtype", "head_fused_xent",
+                                  "adaptive_tile")},
       "batch": d.batch_size, "seq_len": d.seq_len,
       "zipf_entropy": zipf_entropy(m.vocab_size)}, rows=0)
   ids = wt103_ids(cfg, dry)
@@ -285,11 +314,11 @@ def stage_wt103(results: Results, dry: bool, seconds: float,
   results.update("wt103", {
       "xla_bytes": profiling.compiled_bytes(runs["recipe"]["compiled"])})
   variants = []
-  # A dry run builds one candidate of each code path (the kernel, a chunk).
-  for name, fields in WT103_VARIANTS[:2] if dry else WT103_VARIANTS:
+  for name, fields in dry_variants() if dry else WT103_VARIANTS:
     row = {"name": name, "fields": fields}
     variants.append(row)
-    if deadline is not None and deadline - time.time() < WT103_BUILD_MARGIN_S:
+    margin = WT103_DRY_BUILD_MARGIN_S if dry else WT103_BUILD_MARGIN_S
+    if deadline is not None and deadline - time.time() < margin:
       row["error"] = "not built: the stage's budget was spent"
       continue
     variant = cfg.copy_and_resolve_references()

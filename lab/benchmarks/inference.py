@@ -2,14 +2,20 @@
 
 Like the Transformer-XL README's inference tables: for each batch size, a
 request is one prompt of `prompt_len` tokens per row followed by `new_tokens`
-sampled tokens. Each new token is one jitted call timed to completion
-(`block_until_ready`), so per-token latency includes dispatch, as a serving
-loop that streams tokens sees it; per-request latency adds the prompt.
+sampled tokens, through the serving engine users run (zebra_jax.engine, as
+--mode=sample builds it: the config's prefill chunk; its slots sized to the
+rows as a preview sizes them). The engine decodes one token per call here,
+so a token's latency is one engine step as the engine times it: the decode
+call to completion, dispatch and the host's bookkeeping included, as a
+client streaming tokens sees it. The step that consumes the prompt's last
+chunk also draws the first token: it counts in the request's latency, not
+as a token's. Per-request latency runs from submitting the rows to the
+last row's end.
 
 Reported per batch size: throughput (generated tokens/s over the timed
 requests), and average, p50, p90, p95 and p99 latency per token and per
-request, in milliseconds. The first request of every batch size compiles and
-is not timed. Results go to stdout and to a JSON file.
+request, in milliseconds. The first request of every batch size is not
+timed. Results go to stdout and to a JSON file.
 """
 
 import os
@@ -18,9 +24,8 @@ import time
 import jax
 import numpy as np
 
+from zebra_jax import engine, strict_json
 from zebra_jax.errors import UserError
-from lab.benchmarks import sampling_loop as sampling
-from zebra_jax import strict_json
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -33,31 +38,56 @@ def latency_stats(seconds) -> dict:
   return out
 
 
-def _request(generator, rows, new_tokens: int, key, token_times: list):
+class _Steps:
+  """The engine's steps (on_step): each one's seconds, and how many tokens
+  it drew per row."""
+
+  def __init__(self):
+    self.engine, self.seconds, self.drawn, self._tokens = None, [], [], 0
+
+  def __call__(self, seconds: float) -> None:  # on the engine's thread
+    tokens = self.engine.stats()["tokens"]
+    self.seconds.append(seconds)
+    self.drawn.append(tokens - self._tokens)
+    self._tokens = tokens
+
+
+def _request(running, steps: _Steps, rows, token_times: list) -> float:
   """One timed request; appends per-token seconds; returns request seconds."""
+  steps.seconds.clear()
+  steps.drawn.clear()
   start = time.perf_counter()
-  state = sampling.prime(generator, rows)
-  jax.block_until_ready(state)
-  for i in range(new_tokens):
-    t = time.perf_counter()
-    tokens, state = sampling.generate_chunk(
-        generator.step_fn, generator.params, state, key, i, num_new_tokens=1,
-        temperature=1.0)
-    jax.block_until_ready(tokens)
-    token_times.append(time.perf_counter() - t)
-  return time.perf_counter() - start
+  for request in running.submit_many(rows):
+    request.result()
+  seconds = time.perf_counter() - start
+  # Steps that drew tokens, but the first (it consumed the prompt too).
+  decoding = [t for t, n in zip(steps.seconds, steps.drawn) if n][1:]
+  token_times.extend(decoding)
+  return seconds
 
 
 def bench_batch(generator, prompt: np.ndarray, batch_size: int,
                 new_tokens: int, requests: int) -> dict:
-  """Measures one batch size; the first (compiling) request is not timed."""
-  rows = [prompt] * batch_size
-  key = jax.random.PRNGKey(0)
-  _request(generator, rows, new_tokens, key, [])  # compile + warm up
-  token_times, request_times = [], []
-  for _ in range(requests):
-    request_times.append(_request(generator, rows, new_tokens, key,
-                                  token_times))
+  """Measures one batch size; the first request is not timed."""
+  # Imported here: loading brings the multi-process flags, which importing a
+  # benchmark should not define.
+  from zebra_jax.inference import sample  # pylint: disable=g-import-not-at-top
+  steps = _Steps()
+  sizes = sample.engine_options(generator.loaded.cfg, slots=batch_size,
+                                prefill_rows=batch_size, decode_block=1)
+  running = engine.Engine(generator.engine_model(), on_step=steps, **sizes)
+  steps.engine = running
+  options = engine.SamplingParams(max_new_tokens=new_tokens, temperature=1.0,
+                                  seed=0)
+  text = generator.tokenizer.decode(prompt)
+  rows = [engine.Row(text, options, prompt, i) for i in range(batch_size)]
+  try:
+    _request(running, steps, rows, [])  # warm up
+    token_times, request_times = [], []
+    for _ in range(requests):
+      request_times.append(_request(running, steps, rows, token_times))
+  finally:
+    running.close()
   return {"batch_size": batch_size, "prompt_len": int(len(prompt)),
           "new_tokens": new_tokens, "requests": requests,
           "tokens_per_s": batch_size * new_tokens * requests
@@ -81,9 +111,11 @@ def _check(batch_sizes, new_tokens, prompt_len, requests) -> list[int]:
   except ValueError:
     raise UserError(f"--batch_sizes={','.join(batch_sizes)} must be "
                     "whole numbers, e.g. 1,2,4,8") from None
-  for name, value in (("new_tokens", new_tokens),
-                      ("prompt_len", prompt_len),
-                      ("requests", requests)):
+  if new_tokens < 2:
+    raise UserError(f"--new_tokens={new_tokens} must be at least 2: the "
+                    "first token is drawn with the prompt, the rest time "
+                    "the tokens")
+  for name, value in (("prompt_len", prompt_len), ("requests", requests)):
     if value < 1:
       raise UserError(f"--{name}={value} must be at least 1")
   if not sizes or min(sizes) < 1:
@@ -116,6 +148,9 @@ def run(cfg, workdir: str, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *,
             "model": {k: loaded.cfg.model[k] for k in
                       ("hidden_size", "num_layers", "num_stripes",
                        "vocab_size")},
+            "engine": {"prefill_chunk": sample.engine_options(
+                loaded.cfg)["prefill_chunk"], "decode_block": 1,
+                       "slots": "the batch size"},
             "results": results}
   json_path = json_path or os.path.join(workdir, "infer_bench.json")
   with open(json_path, "w") as f:

@@ -7,6 +7,8 @@ is measured.
 import ml_collections
 import numpy as np
 
+from zebra_jax.config import base
+
 # Every process that shares a GPU with another: XLA reserves 75% of GPU
 # memory at start by default, leaving a child process the rest.
 NO_PREALLOCATE = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
@@ -53,7 +55,9 @@ def model_config(shape: dict, stripes: int, grouped=False, head="full",
            adaptive_div_val=shape.get("div_val", 1), adaptive_tie=True,
            adaptive_chunk_rows=0)  # sized to the platform, as the product
   c.update(overrides)
-  return ml_collections.ConfigDict(c)
+  # Every other field at the product's default, so a new model field needs
+  # no edit here.
+  return ml_collections.ConfigDict({**base.get_config().model.to_dict(), **c})
 
 
 def zipf_probs(vocab: int) -> np.ndarray:

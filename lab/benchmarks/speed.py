@@ -8,9 +8,11 @@ best matmul measured in this run, XLA's planned bytes per step):
               hand-written backward pass (recurrence.py)
   lm_S{s}     embedding -> layers -> tied head -> cross-entropy, + Adam
   eval_S{s}   the LM forward with carry (evaluate.eval_step)
-  gen_S{s}_b{b}  sampling.generate: one token at a time in a jitted scan
-              from the full distribution; _nucleus: with the sample
-              config's default temperature, top_k and top_p
+  gen_S{s}_b{b}  one request of b rows through the serving engine
+              (zebra_jax.engine, as --mode=sample runs it; steps.py
+              gen_runner): a one-token prompt, then decode calls of
+              sample.chunk tokens, from the full distribution; _nucleus:
+              with the sample config's default temperature, top_k and top_p
   *_S{s}_grouped  the same with model.stripe_input=grouped: every matmul of
               a layer split in S blocks, stripes shuffled between layers
   *_native    the same with model.recurrence=native: the time loops as

@@ -1,5 +1,6 @@
 """The JAX steps the benchmarks time: core layers, LM, eval, word-level,
-generation; each compiled once and called as a `Runner`.
+each compiled once and called as a `Runner`; and generation through the
+serving engine.
 
 The LM rows run the product's own train step (training/loop.py's
 compile_train_step), so a change to that step is what they measure; only the
@@ -7,6 +8,7 @@ core rows (stacked layers, no embedding or head) build a step of their own.
 """
 
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +17,8 @@ import optax
 from flax import nnx
 
 from lab.benchmarks.shapes import model_config, zipf_probs
+from zebra_jax import engine
 from zebra_jax.config import base
-from lab.benchmarks import sampling_loop as sampling
 from zebra_jax.model import lm
 
 def adam_step(loss_fn, tx):
@@ -217,21 +219,49 @@ def eval_runner(shape, stripes, grouped=False, kernel="scan"):
                         tokens[:, :-1], tokens[:, 1:]), {0: 1})
 
 
-_SAMPLE_FILTER = {k: base.get_config().sample[k]
-                  for k in ("temperature", "top_k", "top_p")}
+_SAMPLE = base.get_config().sample
+_SAMPLE_FILTER = {k: _SAMPLE[k] for k in ("temperature", "top_k", "top_p")}
 
 
-def gen_runner(shape, stripes, batch, grouped=False, nucleus=False):
-  """sampling.generate from the full distribution; nucleus: with the
-  sample config's default temperature, top_k and top_p."""
-  cfg = model_config(shape, stripes, grouped)
+class _Ids:
+  """Token ids as text: the random models have no tokenizer, and the
+  engine decodes a row's tokens once, at its end."""
+  spaces_in_tokens = True
+
+  def encode_prompt(self, text):
+    return [int(w) for w in text.split()]
+
+  def decode(self, ids):
+    return " ".join(str(int(i)) for i in ids)
+
+
+def gen_runner(shape, stripes, batch, grouped=False, nucleus=False,
+               kernel="scan"):
+  """One request of `batch` rows of shape["gen_tokens"] tokens each through
+  the serving engine (zebra_jax.engine: what --mode=sample, training's
+  samples and the server run), its slots sized to the rows as --mode=sample
+  sizes a preview: a one-token prompt, then decode calls of
+  config.sample.chunk tokens (fewer when the row asks fewer). From the full
+  distribution; nucleus: with the sample config's default temperature,
+  top_k and top_p. kernel: the layers' recurrence (model.recurrence)."""
+  cfg = model_config(shape, stripes, grouped, recurrence=kernel)
   graphdef, params = _create(cfg)
-  step_fn = functools.partial(lm.decode_step, graphdef=graphdef)
-  carry = lm.init_carry(cfg, batch)
-  logits = jnp.zeros((batch, shape["vocab"]), jnp.float32)
-  run = functools.partial(
-      sampling.generate, step_fn, params, carry, logits, jax.random.key(0),
-      num_new_tokens=shape["gen_tokens"],
+  tokens = shape["gen_tokens"]
+  model = engine.Model(
+      step_fn=functools.partial(lm.decode_step, graphdef=graphdef),
+      params=params, init_carry=functools.partial(lm.init_carry, cfg),
+      vocab_size=shape["vocab"], tokenizer=_Ids())
+  running = engine.Engine(model, slots=batch, queue=1, prefill_chunk=1,
+                          prefill_rows=batch,
+                          decode_block=min(tokens, int(_SAMPLE.chunk)))
+  options = engine.SamplingParams(
+      max_new_tokens=tokens, seed=0,
       **(_SAMPLE_FILTER if nucleus else dict(temperature=1.0)))
-  jax.block_until_ready(run())  # compiles
-  return lambda: jax.block_until_ready(run())
+  rows = [engine.Row("0", options, sample_index=i) for i in range(batch)]
+
+  def run():
+    for request in running.submit_many(rows):
+      request.result()
+  run()  # the first request's host work (the programs compiled at start)
+  weakref.finalize(run, running.close)  # the engine's thread ends with it
+  return run

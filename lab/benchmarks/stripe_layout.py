@@ -14,7 +14,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from lab.benchmarks import hlo_collectives
+from tests import hlo_collectives
 from zebra_jax.model.config import ModelConfig
 from zebra_jax.runtime import parallel
 from zebra_jax.training import loop, train_state

@@ -4,6 +4,8 @@ helper, so every table lines up the same way (the name left, figures right).
 
 from typing import Callable, Sequence
 
+from zebra_jax import strict_json
+
 # (title, width, the cell's text for a row)
 Column = tuple[str, int, Callable[[dict], str]]
 
@@ -20,6 +22,24 @@ def speed_columns(name_width: int, tokens_width: int) -> list[Column]:
           ("tok/s", tokens_width, lambda r: f"{r['tokens_per_s']:,.0f}"),
           ("ms/step", 10, lambda r: f"{r['ms_per_step']:.1f}"),
           ("x torch", 9, lambda r: ratio_text(r["ratio_to_torch"]))]
+
+
+def print_and_save(result: dict, print_table: Callable[[dict], None],
+                   json_path: str | None) -> dict:
+  """Prints a benchmark's result as its table, and writes it as JSON to
+  json_path when one is given; returns it."""
+  print_table(result)
+  if json_path:
+    with open(json_path, "w") as f:
+      strict_json.dump(result, f, indent=1)
+  return result
+
+
+def load_column() -> Column:
+  """The 1-minute load average before and after a row: a loaded machine
+  slows every row, so a table says how loaded it was."""
+  return ("load before/after", 19,
+          lambda r: f"{r['load_before']:.2f} / {r['load_after']:.2f}")
 
 
 def print_rows(rows: Sequence[dict], columns: Sequence[Column]) -> None:

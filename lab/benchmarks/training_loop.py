@@ -52,10 +52,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from lab.benchmarks.table import print_rows, speed_columns
+from lab.benchmarks.table import (load_column, print_and_save, print_rows,
+                                 speed_columns)
 from zebra_jax.data import pipeline
 from zebra_jax.errors import UserError
-from zebra_jax import strict_json
 
 SHAPES = {
     "A": dict(tokenizer="char", hidden=512, layers=2, batch=32, seq_len=64,
@@ -336,11 +336,7 @@ def run(base: ml_collections.ConfigDict, shape_name: str = "A",
                                       "stripe_input": stripe_input},
       "vocab_size": vocab_size, "rows": rows + torch_side,
       "torch": note if torch_side else None, "notes": notes}
-  print_table(result)
-  if json_path:
-    with open(json_path, "w") as f:
-      strict_json.dump(result, f, indent=1)
-  return result
+  return print_and_save(result, print_table, json_path)
 
 
 def print_table(result: dict) -> None:
@@ -351,8 +347,6 @@ def print_table(result: dict) -> None:
         f"window {c['seq_len']} | {c['steps']} steps timed after "
         f"{c['warmup']} warm-up")
   print_rows(result["rows"], speed_columns(18, 10) + [
-      ("tokens", 10, lambda r: f"{r['tokens']:,}"),
-      ("load before/after", 19,
-       lambda r: f"{r['load_before']:.2f} / {r['load_after']:.2f}")])
+      ("tokens", 10, lambda r: f"{r['tokens']:,}"), load_column()])
   for note in result["notes"]:
     print(f"note: {note}")

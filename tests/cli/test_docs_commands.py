@@ -1,4 +1,5 @@
-"""Every command README.md and docs/ show names what exists (tests/docs_commands.py).
+"""Every command README.md, docs/ and lab/notes/ show names what exists
+(tests/docs_commands.py).
 
 The checker itself is tested on small pages that break each rule once, so a
 clean report on the real pages means the rules ran.

@@ -30,9 +30,13 @@ TRAINED = {"model.vocab_size", "model.embed_size", "model.hidden_size",
            "model.adaptive_div_val", "model.adaptive_tie", "data.tokenizer",
            "data.bpe_vocab_size", "data.min_freq", "data.max_vocab_size"}
 RUNS = {"model.dtype", "model.adaptive_chunk_rows", "model.recurrence",
-        "model.unroll", "parallel"}
+        "model.unroll", "model.head_logits_dtype", "model.head_fused_xent",
+        "model.adaptive_tile", "parallel"}
 CORPUS = {"data.source", "data.path", "data.hf_name", "data.hf_config",
-          "data.hf_cache_dir", "data.valid_fraction", "data.test_fraction"}
+          "data.hf_cache_dir", "data.hf_text_column", "data.tfds_name",
+          "data.tfds_data_dir", "data.tfds_train_split",
+          "data.tfds_valid_split", "data.tfds_test_split", "data.tfds_text_key",
+          "data.valid_fraction", "data.test_fraction"}
 APPLIED = {
     "eval": RUNS | CORPUS | {"eval"},
     "sample": RUNS | {"sample", "serve.slots", "serve.queue",
@@ -43,13 +47,24 @@ APPLIED = {
     "plot": set(),
 }
 
+# Read only when another field selects them, which the char run's config
+# does not (data.source=embedded, model.head=full): an override a mode
+# would apply gets one line saying what would select it.
+UNSELECTED = {"data.hf_name", "data.hf_config", "data.hf_cache_dir",
+              "data.hf_text_column", "data.tfds_name", "data.tfds_data_dir",
+              "data.tfds_train_split", "data.tfds_valid_split",
+              "data.tfds_test_split", "data.tfds_text_key",
+              "model.adaptive_chunk_rows", "model.head_logits_dtype",
+              "model.head_fused_xent", "model.adaptive_tile"}
+
 
 def expected(mode: str, field: str) -> str:
   if mode == "plot" or field in TRAINED:
     return "refused"
   applied = APPLIED[mode]
-  return "applied" if field in applied or field.split(".")[0] in applied \
-      else "warned"
+  if field in applied or field.split(".")[0] in applied:
+    return "unselected" if field in UNSELECTED else "applied"
+  return "warned"
 
 
 def _changed(field: str, rule, value):
@@ -103,6 +118,8 @@ def _outcome(mode, field, workdir, capsys):
     running = running[part]
   if warnings:
     assert len(warnings) == 1, warnings
+    if warnings[0].startswith(f"warning: --config.{field}: read only with "):
+      return "unselected"
     assert warnings[0].startswith(f"warning: --config.{field}: --mode={mode} "
                                   "does not read it"), warnings
     return "warned"
@@ -245,3 +262,14 @@ def test_eval_of_another_wikitext_counts_unknown_words(tmp_path, capsys):
              if "unknown to the trained vocabulary" in l]
   assert str(other) in line and f"| {words} tokens | 80 unknown" in line
   assert result["loss"] != pytest.approx(trained["loss"], rel=1e-3)
+
+
+def test_training_warns_about_a_field_its_source_does_not_read(capsys):
+  cfg = arguments.load("train", "demo:tiny", None,
+                       [("data.hf_name", "x/y"), ("data.tfds_name", "lm1b"),
+                        ("data.source", "tfds")], needs_config=True)[0]
+  assert cfg.data.source == "tfds"
+  err = capsys.readouterr().err.splitlines()
+  assert err == ["warning: --config.data.hf_name: read only with "
+                 "data.source=hf, and this run has data.source='tfds': "
+                 "ignored"], err

@@ -176,8 +176,9 @@ def test_non_utf8_names_file_and_offset(tmp_path):
 
 
 def test_bad_source_and_fractions():
-  with pytest.raises(UserError, match="data.source .tfds. is unknown"):
-    load_splits(data_config(source="tfds"))
+  with pytest.raises(UserError, match="data.source .web. is unknown.*one of "
+                     "embedded, wikitext, text, hf, tfds"):
+    load_splits(data_config(source="web"))
   with pytest.raises(UserError, match="sum to less than 1"):
     load_splits(data_config(valid_fraction=0.6, test_fraction=0.5))
 
@@ -195,10 +196,11 @@ def test_fingerprint_tracks_files(tmp_path):
 
 
 def test_sources_are_frozen_and_picked_by_name():
-  assert sorted(sources.SOURCES) == ["embedded", "hf", "text", "wikitext"]
+  assert sorted(sources.SOURCES) == ["embedded", "hf", "text", "tfds",
+                                     "wikitext"]
   source = pipeline.make_source(data_config(source="text", path="a.txt"))
   assert source == sources.TextSource("a.txt", 0.05, 0.05)
   with pytest.raises(Exception):  # frozen: options cannot drift after checks
     source.path = "b.txt"
   assert [s.needs_path for s in sources.SOURCES.values()] == [
-      False, True, True, False]
+      False, True, True, False, False]

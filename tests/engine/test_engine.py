@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from lab.benchmarks import sampling_loop as sampling
 from zebra_jax import engine
 from zebra_jax.inference import loading, sample, score
+from tests import references
 
 TEXT = "line 7: the quick brown fox jumps over the lazy dog. "
 
@@ -130,21 +130,16 @@ def test_stop_tokens_min_tokens_and_allowed_ids_are_each_rows_own(gen):
   assert not set(together[4]) <= set("the ")
 
 
-def test_greedy_equals_the_model_level_loop(gen):
-  """An independent path: the whole prompt as one window (lm.last_logits),
-  then the scan of sampling.generate; the engine consumes prompts in masked
-  chunks of one-token steps and decodes in blocks."""
+def test_greedy_equals_the_reference(gen):
+  """An independent path (references.greedy_ids): the whole prompt as one
+  window, then one step per token on the host; the engine consumes prompts
+  in masked chunks of one-token steps and decodes in blocks, beside
+  other rows."""
   for n in (1, 8, 9, 30):
     prompt = TEXT[:n]
-    ids = gen.encode(prompt)
-    state = sampling.prime(gen, [ids])
-    tokens, _ = sampling.generate(gen.step_fn, gen.params, state.carry,
-                                  state.logits, jax.random.PRNGKey(0),
-                                  num_new_tokens=12, temperature=0.0)
-    expected = gen.tokenizer.decode(np.asarray(tokens[0]).tolist())
     got = gen.engine.submit(prompt, engine.SamplingParams(
         max_new_tokens=12, temperature=0.0)).result(timeout=300)
-    assert got == expected
+    assert got == references.greedy_text(gen, prompt, 12)
 
 
 def test_stop_strings_streaming_and_finish_reasons(gen):

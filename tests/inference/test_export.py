@@ -50,6 +50,12 @@ def test_artifact_in_a_fresh_process_gives_the_same_logits(exported, tmp_path):
   folder = os.path.join(export_dir, "artifact")
   manifest = json.load(open(os.path.join(folder, "manifest.json")))
   assert manifest["platforms"] == ["cpu", "cuda"]
+  # The same parameters, named, for readers without zebra_jax
+  # (tests/inference/test_named_weights.py runs the docs' readers on them).
+  from safetensors.numpy import load_file
+  named = load_file(os.path.join(folder, "model.safetensors"))
+  assert len(named) == manifest["num_params"] and "layers.1.u" in named
+  assert json.load(open(os.path.join(folder, "model.json")))["head"] == "full"
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, loaded.cfg.model.vocab_size, (3, 11)).astype(np.int32)
   out = str(tmp_path / "fresh")

@@ -106,7 +106,7 @@ def test_gpu_jax_present_without_dry_run_installs_nothing(tmp_path):
   assert not _pip_calls(calls)
   (report,) = _report_calls(calls)
   args = report.split()[2:]
-  assert args[:2] == ["--out=docs", "--stages=precision"]
+  assert args[:2] == ["--out=lab/notes", "--stages=precision"]
   # the call's budget counts from the script's start, not the driver's
   (started,) = [a for a in args[2:] if a.startswith("--call_started=")]
   assert abs(int(started.split("=")[1]) - time.time()) < 60
@@ -235,7 +235,7 @@ def test_real_probe_finds_a_cuda_plugin(tmp_path):
   assert out.returncode == 0, out.stdout + out.stderr
   assert "with CUDA plugin found (jax_cuda13_plugin): nothing installed" \
          in out.stdout
-  assert "REPORT --out=docs --stages=bench" in out.stdout
+  assert "REPORT --out=lab/notes --stages=bench" in out.stdout
 
 
 # ------------------------------------------------------------- rehearsal

@@ -1,5 +1,6 @@
-"""The scaling model's arithmetic (docs/scaling.md): efficiency, hidden
-communication, and the recurrence latency a target tolerates."""
+"""The scaling model's arithmetic (lab/notes/scaling-model.md):
+efficiency, hidden communication, and the recurrence latency a target
+tolerates."""
 
 import pytest
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import native_build
 from zebra_jax.model.recurrence import scan as recurrence
 
 
@@ -11,7 +11,7 @@ def clean_env(monkeypatch, tmp_path):
   """A private cache, this CPU's target, no prebuilt library, nothing
   loaded or warned about yet in this process."""
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-  monkeypatch.delenv(native_recurrence.MARCH_ENV, raising=False)
-  monkeypatch.delenv(native_recurrence.LIB_ENV, raising=False)
+  monkeypatch.delenv(native_build.MARCH_ENV, raising=False)
+  monkeypatch.delenv(native_build.LIB_ENV, raising=False)
   monkeypatch.setattr(recurrence, "_warned", set())
   return tmp_path

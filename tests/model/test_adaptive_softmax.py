@@ -1,6 +1,8 @@
 """Adaptive softmax: exact, normalised, equal to a full softmax without
 cutoffs, finite gradients, a tiny model learns, tying shares parameters."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from flax import nnx
 
 from zebra_jax.errors import UserError
 from zebra_jax.model import adaptive_softmax as asm
+from tests.references import randomize
 
 V, D = 50, 16
 CUTOFFS = (10, 20, 35)  # clusters: 10 shortlist + 3 tails of 10, 15, 15
@@ -17,16 +20,6 @@ CUTOFFS = (10, 20, 35)  # clusters: 10 shortlist + 3 tails of 10, 15, 15
 
 def make(cutoffs=CUTOFFS, div_val=2, seed=0, **kw):
   return asm.AdaptiveSoftmax(V, D, cutoffs, div_val, rngs=nnx.Rngs(seed), **kw)
-
-
-def randomize(module, seed=1):
-  """Zero-initialised cluster logits and biases hide bugs: randomise all."""
-  graphdef, state = nnx.split(module)
-  leaves, tree = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  leaves = [jax.random.normal(k, x.shape, x.dtype) * 0.5
-            for k, x in zip(keys, leaves)]
-  return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
 
 
 def hidden(n=37, seed=2):
@@ -312,3 +305,24 @@ def test_tails_run_pieces_on_a_cpu_and_whole_chunks_elsewhere():
   assert asm.chunk_and_piece(100, 2048, "cpu") == (100, 100)
   assert asm.chunk_and_piece(1024, 2048, "gpu") == (1024, 1024)
   assert asm.chunk_and_piece(1024, 37, "gpu") == (37, 37)
+
+
+def test_the_embeddings_gradient_is_a_scatter_add_not_a_one_hot_dot():
+  """The adaptive input's lookups are gathers: XLA compiles their gradient
+  to a scatter-add into each table, and no dot yields a table-shaped
+  gradient (what a product with a one-hot of the ids would be)."""
+  embed = asm.AdaptiveInput(V, D, CUTOFFS, 2, rngs=nnx.Rngs(0),
+                            dtype=jnp.bfloat16)
+  graphdef, params = nnx.split(embed)
+  ids = jnp.arange(21, dtype=jnp.int32).reshape(3, 7) * 2 % V
+  weights = jax.random.normal(jax.random.key(0), (3, 7, D))
+
+  def loss(p, ids, weights):  # arguments: constants would be folded away
+    return (weights * nnx.merge(graphdef, p)(ids)).sum()
+  text = jax.jit(jax.grad(loss)).lower(params, ids, weights).compile(
+      ).as_text()
+  tables = {f"[{stop - start},{w}]" for (start, stop), w in
+            zip(embed.bounds, embed.widths)}
+  assert text.count("scatter(") >= len(tables)
+  dots = re.findall(r"= f32(\[[\d,]+\])\{[^}]*\} dot\(", text)
+  assert dots and not tables & set(dots), dots

@@ -106,3 +106,32 @@ def test_no_float32_dot_in_a_bfloat16_train_step(head):
   assert len(dots) >= 6
   assert [d for d in dots if "f32" in d] == [], dots
   assert all("bf16" not in d for d in _train_dots(head, "float32"))
+
+
+def test_a_low_result_is_the_float32_product_rounded_once(monkeypatch):
+  """low_result=True: the bf16 product rounded once from its float32
+  accumulation (within one bf16 step, 2**-8, of the exact product rounded);
+  the dot's own bf16 output (the branch off a CPU, run here by naming
+  another backend) is the same bits on this CPU; the gradients are those
+  of the float32 result (its cotangent is cast to bf16 either way)."""
+  spec = "nk,vk->nv"
+  x, w, g = _operands(spec)
+  run = lambda: jax.vjp(lambda x, w: mixed_precision.matmul(
+      spec, x, w, jnp.bfloat16, low_result=True), x, w)
+  out, pullback = run()
+  assert out.dtype == jnp.bfloat16
+  want = np.einsum(spec, _bf16(x), _bf16(w))
+  np.testing.assert_allclose(np.asarray(out, np.float64), want,
+                             rtol=2.0 ** -8, atol=1e-6)
+  low_g = jnp.asarray(g, jnp.bfloat16)
+  grads = pullback(low_g)
+  _, float32_pullback = jax.vjp(lambda x, w: mixed_precision.matmul(
+      spec, x, w, jnp.bfloat16), x, w)
+  for got, want_d in zip(grads, float32_pullback(low_g.astype(jnp.float32))):
+    np.testing.assert_array_equal(got, want_d)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  off_cpu, off_cpu_pullback = run()
+  np.testing.assert_array_equal(np.asarray(off_cpu, np.float32),
+                                np.asarray(out, np.float32))
+  for got, want_d in zip(off_cpu_pullback(low_g), grads):  # no library_dots
+    np.testing.assert_allclose(got, want_d, rtol=1e-6, atol=1e-6)

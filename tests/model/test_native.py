@@ -27,6 +27,7 @@ import pytest
 
 from zebra_jax.model import lm
 from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import native_build
 from zebra_jax.model.recurrence import scan as recurrence
 
 IN = 8  # the layer's input width (grouped: IN / S per stripe)
@@ -42,8 +43,8 @@ MARCHES = {
 def _require_library():
   """Skips only where no library can exist (no compiler, none given); a
   build that fails beside a compiler fails the test."""
-  if (native_recurrence.compiler() is None
-      and not os.environ.get(native_recurrence.LIB_ENV)):
+  if (native_build.compiler() is None
+      and not os.environ.get(native_build.LIB_ENV)):
     pytest.skip("no C++ compiler (test_native_build.py covers this machine)")
   why = native_recurrence.unavailable(jnp.float32)
   assert not why, why
@@ -52,8 +53,8 @@ def _require_library():
 @pytest.fixture(params=list(MARCHES))
 def march(request, monkeypatch):
   """Each comparison once per build target."""
-  monkeypatch.setenv(native_recurrence.MARCH_ENV, request.param)
-  monkeypatch.delenv(native_recurrence.LIB_ENV, raising=False)
+  monkeypatch.setenv(native_build.MARCH_ENV, request.param)
+  monkeypatch.delenv(native_build.LIB_ENV, raising=False)
   _require_library()
   return request.param
 
@@ -192,7 +193,7 @@ def test_vector_instructions_are_the_targets(march):
   CPU's, is what the comparisons above ran)."""
   want = MARCHES[march]
   if want is None:  # native: what this CPU has
-    flags = native_recurrence._cpu_features().split()
+    flags = native_build.cpu_features().split()
     want = next((isa for isa in ("avx512f", "avx2", "sse2") if isa in flags),
                 native_recurrence.vector_isa())
   assert native_recurrence.vector_isa() == want

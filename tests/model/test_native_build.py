@@ -8,6 +8,7 @@ without one (CXX pointing nowhere, or a PATH without c++ and g++), and the
 build tests skip only where there is no compiler at all.
 """
 
+import fnmatch
 import logging
 import os
 import pathlib
@@ -15,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import native_build
 from zebra_jax.model.recurrence import native_check
 from zebra_jax.model.recurrence import scan as recurrence
 from tests.helpers import (NATIVE_SHAPES, fallback_lines, native_layer_args,
@@ -40,7 +43,7 @@ def test_no_compiler_runs_the_scan_and_says_why(tmp_path):
       "assert all(np.array_equal(g, w) for g, w in zip(got, want))\n")
   env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
          "XDG_CACHE_HOME": str(tmp_path)}
-  env.pop(native_recurrence.LIB_ENV, None)
+  env.pop(native_build.LIB_ENV, None)
   result = subprocess.run([sys.executable, "-c", code], env=env,
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr
@@ -56,14 +59,14 @@ def test_no_compiler_on_the_path_says_how_to_get_one(clean_env, monkeypatch,
   monkeypatch.setenv("PATH", str(clean_env))  # no c++, no g++
   line = runs_the_scan(caplog)
   assert "no C++ compiler found" in line
-  assert native_recurrence.LIB_ENV in line  # ... or a prebuilt library
+  assert native_build.LIB_ENV in line  # ... or a prebuilt library
 
 
 def _logging_compiler(folder: pathlib.Path) -> tuple[str, pathlib.Path]:
   """$CXX for a compiler that records each command, then runs the real
   one."""
   log, script = folder / "commands.log", folder / "cxx.sh"
-  real = shutil.which(native_recurrence.compiler().split()[0])
+  real = shutil.which(native_build.compiler().split()[0])
   script.write_text(f'#!/bin/sh\necho "$@" >> "{log}"\nexec "{real}" "$@"\n')
   script.chmod(0o755)
   return str(script), log
@@ -83,17 +86,17 @@ def test_failed_build_shows_the_first_error_and_is_remembered(
   fails at once instead of compiling again."""
   cxx, log = _logging_compiler(clean_env)
   monkeypatch.setenv("CXX", cxx)
-  monkeypatch.setenv(native_recurrence.MARCH_ENV, "no-such-cpu")
+  monkeypatch.setenv(native_build.MARCH_ENV, "no-such-cpu")
   line = runs_the_scan(caplog)
   assert "compiling native.cc for -march=no-such-cpu failed:" in line
   assert "error:" in line and "no-such-cpu" in line.split("failed:")[1]
   assert _compiles(log) == 1
-  with pytest.raises(native_recurrence.BuildError, match="an earlier build"):
-    native_recurrence.build(cxx, "no-such-cpu")
+  with pytest.raises(native_build.BuildError, match="an earlier build"):
+    native_build.build(cxx, "no-such-cpu")
   assert _compiles(log) == 1
   # Another target is another build.
-  with pytest.raises(native_recurrence.BuildError, match="error:"):
-    native_recurrence.build(cxx, "no-such-cpu-either")
+  with pytest.raises(native_build.BuildError, match="error:"):
+    native_build.build(cxx, "no-such-cpu-either")
   assert _compiles(log) == 2
 
 
@@ -103,9 +106,9 @@ def test_first_error_line():
             "   90 |       asm(\"\" : \"+v\"(wk));\n"
             "      |       ^~~\n"
             "recurrence.cc:99:1: error: a later error\n")
-  assert native_recurrence.first_error(output) == (
+  assert native_build.first_error(output) == (
       "recurrence.cc:90:7: error: impossible constraint in 'asm'")
-  assert native_recurrence.first_error("ld: cannot find -lx\n\n") == (
+  assert native_build.first_error("ld: cannot find -lx\n\n") == (
       "ld: cannot find -lx")
 
 
@@ -121,7 +124,7 @@ def test_no_home_directory_caches_in_a_private_temporary_folder(
     raise RuntimeError("Could not determine home directory.")
   monkeypatch.setattr(pathlib.Path, "home", staticmethod(no_home))
   monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-  folder = native_recurrence.cache_dir()
+  folder = native_build.cache_dir()
   assert folder == tmp_path / f"zebra_jax-{os.getuid()}" / "kernels"
   assert folder.is_dir()
   assert (folder.parent.stat().st_mode & 0o077) == 0
@@ -134,7 +137,7 @@ def test_unwritable_cache_falls_back_to_a_temporary_folder(monkeypatch,
   monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
   monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
   (tmp_path / "tmp").mkdir()
-  folder = native_recurrence.cache_dir()
+  folder = native_build.cache_dir()
   assert folder == tmp_path / "tmp" / f"zebra_jax-{os.getuid()}" / "kernels"
 
 
@@ -148,7 +151,7 @@ def test_a_shared_temporary_folder_is_not_trusted(monkeypatch, tmp_path):
   shared.mkdir()
   shared.chmod(0o777)
   with pytest.raises(OSError, match="no writable cache"):
-    native_recurrence.cache_dir()
+    native_build.cache_dir()
 
 
 @needs_compiler
@@ -159,7 +162,7 @@ def test_build_without_a_home_then_load(clean_env, monkeypatch):
   monkeypatch.setattr(pathlib.Path, "home", staticmethod(
       lambda: (_ for _ in ()).throw(RuntimeError("no home"))))
   monkeypatch.setattr("tempfile.tempdir", str(clean_env))
-  path = native_recurrence.build(native_recurrence.compiler(), "x86-64-v3"
+  path = native_build.build(native_build.compiler(), "x86-64-v3"
                                  if _x86() else "native")
   assert path.parent == clean_env / f"zebra_jax-{os.getuid()}" / "kernels"
   assert path.stat().st_size > 0
@@ -177,13 +180,13 @@ def test_prebuilt_library_on_a_node_without_a_compiler(clean_env, monkeypatch,
   native results, no warning."""
   out = clean_env / "lib" / "zebra_native.so"
   target = "x86-64-v3" if _x86() else "native"
-  assert native_recurrence.main(
+  assert native_build.main(
       ["--build", f"--march={target}", f"--out={out}"]) == 0
   printed = capsys.readouterr()
   assert printed.out.strip() == str(out)
-  assert f"{native_recurrence.LIB_ENV}={out}" in printed.err
+  assert f"{native_build.LIB_ENV}={out}" in printed.err
   monkeypatch.setenv("CXX", str(clean_env / "no-such-compiler"))
-  monkeypatch.setenv(native_recurrence.LIB_ENV, str(out))
+  monkeypatch.setenv(native_build.LIB_ENV, str(out))
   assert native_recurrence.unavailable(jnp.float32) == ""
   if _x86():
     assert native_recurrence.vector_isa() == "avx2"
@@ -200,7 +203,7 @@ def test_prebuilt_library_on_a_node_without_a_compiler(clean_env, monkeypatch,
 
 def test_a_missing_prebuilt_libraryruns_the_scan(clean_env, monkeypatch,
                                                   caplog):
-  monkeypatch.setenv(native_recurrence.LIB_ENV, str(clean_env / "none.so"))
+  monkeypatch.setenv(native_build.LIB_ENV, str(clean_env / "none.so"))
   line = runs_the_scan(caplog)
   assert f"loading {clean_env / 'none.so'} failed" in line
 
@@ -211,12 +214,25 @@ def test_a_missing_prebuilt_libraryruns_the_scan(clean_env, monkeypatch,
 ])
 def test_build_command_errors_are_one_line(clean_env, capsys, march,
                                            message):
-  if native_recurrence.compiler() is None and march == "no-such-cpu":
+  if native_build.compiler() is None and march == "no-such-cpu":
     pytest.skip("no C++ compiler on this machine")
-  assert native_recurrence.main(["--build", f"--march={march}"]) == 2
+  assert native_build.main(["--build", f"--march={march}"]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("error: "), err
   assert re.search(message, err), err
+
+
+def test_the_wheel_ships_every_source_file():
+  """pyproject's package data names every file of the one compile (a
+  header left out builds in a checkout and fails in an installed wheel)."""
+  project = pathlib.Path(__file__).parents[2] / "pyproject.toml"
+  data = tomllib.loads(project.read_text())["tool"]["setuptools"][
+      "package-data"]["zebra_jax.model.recurrence"]
+  package = pathlib.Path(native_recurrence.__file__).parent
+  files = [p.relative_to(package).as_posix() for p in native_build.sources()]
+  assert "native_cc/native.cc" in files and len(files) > 1, files
+  assert [f for f in files
+          if not any(fnmatch.fnmatch(f, pattern) for pattern in data)] == []
 
 
 # (compiler, -march, the ISA the build must report, a CPU feature it needs)
@@ -237,13 +253,13 @@ def test_compiles_for_other_cpus(tmp_path, compiler, march, isa, needs):
     pytest.skip("an x86-64 target")
   out = tmp_path / "lib.so"
   try:
-    native_recurrence.build(compiler, march, out)
-  except native_recurrence.BuildError as e:
+    native_build.build(compiler, march, out)
+  except native_build.BuildError as e:
     pytest.fail(str(e))
   data = out.read_bytes()
   assert native_check.damage(data, native_check.read_record(out)) == ""
   source, built_isa, built_needs = native_check.build_info(data)
-  assert source == native_recurrence.source_digest()
+  assert source == native_build.source_digest()
   assert built_isa == isa and needs in built_needs, (built_isa, built_needs)
 
 
@@ -314,7 +330,7 @@ def _projected_shapes(s=2, t=3, b=4, x_width=6):
 
 def _needs_library():
   if native_recurrence.unavailable(F32):
-    if native_recurrence.compiler() is None:
+    if native_build.compiler() is None:
       pytest.skip("no C++ compiler on this machine")
     pytest.fail(native_recurrence.unavailable(F32))
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from zebra_jax.model.recurrence import native as native_recurrence
+from zebra_jax.model.recurrence import native_build
 from zebra_jax.model.recurrence import native_check
 from zebra_jax.model.recurrence import scan as recurrence
 from tests.helpers import (NATIVE_SHAPES as SHAPES, fallback_lines,
@@ -34,7 +35,7 @@ pytestmark = needs_compiler
 @pytest.fixture(scope="module")
 def good_library() -> pathlib.Path:
   """This CPU's build, from the user's cache (built there once)."""
-  path = native_recurrence.build(native_recurrence.compiler(), "native")
+  path = native_build.build(native_build.compiler(), "native")
   assert not native_check.damage(path.read_bytes(),
                                  native_check.read_record(path))
   return path
@@ -80,14 +81,31 @@ def test_a_truncated_cached_library_is_compiled_again(clean_env, good_library,
   60,000 bytes had died of SIGBUS when loaded; 0 or 64 bytes made every
   later run use the scan)."""
   cxx, log = _stand_in_compiler(clean_env, good_library)
-  path = native_recurrence.build(cxx, "native")
+  path = native_build.build(cxx, "native")
   assert _compiles(log) == 1 and _whole(path)
   with open(path, "r+b") as f:
     f.truncate(size)
   with caplog.at_level(logging.WARNING):
-    assert native_recurrence.build(cxx, "native") == path
+    assert native_build.build(cxx, "native") == path
   assert _compiles(log) == 2 and _whole(path)
   assert any("damaged" in r.getMessage() for r in caplog.records)
+
+
+def test_an_edit_to_any_source_file_is_another_build(clean_env, good_library,
+                                                    monkeypatch):
+  """The sources are native.cc and the headers it includes: an edit to a
+  header alone changes the digest and the cache key, so the next build
+  compiles again rather than load a library of the old code."""
+  sources = clean_env / "native_cc"
+  shutil.copytree(native_build.SOURCE.parent, sources)
+  monkeypatch.setattr(native_build, "SOURCE", sources / "native.cc")
+  cxx, log = _stand_in_compiler(clean_env, good_library)
+  digest, first = native_build.source_digest(), native_build.build(cxx, "native")
+  assert native_build.build(cxx, "native") == first and _compiles(log) == 1
+  header = sources / "simd.h"
+  header.write_text(header.read_text() + "// an edit\n")
+  assert native_build.source_digest() != digest
+  assert native_build.build(cxx, "native") != first and _compiles(log) == 2
 
 
 def test_a_library_without_its_build_record_is_compiled_again(
@@ -95,9 +113,9 @@ def test_a_library_without_its_build_record_is_compiled_again(
   """A cached library whose record is missing (a build killed between the
   two renames, or a copied cache) is not trusted either."""
   cxx, log = _stand_in_compiler(clean_env, good_library)
-  path = native_recurrence.build(cxx, "native")
+  path = native_build.build(cxx, "native")
   native_check.record_path(path).unlink()
-  native_recurrence.build(cxx, "native")
+  native_build.build(cxx, "native")
   assert _compiles(log) == 2 and _whole(path)
 
 
@@ -108,9 +126,9 @@ def test_a_truncated_cached_library_does_not_crash_a_run(clean_env,
   of SIGBUS, exit 135); the run says it compiled and which build runs."""
   cxx, log = _stand_in_compiler(clean_env, good_library)
   env = {**os.environ, "CXX": cxx, "XDG_CACHE_HOME": str(clean_env / "cache")}
-  env.pop(native_recurrence.LIB_ENV, None)
-  env.pop(native_recurrence.MARCH_ENV, None)
-  path = native_recurrence.build(cxx, "native")
+  env.pop(native_build.LIB_ENV, None)
+  env.pop(native_build.MARCH_ENV, None)
+  path = native_build.build(cxx, "native")
   with open(path, "r+b") as f:
     f.truncate(4096)
   code = (
@@ -155,14 +173,14 @@ def test_a_killed_compiler_is_not_remembered(clean_env, good_library, how):
   remembered failure had sent every later run to the scan)."""
   cxx, log = _stand_in_compiler(clean_env, good_library, how)
   for _ in range(2):
-    with pytest.raises(native_recurrence.BuildError, match="failed"):
-      native_recurrence.build(cxx, "native")
+    with pytest.raises(native_build.BuildError, match="failed"):
+      native_build.build(cxx, "native")
   assert _compiles(log) == 2
   assert not list((clean_env / "cache").rglob("*.failed"))
 
 
 def test_killed_is_told_from_refused():
-  killed = native_recurrence.killed
+  killed = native_build.killed
   assert killed(-signal.SIGKILL, "")
   assert killed(137, "")
   assert killed(1, "g++: fatal error: Killed signal terminated program cc1plus")
@@ -188,7 +206,7 @@ def test_a_prebuilt_library_for_a_cpu_with_more_features_is_refused(
   """ZEBRA_JAX_NATIVE_LIB built for features this CPU lacks (by its own
   flags, not its name): one line naming them and the fix, then the scan
   (loading it had died of SIGILL, exit 132)."""
-  monkeypatch.setenv(native_recurrence.LIB_ENV,
+  monkeypatch.setenv(native_build.LIB_ENV,
                      str(_prebuilt(clean_env, good_library)))
   monkeypatch.setattr(native_check, "cpu_flags",
                       lambda: frozenset({"fpu", "sse", "fp"}))
@@ -201,9 +219,9 @@ def test_a_prebuilt_library_for_a_cpu_with_more_features_is_refused(
 
 def test_a_prebuilt_library_from_another_source_is_refused(
     clean_env, good_library, monkeypatch, caplog):
-  monkeypatch.setenv(native_recurrence.LIB_ENV,
+  monkeypatch.setenv(native_build.LIB_ENV,
                      str(_prebuilt(clean_env, good_library)))
-  monkeypatch.setattr(native_recurrence, "source_digest", lambda: "0" * 16)
+  monkeypatch.setattr(native_build, "source_digest", lambda: "0" * 16)
   assert "another version of native.cc" in runs_the_scan(caplog)
 
 
@@ -219,9 +237,9 @@ def test_a_damaged_prebuilt_library_is_refused(clean_env, good_library,
     native_check.record_path(copy).unlink()
   with open(copy, "r+b") as f:
     f.truncate(size)
-  monkeypatch.setenv(native_recurrence.LIB_ENV, str(copy))
+  monkeypatch.setenv(native_build.LIB_ENV, str(copy))
   line = runs_the_scan(caplog)
-  assert f"{native_recurrence.LIB_ENV}={copy} is damaged" in line
+  assert f"{native_build.LIB_ENV}={copy} is damaged" in line
   assert "copy it again" in line
 
 
@@ -231,9 +249,9 @@ def test_a_library_without_the_entry_points_is_refused(clean_env,
   uncaught AttributeError)."""
   source, lib = clean_env / "other.cc", clean_env / "other.so"
   source.write_text('extern "C" int zebra_unrelated() { return 1; }\n')
-  subprocess.run([*native_recurrence.compiler().split(), "-shared", "-fPIC",
+  subprocess.run([*native_build.compiler().split(), "-shared", "-fPIC",
                   str(source), "-o", str(lib)], check=True, timeout=120)
-  monkeypatch.setenv(native_recurrence.LIB_ENV, str(lib))
+  monkeypatch.setenv(native_build.LIB_ENV, str(lib))
   assert "not a zebra_jax native library" in runs_the_scan(caplog)
 
 
@@ -243,7 +261,7 @@ def test_a_relative_prebuilt_path_loads(clean_env, good_library, monkeypatch,
   would search the system's library paths for it)."""
   _prebuilt(clean_env, good_library, "zebra_relative.so")
   monkeypatch.chdir(clean_env / "lib")
-  monkeypatch.setenv(native_recurrence.LIB_ENV, "zebra_relative.so")
+  monkeypatch.setenv(native_build.LIB_ENV, "zebra_relative.so")
   with caplog.at_level(logging.WARNING):
     assert native_recurrence.unavailable(jnp.float32) == ""
     args = [jnp.full(s, 0.1, jnp.float32) for s in SHAPES]
@@ -256,7 +274,7 @@ def test_a_relative_prebuilt_path_loads(clean_env, good_library, monkeypatch,
 def test_the_build_record_lists_what_the_compiler_may_use(good_library):
   """This CPU's build needs only flags this CPU has, and says its ISA."""
   source, isa, needs = native_check.build_info(good_library.read_bytes())
-  assert source == native_recurrence.source_digest()
+  assert source == native_build.source_digest()
   assert isa in ("avx512f", "avx2", "avx", "sse2", "neon", "generic")
   flags = native_check.cpu_flags()
   assert needs and needs <= flags, needs - flags

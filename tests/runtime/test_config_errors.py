@@ -14,7 +14,7 @@ import ml_collections
 import pytest
 
 from zebra_jax.config import files
-from zebra_jax.configs import base, demo, wt103
+from zebra_jax.configs import base, demo, lm1b, wlm, wt103
 from zebra_jax.errors import UserError
 from zebra_jax.runtime import config_checks
 from tests.helpers import REPO
@@ -35,7 +35,7 @@ POSITIVE_INTS = (
     "export.triton_max_batch_size")
 NON_NEGATIVE_INTS = (
     "data.min_freq", "data.max_vocab_size", "model.vocab_size",
-    "model.adaptive_chunk_rows",
+    "model.adaptive_chunk_rows", "model.adaptive_tile",
     "optim.warmup_steps", "train.eval_max_batches", "checkpoint.keep_best",
     "profile.start_step", "profile.num_steps",
     "eval.max_tokens", "serve.queue", "export.triton_queue_delay_us")
@@ -45,9 +45,13 @@ POSITIVE_NUMBERS = ("optim.learning_rate", "optim.eps",
 NON_NEGATIVE_NUMBERS = ("optim.weight_decay", "optim.clip_norm",
                         "train.time_budget_minutes", "serve.drain_seconds")
 BOOLS = ("model.tie_embeddings", "model.adaptive_tie", "model.remat",
+         "model.head_fused_xent",
          "train.report_at_end", "train.sample_at_eval", "eval.accuracy",
          "sample.stream", "serve.access_log")
 TEXTS = ("data.path", "data.hf_name", "data.hf_config", "data.hf_cache_dir",
+         "data.hf_text_column", "data.tfds_name", "data.tfds_data_dir",
+         "data.tfds_train_split", "data.tfds_valid_split",
+         "data.tfds_test_split", "data.tfds_text_key",
          "sample.prompt", "sample.stop", "serve.api_key", "serve.api_key_file",
          "serve.chat_template", "serve.allowed_origins", "export.triton_gpus")
 
@@ -98,6 +102,7 @@ CASES = (
        ("model.stripe_input", "sparse", "is not one of"),
        ("export.triton_instance", "tpu", "is not one of"),
        ("model.recurrence", "cuda", "is not one of"),
+       ("model.head_logits_dtype", "bfloat16", "is not one of"),
        ("optim.name", "adagrad", "is not one of"),
        ("model.num_stripes", 3, "not divisible by model.num_stripes=3"),
        ("parallel.stripe_devices", 3,
@@ -140,7 +145,9 @@ def test_bad_value_is_one_line_naming_field_and_fix(field, value, message):
 
 def test_shipped_configs_and_edge_values_pass():
   for cfg in (base.get_config(), demo.get_config(), demo.get_config("tiny"),
-              wt103.get_config("tiny")):
+              wt103.get_config("tiny"), lm1b.get_config(),
+              lm1b.get_config("tiny"), wlm.get_config(),
+              wlm.get_config("grouped8"), wlm.get_config("tiny")):
     if cfg.data.source == "wikitext":
       cfg.data.path = "/data/wikitext-103"
     config_checks.validate(cfg)
@@ -196,7 +203,7 @@ def test_a_config_file_of_ones_own_loads_by_path(tmp_path, monkeypatch):
 
 def test_shipped_names_are_the_shipped_files():
   folder = os.path.dirname(demo.__file__)
-  assert files.shipped_names() == ["base", "demo", "wt103"]
+  assert files.shipped_names() == ["base", "demo", "lm1b", "wlm", "wt103"]
   assert files.as_path("demo:tiny") == os.path.join(folder, "demo.py") + ":tiny"
   assert files.as_path("nope:tiny") == "nope:tiny"  # left for its reader
 
@@ -232,7 +239,7 @@ def test_cli_mistyped_config_path(tmp_path):
   line = _one_error_line(_cli(tmp_path, "--config=configs/nope.py",
                               f"--workdir={tmp_path}"))
   assert "no such file 'configs/nope.py'" in line
-  assert "shipped configs: base, demo, wt103" in line  # what exists instead
+  assert "shipped configs: base, demo, lm1b, wlm, wt103" in line  # what exists instead
   line = _one_error_line(_cli(tmp_path, "--config=dmeo:tiny"))
   assert "no shipped config 'dmeo'" in line
   assert "e.g. --config=demo:tiny" in line

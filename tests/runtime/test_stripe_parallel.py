@@ -6,7 +6,6 @@ loop, one exchange per layer boundary and window (and its transpose in the
 backward pass), the head's re-layout by rows, and the gradient all-reduces.
 """
 
-import dataclasses
 import functools
 import re
 
@@ -14,35 +13,16 @@ import jax
 import numpy as np
 import pytest
 
-from zebra_jax.configs import demo
 from zebra_jax.errors import UserError
 from zebra_jax.model import lm
 from zebra_jax.model.config import ModelConfig
 from zebra_jax.runtime import checkpoint, config_checks, parallel
 from zebra_jax.training import loop, train_state
-from lab import scaling
-from lab.benchmarks import hlo_collectives as hc
-from tests.helpers import random_batches
+from tests import hlo_collectives as hc
+from tests.helpers import (compiled_train_step, random_batches, stripe_config,
+                           stripe_mesh)
 
 MESHES = [(1, 8), (2, 4), (4, 2)]  # (data, stripe)
-
-
-def tiny_config(stripe_input="dense", stripe_devices=1, **model):
-  """2 layers x hidden 32 in 8 stripes, window 4, batch 8, SGD, no dropout."""
-  cfg = demo.get_config("tiny")
-  model = {"dropout_hidden": 0.0, "dropout_output": 0.0, **model}
-  cfg.model.update(vocab_size=29, embed_size=32, hidden_size=32, num_layers=2,
-                   num_stripes=8, stripe_input=stripe_input, **model)
-  cfg.data.update(batch_size=8, seq_len=4)
-  cfg.optim.update(name="sgd", momentum=0.9, learning_rate=0.5,
-                   warmup_steps=0)
-  cfg.parallel.stripe_devices = stripe_devices
-  return cfg
-
-
-def _mesh(data, stripe):
-  return parallel.make_mesh(jax.devices()[:data * stripe],
-                            stripe_devices=stripe)
 
 
 def _run(cfg, mesh, batches, accum=1, state=None):
@@ -70,12 +50,12 @@ def _assert_close(a, b, rtol=1e-6):
 
 
 def test_stripe_devices_must_divide_stripes_and_devices():
-  cfg = tiny_config(stripe_devices=3)
+  cfg = stripe_config(stripe_devices=3)
   cfg.model.num_stripes = 6
   cfg.model.hidden_size = 36
   with pytest.raises(UserError, match="does not divide the 8 devices"):
     config_checks.validate(cfg)
-  cfg = tiny_config(stripe_devices=16)
+  cfg = stripe_config(stripe_devices=16)
   with pytest.raises(UserError, match="does not divide model.num_stripes=8"):
     config_checks.validate(cfg)
   with pytest.raises(UserError, match="stripe_devices=3"):
@@ -83,8 +63,8 @@ def test_stripe_devices_must_divide_stripes_and_devices():
 
 
 def test_mesh_and_shardings():
-  cfg = tiny_config("grouped")
-  mesh = _mesh(2, 4)
+  cfg = stripe_config("grouped")
+  mesh = stripe_mesh(2, 4)
   assert mesh.axis_names == ("data", "stripe")
   assert dict(mesh.shape) == {"data": 2, "stripe": 4}
   _, _, state = train_state.init_state(cfg, mesh)
@@ -101,11 +81,11 @@ def test_mesh_and_shardings():
   h = state.carry[0][0]
   assert h.sharding.spec == jax.sharding.PartitionSpec("data", "stripe")
   assert h.addressable_shards[0].data.shape == (4, 8)  # 8 rows / 2, 32 / 4
-  dense = train_state.init_state(tiny_config("dense"), mesh)[2]
+  dense = train_state.init_state(stripe_config("dense"), mesh)[2]
   assert spec(dense.params["layers"][0]["w_x"]) == jax.sharding.PartitionSpec(
       None, "stripe")
   # One stripe device: today's data-parallel shardings.
-  one = train_state.init_state(cfg, _mesh(8, 1))[2]
+  one = train_state.init_state(cfg, stripe_mesh(8, 1))[2]
   assert one.carry[0][0].sharding.spec == jax.sharding.PartitionSpec("data")
   assert all(x.sharding.is_fully_replicated
              for x in jax.tree.leaves(one.params))
@@ -139,23 +119,13 @@ def _design(cfg, data, stripe):
   return expect
 
 
-def compiled_train_step(cfg, data, stripe, accum=1):
-  mesh = _mesh(data, stripe)
-  graphdef, tx, state = train_state.init_state(cfg, mesh)
-  step = loop.compile_train_step(graphdef, tx, mesh, state, accum)
-  b = random_batches(cfg, 1)[0]
-  batch = {k: parallel.global_batch(mesh, v) if v.ndim else v
-           for k, v in b.items()}
-  return step.lower(state, batch).compile()
-
-
 @pytest.mark.parametrize("stripe_input,data,stripe,recurrence", [
     ("dense", 1, 8, "scan"), ("grouped", 1, 8, "scan"),
     ("dense", 2, 4, "scan"), ("grouped", 2, 4, "scan"),
     ("grouped", 2, 4, "native")])
 def test_no_collective_inside_the_time_loop(stripe_input, data, stripe,
                                             recurrence):
-  cfg = tiny_config(stripe_input, stripe, recurrence=recurrence)
+  cfg = stripe_config(stripe_input, stripe, recurrence=recurrence)
   text = compiled_train_step(cfg, data, stripe).as_text()
   # Two layers: a forward and a backward time loop each, as while loops or
   # as one call each into the native library (and, the stripes being
@@ -201,7 +171,7 @@ def test_data_parallel_step_moves_only_gradients(stripe_input):
   """With one stripe device each device runs its own rows end to end: the
   step's only collectives are all-reduces (the gradients and the scalars),
   never a gathered batch of activations."""
-  cfg = tiny_config(stripe_input, 1)
+  cfg = stripe_config(stripe_input, 1)
   text = compiled_train_step(cfg, 8, 1).as_text()
   assert set(hc.count(text)) == {"all-reduce"}
   assert hc.in_while_loops(text) == []
@@ -213,7 +183,7 @@ def test_data_parallel_step_moves_only_gradients(stripe_input):
 
 
 def test_accumulation_loop_holds_only_the_layer_exchanges():
-  cfg = tiny_config("dense", 4, recurrence="scan")
+  cfg = stripe_config("dense", 4, recurrence="scan")
   text = compiled_train_step(cfg, 2, 4, accum=2).as_text()
   bodies = hc.while_bodies(text)
   comps = hc.computations(text)
@@ -224,40 +194,20 @@ def test_accumulation_loop_holds_only_the_layer_exchanges():
   assert hc.collectives_in(text, inner) == []
 
 
-@pytest.mark.parametrize("stripe_input,data", [("dense", 1), ("grouped", 1),
-                                               ("grouped", 2)])
-def test_scaling_model_counts_the_bytes_the_step_sends(stripe_input, data):
-  """docs/scaling.md's stripe-axis bytes per device and step are those of the
-  collectives in the compiled step (without a data axis to mix in, or with
-  only all-to-alls and all-gathers on the stripe axis)."""
-  stripe = 8 // data
-  cfg = tiny_config(stripe_input, stripe)
-  text = compiled_train_step(cfg, data, stripe).as_text()
-  stripe_kinds = ("all-gather", "reduce-scatter", "all-to-all") + (
-      ("all-reduce",) if data == 1 else ())
-  sent = sum(hc.ring_bytes_sent(k, b, stripe)
-             for k, b in hc.collectives_in(text) if k in stripe_kinds)
-  model = ModelConfig.of(cfg.model)
-  predicted = scaling.sent_per_step(model, 8, 4, data, stripe, act_bytes=4)
-  # Without a data axis the embedding's and head's all-reduce runs on
-  # "stripe" alone.
-  expected = predicted["stripe"] + (predicted["mesh"] if data == 1 else 0)
-  assert sent == pytest.approx(expected, rel=1e-9)
-
-
 def test_parameter_state_per_device_shrinks_by_the_stripe_devices():
   """compiled.memory_analysis(): the step's arguments on one device hold
   1/p of the layers' parameters and optimizer state (SGD: one moment)."""
-  cfg = tiny_config("grouped")
+  cfg = stripe_config("grouped")
   sizes = {}
   for data, stripe in ((8, 1), (1, 8)):
     cfg.parallel.stripe_devices = stripe
     sizes[stripe] = compiled_train_step(
         cfg, data, stripe).memory_analysis().argument_size_in_bytes
-  lstm, _ = scaling.param_counts(ModelConfig.of(cfg.model))
+  _, params = lm.create(ModelConfig.of(cfg.model), 0)
+  layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
   # 8 rows per device instead of 1: inputs and targets, int32 [rows, 4].
   batch = 2 * (8 - 1) * 4 * 4
-  assert sizes[1] - sizes[8] == 2 * 4 * lstm * 7 // 8 - batch
+  assert sizes[1] - sizes[8] == 2 * layer_bytes * 7 // 8 - batch
 
 
 # ------------------------------------------------------- the same numbers
@@ -266,10 +216,10 @@ def test_parameter_state_per_device_shrinks_by_the_stripe_devices():
 @pytest.mark.parametrize("stripe_input", ["dense", "grouped"])
 @pytest.mark.parametrize("data,stripe", MESHES)
 def test_steps_equal_single_device(stripe_input, data, stripe):
-  cfg = tiny_config(stripe_input, stripe)
+  cfg = stripe_config(stripe_input, stripe)
   batches = random_batches(cfg, 3)
-  one, m1 = _run(cfg, _mesh(1, 1), batches)
-  many, mn = _run(cfg, _mesh(data, stripe), batches)
+  one, m1 = _run(cfg, stripe_mesh(1, 1), batches)
+  many, mn = _run(cfg, stripe_mesh(data, stripe), batches)
   assert many.params["layers"][0]["w_h"][...].sharding.spec[0] == "stripe"
   _assert_close(jax.device_get(one.params), jax.device_get(many.params))
   _assert_close(jax.device_get(one.carry), jax.device_get(many.carry))
@@ -280,10 +230,10 @@ def test_steps_equal_single_device(stripe_input, data, stripe):
 
 def test_dropout_masks_equal_single_device():
   """Dropout between layers draws the same mask on a stripe-split window."""
-  cfg = tiny_config("dense", 4, dropout_hidden=0.3, dropout_output=0.3)
+  cfg = stripe_config("dense", 4, dropout_hidden=0.3, dropout_output=0.3)
   batches = random_batches(cfg, 2)
-  one, m1 = _run(cfg, _mesh(1, 1), batches)
-  many, mn = _run(cfg, _mesh(2, 4), batches)
+  one, m1 = _run(cfg, stripe_mesh(1, 1), batches)
+  many, mn = _run(cfg, stripe_mesh(2, 4), batches)
   _assert_close(jax.device_get(one.params), jax.device_get(many.params))
   assert m1[-1]["loss_sum"] == pytest.approx(mn[-1]["loss_sum"], rel=1e-6)
 
@@ -297,7 +247,7 @@ ADAPTIVE = {"head": "adaptive", "adaptive_cutoffs": (8, 16),
 def test_gradients_equal_single_device(stripe_input, head):
   """Loss and every gradient, the full and the tied adaptive head (its
   tables shared with the adaptive input) run on rows over the mesh."""
-  cfg = tiny_config(stripe_input, 4, **head)
+  cfg = stripe_config(stripe_input, 4, **head)
   b = random_batches(cfg, 1)[0]
 
   def grads(mesh):
@@ -311,7 +261,7 @@ def test_gradients_equal_single_device(stripe_input, head):
                        for k in ("inputs", "targets"))
     return jax.device_get(fn(state.params, inputs, targets, state.carry))
 
-  ((l1, c1), g1), ((ln, cn), gn) = grads(_mesh(1, 1)), grads(_mesh(2, 4))
+  ((l1, c1), g1), ((ln, cn), gn) = grads(stripe_mesh(1, 1)), grads(stripe_mesh(2, 4))
   assert float(l1) == pytest.approx(float(ln), rel=1e-6)
   assert float(c1) == float(cn)
   _assert_close(g1, gn)
@@ -320,7 +270,7 @@ def test_gradients_equal_single_device(stripe_input, head):
 def test_scores_and_logits_equal_single_device():
   """The per-row outputs (scoring's log p, sampling's logits) come back in
   row order, split over the mesh or, for rows that do not divide, whole."""
-  cfg = tiny_config("grouped", 4, **ADAPTIVE)
+  cfg = stripe_config("grouped", 4, **ADAPTIVE)
   b = random_batches(cfg, 1)[0]
 
   def outputs(mesh, rows):
@@ -334,17 +284,17 @@ def test_scores_and_logits_equal_single_device():
     return jax.device_get((logp, logits))
 
   for rows in (8, 2):  # 8 rows over 8 devices; 2 do not divide
-    one = outputs(_mesh(1, 1), rows)
-    many = outputs(_mesh(1, 4) if rows == 2 else _mesh(2, 4), rows)
+    one = outputs(stripe_mesh(1, 1), rows)
+    many = outputs(stripe_mesh(1, 4) if rows == 2 else stripe_mesh(2, 4), rows)
     _assert_close(one, many)
 
 
 @pytest.mark.parametrize("stripe_input", ["dense", "grouped"])
 def test_remat_and_accumulation_equal_single_device(stripe_input):
-  cfg = tiny_config(stripe_input, 4, remat=True)
+  cfg = stripe_config(stripe_input, 4, remat=True)
   batches = random_batches(cfg, 2)
-  one, m1 = _run(cfg, _mesh(1, 1), batches)
-  many, mn = _run(cfg, _mesh(2, 4), batches, accum=2)
+  one, m1 = _run(cfg, stripe_mesh(1, 1), batches)
+  many, mn = _run(cfg, stripe_mesh(2, 4), batches, accum=2)
   _assert_close(jax.device_get(one.params), jax.device_get(many.params))
   _assert_close(jax.device_get(one.carry), jax.device_get(many.carry))
   assert m1[-1]["loss_sum"] == pytest.approx(mn[-1]["loss_sum"], rel=1e-6)
@@ -352,24 +302,24 @@ def test_remat_and_accumulation_equal_single_device(stripe_input):
 
 def test_pallas_kernel_on_each_devices_stripes():
   """The fused kernel (interpret mode off GPUs) runs inside shard_map too."""
-  cfg = tiny_config("grouped", 4, recurrence="pallas")
+  cfg = stripe_config("grouped", 4, recurrence="pallas")
   batches = random_batches(cfg, 1)
-  one, _ = _run(cfg, _mesh(1, 1), batches)
-  many, _ = _run(cfg, _mesh(2, 4), batches)
+  one, _ = _run(cfg, stripe_mesh(1, 1), batches)
+  many, _ = _run(cfg, stripe_mesh(2, 4), batches)
   _assert_close(jax.device_get(one.params), jax.device_get(many.params))
 
 
 def test_checkpoint_moves_between_meshes(tmp_path):
-  cfg = tiny_config("grouped", 8)
+  cfg = stripe_config("grouped", 8)
   batches = random_batches(cfg, 2)
-  first, _ = _run(cfg, _mesh(1, 8), batches[:1])
+  first, _ = _run(cfg, stripe_mesh(1, 8), batches[:1])
   ckpt = checkpoint.Checkpointer(str(tmp_path))
   ckpt.save(1, first, {"position": {"epoch": 0, "index": 1}})
   ckpt.close()
   saved = jax.device_get(first)
-  reference, _ = _run(cfg, _mesh(1, 8), batches[1:], state=first)  # donated
+  reference, _ = _run(cfg, stripe_mesh(1, 8), batches[1:], state=first)  # donated
   for data, stripe in ((8, 1), (1, 1)):
-    mesh = _mesh(data, stripe)
+    mesh = stripe_mesh(data, stripe)
     _, target = train_state.abstract_state(cfg, mesh)
     restored, _ = checkpoint.Checkpointer(str(tmp_path)).restore(1, target)
     _assert_close(saved, jax.device_get(restored), rtol=0)
@@ -382,7 +332,7 @@ def test_checkpoint_moves_between_meshes(tmp_path):
 
 
 def test_train_and_eval_with_stripe_devices(tmp_path):
-  cfg = tiny_config("grouped", 4)
+  cfg = stripe_config("grouped", 4)
   cfg.data.source, cfg.data.path = "text", str(tmp_path / "story.txt")
   (tmp_path / "story.txt").write_text("".join(
       f"line {i}: the quick brown fox jumps over the lazy dog.\n"

@@ -10,6 +10,8 @@ import logging
 import numpy as np
 import pytest
 
+import zebra_jax
+
 from zebra_jax.data.tokenizers.word import WordTokenizer
 from zebra_jax.inference import loading, sample
 from zebra_jax.serving import openai_answers, openai_api, serve
@@ -508,9 +510,9 @@ def test_stream_options_without_stream_is_refused(server):
   with pytest.raises(openai.BadRequestError) as raised:
     client.completions.create(model=M, prompt=PROMPT, max_tokens=2,
                               stream=True, stream_options={
-                                  "include_usage": True,
                                   "continuous_usage_stats": True})
   assert raised.value.body["param"] == "stream_options"
+  assert "include_usage" in raised.value.body["message"]
 
 
 REFUSED = [  # (route, field, value): what the server would not do
@@ -519,14 +521,19 @@ REFUSED = [  # (route, field, value): what the server would not do
     ("completions", "include_stop_str_in_output", True),
     ("completions", "bad_words", ["the"]),
     ("completions", "response_format", {"type": "json_object"}),
-    ("completions", "truncate_prompt_tokens", 3),
+    ("completions", "truncate_prompt_tokens", 0),
+    ("completions", "truncate_prompt_tokens", 10**6),  # past the limit
+    ("completions", "truncation_side", "middle"),
+    ("completions", "return_token_ids", "yes"),
     ("completions", "skip_special_tokens", True),
     ("completions", "stop_token_ids", [10**6]),
     ("completions", "min_tokens", 5),  # more than max_tokens 4
     ("completions", "prompt_logprobs", -1),
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat", "tool_choice", "required"),
-    ("chat", "echo", True),
+    ("chat", "echo", 1),
+    ("chat", "truncate_prompt_tokens", -2),
+    ("chat", "return_tokens_as_token_ids", 1),
     ("chat", "chat_template", "{{ messages }}"),
     ("chat", "guided_choice", ["a", "b"]),
     ("chat", "reasoning_effort", "high"),
@@ -563,3 +570,214 @@ def test_fields_that_ask_nothing_are_taken_without_a_warning(server, caplog):
       "bad_words": []})
   assert status == 200 and json.loads(answer)["choices"][0]["text"] == plain
   assert not caplog.records
+
+
+# --- vLLM's additions: token ids, truncation, chat echo, usage per event ---
+
+CHAT = [{"role": "user", "content": "line 9: the"}]
+
+
+def _ids(service, text):
+  return [int(i) for i in service.encode(text)]
+
+
+def test_return_token_ids_on_completions_whole_and_streamed(server):
+  """vLLM's shape: a completion's choice holds its prompt's and its own
+  token ids; a stream's first event per choice the prompt's, each event
+  the tokens it brings."""
+  _, _, _, client, service = server
+  prompts = [PROMPT, "line 3: "]
+  out = client.completions.create(
+      model=M, prompt=prompts, max_tokens=9, temperature=0,
+      extra_body={"return_token_ids": True})
+  for prompt, choice in zip(prompts, out.choices):
+    assert choice.prompt_token_ids == _ids(service, prompt)
+    assert len(choice.token_ids) == 9
+    assert service.tokenizer.decode(choice.token_ids) == choice.text
+  plain = client.completions.create(model=M, prompt=PROMPT, max_tokens=9,
+                                    temperature=0).choices[0]
+  assert "token_ids" not in plain.model_extra
+  chunks = list(client.completions.create(
+      model=M, prompt=prompts, max_tokens=9, temperature=0, stream=True,
+      extra_body={"return_token_ids": True}))
+  for choice, prompt in zip(out.choices, prompts):
+    mine = [c.choices[0] for c in chunks if c.choices[0].index ==
+            choice.index]
+    sent = [c.prompt_token_ids for c in mine
+            if c.model_extra.get("prompt_token_ids") is not None]
+    assert sent == [_ids(service, prompt)]  # once, in the first event
+    assert mine[0].model_extra.get("prompt_token_ids") is not None
+    assert [t for c in mine for t in c.token_ids] == choice.token_ids
+  # With echo the prompt's ids ride on the echoed prompt's event.
+  echoed = list(client.completions.create(
+      model=M, prompt=PROMPT, max_tokens=3, temperature=0, stream=True,
+      echo=True, extra_body={"return_token_ids": True}))
+  assert echoed[0].choices[0].text == PROMPT
+  assert echoed[0].choices[0].prompt_token_ids == _ids(service, PROMPT)
+
+
+def test_return_token_ids_on_chat_whole_and_streamed(server):
+  """Chat: the prompt's ids beside the choices (one prompt for all), each
+  choice's own on it; streamed, the prompt's on the role's event."""
+  _, _, port, client, _ = server
+  prompt = json.loads(raw(port, "POST", "/tokenize",
+                          {"messages": CHAT})[1])["tokens"]
+  out = client.chat.completions.create(
+      model=M, messages=CHAT, max_tokens=10, temperature=0, n=2,
+      extra_body={"return_token_ids": True})
+  assert out.prompt_token_ids == prompt
+  assert out.usage.prompt_tokens == len(prompt)
+  assert [len(c.token_ids) for c in out.choices] == [
+      out.usage.completion_tokens // 2] * 2
+  chunks = list(client.chat.completions.create(
+      model=M, messages=CHAT, max_tokens=10, temperature=0, stream=True,
+      extra_body={"return_token_ids": True}))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert chunks[0].prompt_token_ids == prompt
+  assert all(c.model_extra.get("prompt_token_ids") is None
+             for c in chunks[1:])
+  assert [t for c in chunks[1:] for t in c.choices[0].token_ids] == (
+      out.choices[0].token_ids)
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token(server):
+  _, _, _, client, service = server
+  text = service.tokenizer.token_text
+  plain = client.completions.create(model=M, prompt=PROMPT, max_tokens=6,
+                                    temperature=0, logprobs=2,
+                                    echo=True).choices[0].logprobs
+  named = client.completions.create(
+      model=M, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+      echo=True, extra_body={"return_tokens_as_token_ids": True,
+                             "return_token_ids": True}).choices[0]
+  ids = named.prompt_token_ids + named.token_ids
+  assert named.logprobs.tokens == [f"token_id:{i}" for i in ids]
+  assert named.logprobs.token_logprobs == plain.token_logprobs
+  for mine, theirs in zip(named.logprobs.top_logprobs[1:],
+                          plain.top_logprobs[1:]):
+    assert {text(int(k.split(":")[1])): v for k, v in mine.items()} == theirs
+  chat = client.chat.completions.create(
+      model=M, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+      top_logprobs=2, extra_body={"return_tokens_as_token_ids": True,
+                                  "return_token_ids": True}).choices[0]
+  content = chat.logprobs.content
+  assert [t.token for t in content] == [
+      f"token_id:{i}" for i in chat.token_ids]
+  assert all(t.bytes == list(text(i).encode()) for t, i in zip(
+      content, chat.token_ids))  # the token's own text, as vLLM's
+  assert all(a.token.startswith("token_id:") and len(t.top_logprobs) == 2
+             for t in content for a in t.top_logprobs)
+  streamed = list(client.chat.completions.create(
+      model=M, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+      stream=True, extra_body={"return_tokens_as_token_ids": True}))
+  assert [t.token for c in streamed if c.choices[0].logprobs
+          for t in c.choices[0].logprobs.content] == [t.token for t in content]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
+  """vLLM's rule: the last N tokens (truncation_side "right": the first);
+  -1 the longest prompt the server takes; usage counts what was kept."""
+  _, _, _, client, service = server
+  ids = _ids(service, PROMPT)
+  cut = client.completions.create(
+      model=M, prompt=PROMPT, max_tokens=8, temperature=0, echo=True,
+      extra_body={"truncate_prompt_tokens": 5})
+  alone = client.completions.create(model=M, prompt=ids[-5:], max_tokens=8,
+                                    temperature=0, echo=True)
+  assert cut.usage.prompt_tokens == 5
+  assert cut.choices[0].text == alone.choices[0].text == PROMPT[-5:] + (
+      alone.choices[0].text[5:])
+  first = client.completions.create(
+      model=M, prompt=[PROMPT], max_tokens=8, temperature=0,
+      extra_body={"truncate_prompt_tokens": 4, "truncation_side": "right"})
+  assert first.usage.prompt_tokens == 4
+  assert first.choices[0].text == client.completions.create(
+      model=M, prompt=ids[:4], max_tokens=8, temperature=0).choices[0].text
+  whole = client.completions.create(
+      model=M, prompt=PROMPT, max_tokens=1, temperature=0,
+      extra_body={"truncate_prompt_tokens": -1})
+  assert whole.usage.prompt_tokens == len(ids)
+  chat = list(client.chat.completions.create(
+      model=M, messages=CHAT, max_tokens=3, temperature=0, stream=True,
+      stream_options={"include_usage": True},
+      extra_body={"truncate_prompt_tokens": 6}))
+  assert chat[-1].usage.prompt_tokens == 6
+
+
+def test_truncate_prompt_tokens_minus_one_takes_an_overlong_prompt(char_run):
+  cfg, workdir = char_run
+  service = serve.Service(loading.load_for_inference(cfg, workdir),
+                          serve.Limits(max_prompt_tokens=12), slots=2)
+  try:
+    with live_server(service) as httpd:
+      client = openai.OpenAI(
+          base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
+          api_key="unused", max_retries=0, timeout=60)
+      long = PROMPT + " brown fox jumps"
+      with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=M, prompt=long, max_tokens=2)
+      out = client.completions.create(
+          model=M, prompt=long, max_tokens=2, temperature=0, echo=True,
+          extra_body={"truncate_prompt_tokens": -1})
+  finally:
+    service.close()
+  assert out.usage.prompt_tokens == 12
+  assert out.choices[0].text.startswith(long[-12:])
+
+
+def test_chat_echo_repeats_the_last_message_of_the_replys_role(server):
+  _, _, _, client, _ = server
+  prefill = CHAT + [{"role": "assistant", "content": "line 10: the qu"}]
+  ask = lambda messages, **kw: client.chat.completions.create(
+      model=M, messages=messages, max_tokens=8, temperature=0, **kw)
+  go_on = {"continue_final_message": True, "add_generation_prompt": False}
+  plain = ask(prefill, extra_body=go_on).choices[0].message
+  echoed = ask(prefill, extra_body={**go_on, "echo": True}).choices[0]
+  assert echoed.message.role == plain.role == "assistant"
+  assert echoed.message.content == "line 10: the qu" + plain.content
+  streamed = list(ask(prefill, stream=True,
+                      extra_body={**go_on, "echo": True}))
+  assert "".join(c.choices[0].delta.content or "" for c in streamed) == (
+      echoed.message.content)
+  # A new assistant turn after a user's message: nothing to repeat.
+  assert ask(CHAT, extra_body={"echo": True}).choices[0].message.content == (
+      ask(CHAT).choices[0].message.content)
+  # No turn opened: the reply speaks as the last message, which it echoes.
+  user = ask(CHAT, extra_body={"echo": True,
+                               "add_generation_prompt": False}).choices[0]
+  assert user.message.role == "user"
+  assert user.message.content.startswith("line 9: the")
+
+
+def test_continuous_usage_stats_puts_usage_on_every_event(server):
+  _, _, _, client, service = server
+  for create, kw in ((client.completions.create,
+                      {"prompt": [PROMPT, "the "], "n": 1}),
+                     (client.chat.completions.create,
+                      {"messages": CHAT, "n": 2})):
+    chunks = list(create(model=M, max_tokens=7, temperature=0, stream=True,
+                         stream_options={"include_usage": True,
+                                         "continuous_usage_stats": True},
+                         **kw))
+    *events, final = chunks
+    assert not final.choices and final.usage.completion_tokens == 14
+    assert all(c.usage is not None for c in events)
+    for index in (0, 1):
+      mine = [c.usage for c in events if c.choices[0].index == index]
+      done = [u.completion_tokens for u in mine]
+      assert done == sorted(done) and done[-1] == 7
+      assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens
+                 for u in mine)
+    if "prompt" in kw:
+      assert {c.usage.prompt_tokens for c in events
+              if c.choices[0].index == 1} == {len(_ids(service, "the "))}
+    else:
+      assert {c.usage.prompt_tokens for c in events} == {
+          final.usage.prompt_tokens}
+
+
+def test_version(server):
+  _, _, port, _, _ = server
+  status, body = raw(port, "GET", "/version")
+  assert status == 200 and json.loads(body) == {
+      "version": zebra_jax.__version__}

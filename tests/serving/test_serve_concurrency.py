@@ -15,13 +15,11 @@ import sys
 import threading
 import time
 
-import jax
-import numpy as np
 import pytest
 
-from lab.benchmarks import sampling_loop as sampling
 from zebra_jax.inference import loading
 from zebra_jax.serving import openai_api, serve
+from tests import references
 from tests.helpers import live_server
 
 openai = pytest.importorskip("openai", reason="pip install openai (.[test])")
@@ -82,18 +80,6 @@ def requests_mix(count, seed=0):
   return out
 
 
-def scan_greedy(generator, prompt, n) -> str:
-  """Greedy continuation by sampling.generate_chunk (one jitted lax.scan
-  over the decode step), outside the engine."""
-  state = sampling.prime(generator, [generator.encode(prompt)],
-                         track_seen=False)
-  tokens, _ = sampling.generate_chunk(
-      generator.step_fn, generator.params, state, jax.random.PRNGKey(0), 0,
-      num_new_tokens=n, temperature=0.0, top_k=0, top_p=1.0,
-      repetition_penalty=1.0)
-  return generator.tokenizer.decode(np.asarray(tokens)[0])
-
-
 def complete(client, req) -> tuple[str, str]:
   """(completion text, finish_reason) of one request, streamed or not."""
   kwargs = dict(model=openai_api.MODEL_ID, prompt=req["prompt"],
@@ -135,12 +121,12 @@ def test_16_concurrent_clients_get_what_they_get_alone(service):
 
     run_together(worker, len(reqs))
     assert together == alone
-    # Greedy text is also what the model-level lax.scan sampler writes.
+    # Greedy text is also what the reference outside the engine writes.
     for req, (text, reason) in zip(reqs, alone):
       assert reason == "length" and text
       if req["temperature"] == 0:
-        assert text == scan_greedy(service.generator, req["prompt"],
-                                   req["max_tokens"])
+        assert text == references.greedy_text(
+            service.generator, req["prompt"], req["max_tokens"])
     stats = health(port)["engine"]
     assert stats["busy"] == stats["queued"] == 0
     assert stats["compiled_programs"] == stats["startup_programs"]

@@ -70,6 +70,72 @@ def test_metrics_count_requests_tokens_and_engine_readings(loaded):
   assert got[("zebra_engine_healthy", ())] == 1
 
 
+def test_vllm_style_serving_metrics_agree_with_what_clients_saw(loaded):
+  """Every generating endpoint, streamed and not: one observation per
+  request in each per-request histogram, prompt-token sums equal to the
+  usage the clients saw, and time to first token within the whole."""
+  openai = pytest.importorskip("openai")
+  from prometheus_client.parser import (  # pylint: disable=import-outside-toplevel
+      text_string_to_metric_families)
+  service = serve.Service(loaded, slots=4)
+  try:
+    with live_server(service) as httpd:
+      port = httpd.server_port
+      client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
+                             api_key="unused", max_retries=0, timeout=60)
+      chat = [{"role": "user", "content": "line 9: the"}]
+      answers = [
+          client.completions.create(model=M, prompt=["the ", "line 2: "],
+                                    max_tokens=7, temperature=0),
+          client.chat.completions.create(model=M, messages=chat, n=2,
+                                         max_tokens=6, temperature=0)]
+      for create, kw in ((client.completions.create, {"prompt": "line 4"}),
+                         (client.chat.completions.create,
+                          {"messages": chat})):
+        *_, last = create(model=M, max_tokens=5, temperature=0, stream=True,
+                          stream_options={"include_usage": True}, **kw)
+        answers.append(last)
+      usage = [(a.usage.prompt_tokens, a.usage.completion_tokens)
+               for a in answers]
+      status, _ = http_post(port, "/generate", {
+          "prompts": ["the ", "line 5: "], "num_samples": 2,
+          "max_new_tokens": 4, "temperature": 0})
+      assert status == 200
+      usage.append((len("the line 5: "), 16))
+      status, _, body = http_call(port, "GET", "/metrics")
+  finally:
+    service.close()
+  families = {f.name: f for f in
+              text_string_to_metric_families(body.decode())}
+  sample = lambda name, suffix: next(
+      s.value for s in families[name].samples if s.name == name + suffix)
+  for name in ("zebra_time_to_first_token_seconds",
+               "zebra_time_per_output_token_seconds",
+               "zebra_e2e_request_latency_seconds",
+               "zebra_request_prompt_tokens",
+               "zebra_request_generation_tokens"):
+    assert families[name].type == "histogram", name
+    assert sample(name, "_count") == len(usage), name
+  assert sample("zebra_request_prompt_tokens", "_sum") == sum(
+      p for p, _ in usage)
+  assert sample("zebra_request_generation_tokens", "_sum") == sum(
+      g for _, g in usage)
+  assert 0 < sample("zebra_time_to_first_token_seconds", "_sum") <= sample(
+      "zebra_e2e_request_latency_seconds", "_sum")
+  assert sample("zebra_time_per_output_token_seconds", "_sum") > 0
+  for name, kind in (("zebra_num_requests_running", "gauge"),
+                     ("zebra_num_requests_waiting", "gauge"),
+                     ("zebra_prefix_cache_queries", "counter"),
+                     ("zebra_prefix_cache_hits", "counter"),
+                     ("zebra_prefix_cache_bytes", "gauge"),
+                     ("zebra_prefix_cache_entries", "gauge")):
+    assert families[name].type == kind, name
+  assert sample("zebra_num_requests_running", "") == 0
+  assert sample("zebra_num_requests_waiting", "") == 0
+  hits = sample("zebra_prefix_cache_hits", "_total")
+  assert 0 <= hits <= sample("zebra_prefix_cache_queries", "_total")
+
+
 def test_a_failed_step_is_a_500_and_the_server_serves_on(loaded):
   service = serve.Service(loaded, slots=2)
   engine = service.engine

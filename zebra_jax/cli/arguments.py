@@ -96,19 +96,29 @@ def load(mode: str, spec: str | None, workdir: str | None,
     cfg = None
   if cfg is not None:
     config_overrides.apply(cfg, overrides)
+    fields = [field for field, _ in overrides]
+    ignored = set()
     if mode_fields.runs_trained_model(mode):
-      _check_overrides(mode, cfg, workdir, [field for field, _ in overrides])
+      ignored = _check_overrides(mode, cfg, workdir, fields)
+    for warning in mode_fields.unselected(
+        [f for f in fields if f not in ignored], cfg):
+      print(f"warning: {warning}", file=sys.stderr, flush=True)
   return cfg, workdir
 
 
 def _check_overrides(mode: str, cfg: ml_collections.ConfigDict, workdir: str,
-                     fields: list[str]) -> None:
+                     fields: list[str]) -> set[str]:
   """Refuses what would change the trained model; one warning line for
-  each field the mode does not read (config/mode_fields.py)."""
+  each field the mode does not read (config/mode_fields.py). The fields
+  warned about."""
   if not fields:
-    return
+    return set()
   saved = (files.load_saved(workdir)
            if os.path.exists(files.saved_path(workdir)) else None)
-  for warning in mode_fields.check_overrides(mode, fields, cfg, saved,
-                                             workdir):
-    print(f"warning: {warning}", file=sys.stderr, flush=True)
+  warned = set()
+  for field in fields:
+    for warning in mode_fields.check_overrides(mode, [field], cfg, saved,
+                                               workdir):
+      print(f"warning: {warning}", file=sys.stderr, flush=True)
+      warned.add(field)
+  return warned

@@ -26,23 +26,37 @@ def train(cfg, workdir, *, config, **_):
 
 def evaluate(cfg, workdir, *, split, text_file, **_):
   """The corpus' splits (--split, default all), or whole --text_file files."""
+  from zebra_jax import api
   from zebra_jax.errors import UserError
   from zebra_jax.training import evaluate as evaluation
   if split and text_file:
     raise UserError("--split picks the corpus' splits and --text_file "
                     "evaluates whole files: pass one of them")
-  evaluation.run(cfg, workdir, split or "all", text_files=text_file)
+  evaluation.split_names(split or "all")  # before a checkpoint loads
+  evaluation.check_text_files(text_file)
+  with api.load(workdir, config=cfg) as model:
+    evaluation.run(cfg, workdir, split or "all", text_files=text_file,
+                   loaded=model.loaded)
 
 
 def sample(cfg, workdir, *, prompt_file, **_):
+  from zebra_jax import api
   from zebra_jax.inference import sample as sampling
   prompts = sampling.read_prompt_file(prompt_file) if prompt_file else None
-  sampling.run(cfg, workdir, prompts)
+  params, prompts = sampling.checked_request(cfg, prompts)
+  with api.load(workdir, config=cfg) as model:
+    sampling.show(cfg, model.step, prompts, params,
+                  lambda on_text: model.generate(
+                      prompts, params, num_samples=int(cfg.sample.num_samples),
+                      on_text=on_text))
 
 
 def score(cfg, workdir, *, text, text_file, verbose, **_):
+  from zebra_jax import api
   from zebra_jax.inference import score as scoring
-  scoring.run(cfg, workdir, text, text_file, verbose)
+  named = scoring.read_texts(text, text_file)
+  with api.load(workdir, config=cfg) as model:
+    scoring.report(named, model.score([t for _, t in named]), verbose)
 
 
 def export(cfg, workdir, *, export_dir, **_):

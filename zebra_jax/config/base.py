@@ -28,14 +28,28 @@ FIELDS = dict(
     data=dict(
         source=F("embedded", one_of(sources.SOURCES), "embedded (offline, "
                  "ships with Python) | wikitext (a folder) | text (files) | hf "
-                 "(a hub dataset)"),
-        path=F("", TEXT, "wikitext/text: the folder or file(s) to read"),
-        hf_name=F("Salesforce/wikitext", TEXT, "source=hf: the hub dataset "
-                  "(or a local parquet/arrow dir)"),
+                 "(a hub dataset) | tfds (a prepared TFDS dataset)"),
+        path=F("", TEXT, "wikitext/text: the folder or file(s) to read; hf: "
+               "a local parquet/arrow/save_to_disk folder"),
+        hf_name=F("Salesforce/wikitext", TEXT, "source=hf: the hub dataset"),
         hf_config=F("wikitext-2-raw-v1", TEXT, "source=hf: wikitext-103-v1 | "
                     "wikitext-103-raw-v1 | wikitext-2-v1 | wikitext-2-raw-v1"),
         hf_cache_dir=F("", TEXT, "source=hf: datasets cache ('' = HF "
-                       "default); HF_HUB_OFFLINE=1 reads only this"),
+                       "default); with HF_HUB_OFFLINE=1 (or the hub "
+                       "unreachable) the hub cache's snapshot, else this"),
+        hf_text_column=F("text", TEXT, "source=hf: the column holding the "
+                         "text, a row a line"),
+        tfds_name=F("", TEXT, "source=tfds: the prepared dataset, e.g. lm1b "
+                    "(or NAME/CONFIG:VERSION)"),
+        tfds_data_dir=F("", TEXT, "source=tfds: where it was prepared ('' = "
+                        "TFDS's default, ~/tensorflow_datasets)"),
+        tfds_train_split=F("train", TEXT, "source=tfds: a TFDS split, "
+                           "slicing allowed, e.g. train[:99%]"),
+        tfds_valid_split=F("validation", TEXT, "source=tfds: e.g. "
+                           "train[99%:] for a dataset without one"),
+        tfds_test_split=F("test", TEXT, "source=tfds: e.g. test"),
+        tfds_text_key=F("text", TEXT, "source=tfds: the feature holding the "
+                        "text, a row a line"),
         tokenizer=F("char", one_of(tokenizers.TOKENIZERS), "char | word "
                     "(whitespace tokens, <eos>) | bpe (byte-level)"),
         bpe_vocab_size=F(4096, POSITIVE_INT,
@@ -43,10 +57,12 @@ FIELDS = dict(
         min_freq=F(1, NON_NEGATIVE_INT, "word: rarer words become <unk>"),
         max_vocab_size=F(0, NON_NEGATIVE_INT,
                          "word: keep the most frequent words; 0 = all"),
-        valid_fraction=F(0.05, FRACTION,
-                         "text/embedded sources: share held out for valid"),
-        test_fraction=F(0.05, FRACTION, "text/embedded sources: share held "
-                        "out for test (wikitext and hf have their own splits)"),
+        valid_fraction=F(0.05, FRACTION, "text/embedded: share held out for "
+                         "valid; hf: of train's rows, when the dataset has "
+                         "no validation split"),
+        test_fraction=F(0.05, FRACTION, "text/embedded: share held out for "
+                        "test; hf: of train's rows, when the dataset has no "
+                        "test split (wikitext has its own)"),
         batching=F("streams", one_of(batching.BATCHERS), "streams (truncated "
                    "BPTT, carry kept) | random windows"),
         batch_size=F(32, POSITIVE_INT, "global rows; split evenly over "
@@ -85,6 +101,23 @@ FIELDS = dict(
                               "loss/accuracy chunk (memory: rows x cluster "
                               "size); 0 = sized to the device (a 267k "
                               "vocabulary: 64 on a CPU, 1024 on a GPU)"),
+        head_logits_dtype=F("float32", one_of(
+            model_config.HEAD_LOGITS_DTYPES), "head=adaptive: the loss's "
+            "logits as their matmuls return them: float32 | compute (in "
+            "model.dtype, accumulated in float32 and rounded once; "
+            "log-sum-exp and softmax in float32): half the bytes of the "
+            "step's largest arrays"),
+        head_fused_xent=F(False, BOOL, "head=adaptive: score the head's "
+                          "words and clusters in chunks of "
+                          "adaptive_chunk_rows rows whose backward "
+                          "recomputes their logits, as the tails do: no "
+                          "[rows, shortlist] logits kept for the backward, "
+                          "one more matmul"),
+        adaptive_tile=F(0, NON_NEGATIVE_INT, "head=adaptive: pad each "
+                        "cluster's loss logits with masked columns to a "
+                        "multiple of this (128: a GPU's matmul tile; the "
+                        "head's words and clusters then one matmul); no id "
+                        "changes cluster; 0 = off"),
         dtype=F("float32", one_of(model_config.DTYPES), "compute dtype; "
                 "parameters stay float32"),
         unroll=F(1, POSITIVE_INT, "lax.scan unroll factor"),

@@ -27,7 +27,7 @@ _ABSENT_MODEL_FIELDS = dict(head="full", stripe_input="dense",
 
 
 def shipped_names() -> list[str]:
-  """The names of the shipped configs: base, demo, wt103."""
+  """The names of the shipped configs: base, demo, lm1b, wlm, wt103."""
   return [name[:-3] for name in _config_files(SHIPPED_DIR)]
 
 

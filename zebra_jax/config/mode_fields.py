@@ -12,7 +12,14 @@ the --config.* overrides. For an override given on the command line:
 
 Entries name a section ("eval") or one field ("eval.seq_len").
 docs/configuration.md states the rule; a test holds the page to it.
+
+In every mode, training included, a field whose meaning begins with
+`FIELD=VALUE:` ("source=hf: ...", "head=adaptive: ...") is read only when
+its section's FIELD has that VALUE: an override of it otherwise gets one
+warning line (`unselected`).
 """
+
+import re
 
 from zebra_jax.config import base
 from zebra_jax.errors import UserError
@@ -27,10 +34,14 @@ FIXED = ("model.vocab_size", "model.embed_size", "model.hidden_size",
 # How a trained model runs: the compute dtype, the recurrence's code and the
 # devices' layout; the same parameters give the same numbers up to rounding.
 COMPUTE = ("model.dtype", "model.adaptive_chunk_rows", "model.recurrence",
-           "model.unroll", "parallel")
+           "model.unroll", "model.head_logits_dtype", "model.head_fused_xent",
+           "model.adaptive_tile", "parallel")
 # Which text --mode=eval scores (read with the trained tokenizer).
 CORPUS = ("data.source", "data.path", "data.hf_name", "data.hf_config",
-          "data.hf_cache_dir", "data.valid_fraction", "data.test_fraction")
+          "data.hf_cache_dir", "data.hf_text_column", "data.tfds_name",
+          "data.tfds_data_dir", "data.tfds_train_split",
+          "data.tfds_valid_split", "data.tfds_test_split", "data.tfds_text_key",
+          "data.valid_fraction", "data.test_fraction")
 # The serving engine's sizes, which --mode=sample shares with serve.
 _ENGINE = ("serve.slots", "serve.queue", "serve.prefill_chunk",
            "serve.prefill_rows", "serve.prefix_cache_bytes")
@@ -49,6 +60,7 @@ READS = {
 # config.json (eval's corpus is chosen by evaluate.run itself).
 APPLIED_AT_INFERENCE = (*COMPUTE, "eval", "sample", "serve", "export")
 _RULES = dict(base.fields())
+_CONDITION = re.compile(r"(\w+)=([\w.-]+): ")
 
 
 def run_settings_into(trained, given):
@@ -139,3 +151,21 @@ def described(mode: str) -> str:
     return "every field"
   return ", ".join(e if "." in e else f"{e}.*" for e in READS[mode]) or (
       "no config")
+
+
+def unselected(fields, cfg) -> list[str]:
+  """One warning for each override of a field that another field's value
+  leaves unread (its meaning says `FIELD=VALUE:` and FIELD is not VALUE)."""
+  warnings = []
+  for dotted in dict.fromkeys(fields):
+    field = _RULES.get(dotted)
+    match = field and _CONDITION.match(field.doc)
+    if not match:
+      continue
+    section = dotted.rpartition(".")[0]
+    switch = f"{section}.{match.group(1)}" if section else match.group(1)
+    if switch in _RULES and str(_get(cfg, switch)) != match.group(2):
+      warnings.append(
+          f"--config.{dotted}: read only with {switch}={match.group(2)}, and "
+          f"this run has {switch}={_get(cfg, switch)!r}: ignored")
+  return warnings

@@ -10,10 +10,10 @@ The corpus is English documentation text shipped with every Python install
 (pydoc topics and standard-library docstrings), so it needs no network.
 
 Why 4 dense stripes at hidden 256 (base's model): at equal wall-clock on this
-corpus (docs/stripes_vs_classic.md, 3 seeds x 3.25 min on 2 CPU cores, with
+corpus (docs/figures.md, 3 seeds x 3.25 min on 2 CPU cores, with
 this config's native time loops) nothing separates from it over characters,
-where it reaches the classic LSTM's final perplexity in 50% of its training
-time and ends lower (test ppl 4.16 against 4.45); over words dense stripes
+where it reaches the classic LSTM's final perplexity well before the end
+of its training time and ends lower; over words dense stripes
 (S=8) beat every grouped setting in every column. Grouped S=8 is the fastest
 to a loose target but ends above dense S=8 at both levels (seeds apart).
 
@@ -22,11 +22,10 @@ Its time loops: base's model.recurrence=auto, on a CPU compiled C++
 scan; on a GPU the scan. Without a C++ compiler it runs the scan, with one
 warning line.
 
-Timing (the README's quickstart): on a 2-core Intel Xeon (AVX-512) virtual
-machine shared with other jobs (load average 4), Python 3.11, 2026-11-26,
-the whole command took 3 min 33 s, training 200 s at 15,370 tokens/s, to
-best valid perplexity 3.89 and test 4.70 (Python 3.12: 3.91 and 4.83; the
-corpus is the running Python's standard library).
+Its length: 1,500 steps within a time budget of minutes on a laptop's
+cores (the README's quickstart; lab/results-log.md holds its timings).
+The corpus is the running Python's standard library, so its perplexities
+differ a little between Python versions.
 """
 
 import ml_collections
@@ -37,7 +36,7 @@ from zebra_jax.config import base
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c = base.get_config()  # the embedded corpus, characters, 2 x 256 in 4 stripes
   c.train.update(
-      num_steps=1500,           # the timing: in the docstring
+      num_steps=1500,           # the quickstart's length: in the docstring
       time_budget_minutes=6.0,  # stop (and save) after this long whatever the step
       eval_every=500,
   )

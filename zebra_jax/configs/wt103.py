@@ -25,14 +25,12 @@ run is not, so the perplexity is a TARGET.
   optimizer  Adam 1e-3 (b2 0.999), 2,000 warmup steps, cosine to 1e-5 over
              100,000 steps (1.64B tokens, ~16 epochs), global-norm clip 0.25
 
-MEASURED speed (one H100, jax 0.11.2, 2026-11-27; `bash launch/gpu_report.sh
-wt103` from the repository root, synthetic Zipf ids): 38.0 ms a step,
-431,222 tokens/s, 7.3 GB peak, compile 17 s; the 100,000 steps' 1.64B
-tokens in 1.06 hours on one GPU. The head's gradient dots in bf16
-(zebra_jax/model/mixed_precision.py) made the step 1.12x faster than with
-float32 ones, timed side by side (`python -m lab.mixed_grads`); three
-earlier reports with float32 ones: 42.8-42.9 ms. Several GPUs are not
-measured yet.
+MEASURED speed: `bash launch/gpu_report.sh wt103` from the repository
+root times the step on one GPU (synthetic Zipf ids); lab/results-log.md
+holds its reports. The head's gradient dots in bf16
+(zebra_jax/model/mixed_precision.py) made the step faster than with
+float32 ones, timed side by side (`python -m lab.mixed_grads`). Several
+GPUs are not measured yet.
 
 The recurrence: the recipe keeps base's model.recurrence=auto: the scan on
 a GPU, the native C++ loops on a CPU (float32). On a GPU,
@@ -41,11 +39,10 @@ stripes (G=256, bfloat16) in the fused kernel
 (zebra_jax/model/recurrence/pallas.py): 16 batch rows per program, 8 warps,
 U_s (512 KiB a stripe, more than a program's registers or shared memory)
 re-read from L2 every step in 64-row blocks; 8 stripes x 128/16 = 64
-programs a layer on one GPU. MEASURED on the same H100: 34.4 ms a step,
-475,668 tokens/s, 1.10x the scan, compile 7 s (the report's wt103 stage);
-`python -m lab.pallas_plans --groups=wt103` timed 6 plans beside the scan
-and this one was the fastest (1.07x with float32 head gradients; 32-row
-blocks 1.04x, 4 warps 0.95x, 32 batch rows 0.90x).
+programs a layer on one GPU, faster than the scan (the report's wt103
+stage); `python -m lab.pallas_plans --groups=wt103` timed 6 plans beside
+the scan and this one was the fastest (against 32-row blocks, 4 warps
+and 32 batch rows).
 
 TARGET test perplexity: 36-48, the band recurrent models of this class reach
 on WikiText-103. References: Rae et al. 2018 (Fast Parametric Learning with
@@ -75,7 +72,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       num_stripes=8,            # 8 stripes of 256: 8x fewer recurrent FLOPs; dense
                                 # input, which tied for best at equal wall-clock on
                                 # the embedded corpus's characters and words
-                                # (docs/stripes_vs_classic.md)
+                                # (docs/figures.md)
       dropout_embed=0.1,
       dropout_hidden=0.2,
       dropout_output=0.2,

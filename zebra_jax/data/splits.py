@@ -108,6 +108,14 @@ def fingerprint(description: dict) -> str:
   return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def held_out_count(num_lines: int, fraction: float) -> int:
+  """Lines (or rows) a fraction holds out: round(n * fraction), but at least
+  one when asked for any, and none of a text too short to split."""
+  if fraction <= 0 or num_lines < 3:
+    return 0
+  return max(1, round(num_lines * fraction))
+
+
 def check_fractions(valid: float, test: float) -> None:
   if not (0 <= valid < 1 and 0 <= test < 1 and valid + test < 1):
     raise UserError(

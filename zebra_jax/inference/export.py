@@ -20,7 +20,10 @@ a big model's weights do not hit protobuf's 2 GB limit. `carry` is one
                  (tokenizer.zebra.json; BPE adds the HF tokenizer.json),
                  manifest.json (shapes, platforms, jax version, and
                  every SamplingParams field's default: the config's sample
-                 group with a fresh seed per request, as --mode=serve)
+                 group with a fresh seed per request, as --mode=serve);
+                 model.safetensors and model.json: the same parameters
+                 named (embed, layers.0.w_x, ...) and the architecture,
+                 for readers without zebra_jax (named_weights.py)
     triton/zebra_lstm/config.pbtxt   Triton Python backend; export.triton_instance
                                      picks CPU or GPU (auto: GPU if jax sees one)
                                      and an optional input per SamplingParams
@@ -41,7 +44,7 @@ import numpy as np
 
 from zebra_jax.errors import UserError
 from zebra_jax import engine as engines
-from zebra_jax.inference import loading, sample
+from zebra_jax.inference import loading, named_weights, sample
 from zebra_jax.model import lm
 from zebra_jax import strict_json
 from zebra_jax.runtime import distributed
@@ -95,6 +98,8 @@ def write_artifact(loaded: loading.Loaded, folder: str,
       f.write(exp.serialize())
   np.savez(os.path.join(folder, "params.npz"),
            **{f"leaf_{i:05d}": x for i, x in enumerate(flat)})
+  named_weights.write(folder, loading.local_replica(loaded.params),
+                      loaded.cfg.model)
   loaded.tokenizer.save(folder)
   check_servable(loaded.tokenizer, folder)
   with open(os.path.join(folder, "config.json"), "w") as f:
@@ -117,6 +122,8 @@ def write_artifact(loaded: loading.Loaded, folder: str,
           "step.jax": "(params, carry, tokens int32 [b]) -> "
                       "(logits float32 [b, V], carry)"},
       "carry": "one (h, c) pair per layer, each float32 [b, hidden_size]",
+      "named_weights": {"weights": named_weights.WEIGHTS_FILE,
+                        "architecture": named_weights.ARCHITECTURE_FILE},
   }
   with open(os.path.join(folder, "manifest.json"), "w") as f:
     strict_json.dump(manifest, f, indent=2)

@@ -136,17 +136,25 @@ class Generator:
 
   def generate(self, prompts: list[str], params: engines.SamplingParams,
                num_samples: int = 1, on_text=None) -> list[str]:
-    """Continuations (prompt included) for every prompt x num_samples.
+    """Continuations (prompt included) for every prompt x num_samples:
+    `complete`'s texts after their prompts."""
+    order = [p for p in prompts for _ in range(num_samples)]
+    return [p + text for p, text in zip(
+        order, self.complete(prompts, params, num_samples, on_text))]
+
+  def complete(self, prompts: list[str], params: engines.SamplingParams,
+               num_samples: int = 1, on_text=None) -> list[str]:
+    """The generated text alone for every prompt x num_samples.
 
     Args:
       prompts: texts; rows are prompt-major (p0 s0, p0 s1, ..., p1 s0, ...),
         row i drawing from stream i of the seed.
       params: sampling parameters; checked here.
-      on_text: optional callback(row, new_text), called as row 0's text
+      on_text: optional callback(row, new_text), called as each row's text
         grows (for streaming; from the engine's thread).
 
     Returns:
-      one string per row: prompt + generated text, cut before a stop string.
+      one string per row, cut before a stop string.
     """
     check_params(params)
     if not prompts:
@@ -156,13 +164,14 @@ class Generator:
     order = [p for p in prompts for _ in range(num_samples)]
     rows = [engines.Row(p, params, ids[p], i) for i, p in enumerate(order)]
     if on_text is not None:
-      rows[0].on_text = lambda text, tokens: on_text(0, text)
+      for i, row in enumerate(rows):
+        row.on_text = lambda text, tokens, i=i: on_text(i, text)
     try:
       done = self.engine.submit_many(rows, block=True)
     except engines.BadPrompt as e:
       raise UserError(f"{e}") from None
     try:
-      return [p + r.result() for p, r in zip(order, done)]
+      return [r.result() for r in done]
     finally:
       for r in done:
         r.cancel()  # a no-op once finished; frees the rest after an error
@@ -179,46 +188,68 @@ def read_prompt_file(path: str) -> list[str]:
   return prompts
 
 
-def run(cfg, workdir: str, prompts: list[str] | None = None, *,
-        preview: bool = False) -> list[str]:
-  """--mode=sample: cfg.sample's prompt, or `prompts` (from --prompt_file).
-
-  The engine has the server's `serve.slots`, so a text here is the server's
-  byte for byte (each program's arithmetic depends on its batch size).
-  preview=True (training's closing sample) sizes it to the rows instead:
-  every decode call computes every slot, and with a 267,735-word head one
-  row's token cost 24x more at 64 slots than at 1 (376 ms against 15.7 ms,
-  hidden 512, 2 CPU cores).
-  """
+def checked_request(cfg, prompts: list[str] | None = None
+                    ) -> tuple[engines.SamplingParams, list[str]]:
+  """(cfg.sample's parameters, the prompts: `prompts` or cfg.sample.prompt),
+  checked before any checkpoint loads."""
   params = sampling_params(cfg.sample)
-  check_params(params)  # before loading a checkpoint
-  num_samples = int(cfg.sample.num_samples)
+  check_params(params)
   prompts = prompts or [cfg.sample.prompt]
-  stream = bool(cfg.sample.stream)
-  if stream and len(prompts) * num_samples > 1:
+  if cfg.sample.stream and len(prompts) * int(cfg.sample.num_samples) > 1:
     raise UserError("--config.sample.stream prints one text as it grows: use "
                     "one prompt and --config.sample.num_samples=1, or drop "
                     "--config.sample.stream")
-  loaded = loading.load_for_inference(cfg, workdir)
-  slots = engine_options(loaded.cfg)["slots"]
-  if preview:
-    slots = min(slots, len(prompts) * num_samples)
-  generator = Generator(loaded, decode_block=int(cfg.sample.chunk),
-                        slots=slots)
-  show = jax.process_index() == 0
-  header = lambda i, n: (f"----- sample {i + 1}/{n} (step {loaded.step}, "
+  return params, prompts
+
+
+def show(cfg, step: int, prompts: list[str], params: engines.SamplingParams,
+         complete) -> list[str]:
+  """--mode=sample's printing: each text under a header, or with
+  cfg.sample.stream the one text as it grows.
+
+  complete(on_text) generates every prompt x cfg.sample.num_samples (a
+  Generator's or the Python API's `complete`); returns prompt + text each.
+  """
+  num_samples = int(cfg.sample.num_samples)
+  stream = bool(cfg.sample.stream)
+  show_here = jax.process_index() == 0
+  header = lambda i, n: (f"----- sample {i + 1}/{n} (step {step}, "
                          f"temperature {params.temperature}) -----")
   on_text = None
-  if stream and show:
+  if stream and show_here:
     print(header(0, 1) + "\n" + prompts[0], end="", flush=True)
     on_text = lambda row, text: print(text, end="", flush=True)
-  try:
-    texts = generator.generate(prompts, params, num_samples, on_text=on_text)
-  finally:
-    generator.close()
-  if show and stream:
+  order = [p for p in prompts for _ in range(num_samples)]
+  texts = [p + text for p, text in zip(order, complete(on_text))]
+  if show_here and stream:
     print("\n", flush=True)
-  elif show:
+  elif show_here:
     for i, text in enumerate(texts):
       print(f"{header(i, len(texts))}\n{text}\n", flush=True)
   return texts
+
+
+def run(cfg, workdir: str, prompts: list[str] | None = None, *,
+        preview: bool = False) -> list[str]:
+  """Training's closing sample: cfg.sample's prompt, or `prompts`.
+
+  The engine has the server's `serve.slots`, so a text here is the server's
+  byte for byte (each program's arithmetic depends on its batch size).
+  preview=True sizes it to the rows instead: every decode call computes
+  every slot, and with a 267,735-word head one row's token costs many times
+  more among 64 slots than alone.
+  """
+  params, prompts = checked_request(cfg, prompts)  # before loading
+  loaded = loading.load_for_inference(cfg, workdir)
+  slots = engine_options(loaded.cfg)["slots"]
+  if preview:
+    slots = min(slots, len(prompts) * int(cfg.sample.num_samples))
+  generator = Generator(loaded, decode_block=int(cfg.sample.chunk),
+                        slots=slots)
+  try:
+    return show(cfg, loaded.step, prompts, params,
+                lambda on_text: generator.complete(
+                    prompts, params, int(cfg.sample.num_samples),
+                    on_text=on_text))
+  finally:
+    generator.close()

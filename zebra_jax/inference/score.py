@@ -45,12 +45,20 @@ class TextScore:
     return len(self.logprobs)
 
   @property
+  def log_likelihood(self) -> float:
+    """Natural-log probability of the text after its first token."""
+    return float(self.logprobs.sum())
+
+  @property
   def loss(self) -> float:
     return float(-self.logprobs.sum() / self.count)
 
+  @property
+  def perplexity(self) -> float:
+    return math.exp(min(self.loss, 700.0))
+
   def summary(self) -> dict:
-    out = {"tokens": self.count, "loss": self.loss,
-           "ppl": math.exp(min(self.loss, 700.0))}
+    out = {"tokens": self.count, "loss": self.loss, "ppl": self.perplexity}
     if self.char_level:
       out["bpc"] = self.loss / math.log(2)
     return out
@@ -125,15 +133,12 @@ def format_tokens(score: TextScore) -> str:
                    for i, lp in enumerate(score.logprobs))
 
 
-def run(cfg, workdir: str, texts=(), text_files=(),
-        verbose: bool = False) -> list[dict]:
-  """--mode=score: prints and returns one summary per text."""
-  named = read_texts(texts, text_files)
-  loaded = loading.load_for_inference(cfg, workdir)
-  scorer = Scorer(loaded, cfg.eval.seq_len)
+def report(named: list[tuple[str, str]], scores: list[TextScore],
+           verbose: bool = False) -> list[dict]:
+  """--mode=score's printing: one summary line per (name, text) and its
+  score (and every token's log-probability when verbose); returns them."""
   results = []
-  for name, text in named:
-    score = scorer.score_text(text)
+  for (name, _), score in zip(named, scores):
     res = {"name": name, **score.summary()}
     if verbose:
       res["token_logprobs"] = [[tok, float(lp)] for tok, lp in
@@ -144,3 +149,12 @@ def run(cfg, workdir: str, texts=(), text_files=(),
       if verbose:
         print(format_tokens(score), flush=True)
   return results
+
+
+def run(cfg, workdir: str, texts=(), text_files=(),
+        verbose: bool = False) -> list[dict]:
+  """Scores --text and --text_file with a workdir's model: prints and
+  returns one summary per text."""
+  named = read_texts(texts, text_files)
+  scorer = Scorer(loading.load_for_inference(cfg, workdir), cfg.eval.seq_len)
+  return report(named, [scorer.score_text(t) for _, t in named], verbose)

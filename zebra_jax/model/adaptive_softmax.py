@@ -27,6 +27,37 @@ own cluster: no full-vocabulary pass. Only accuracy (`predict`) and sampling
 (`log_probs`) read every cluster. Both the loss and `predict` run in chunks
 of `chunk_rows` rows, so memory holds one [chunk_rows, cluster size] block
 at a time; `chunk_rows=0` sizes them to the machine (`auto_chunk_rows`).
+
+Three switches change how the loss (`nll`) runs, never what it computes:
+each is a candidate for the GPU's step, off by default.
+
+  logits_dtype="compute"  every cluster's loss logits come out of their
+      matmul in `dtype` (float32 accumulation, rounded once), and the
+      log-sum-exp and softmax read them as float32: the head's
+      [rows, shortlist] logits, the step's largest arrays, take half the
+      bytes. One bf16 rounding of each logit: the loss moves by about
+      2**-9 of a logit's size per row, much less on the mean.
+  fused_xent  the head (shortlist words and cluster logits, one table) is
+      scored as the tails are: in chunks of rows whose backward recomputes
+      their logits (`_owned_rows_nll`), so no [rows, shortlist] array is
+      kept between the forward and backward passes. Costs one more
+      [rows, d] x [d, shortlist] matmul.
+  tile  each cluster's loss logits padded with masked columns (zero rows,
+      bias -inf) to a multiple of `tile` (128: a GPU's matmul tile), the
+      head's word and cluster logits then one matmul. Padding rather than
+      moving the cutoffs: no id changes cluster, no parameter changes
+      shape, and WikiText-103's 267,735 words are no multiple of 128
+      anyway; its head (20,000 words + 3 clusters = 20,003 logits, an odd
+      row stride) and last tail (67,735) are not multiples, its 160,000-
+      word tail already is (not padded). The clusters' widths (2048, 512,
+      128, 32 at div_val 4) are the matmuls' contracted axis and stay:
+      the 32-wide tail's logits are bound by memory, and padding it to 128
+      would quadruple its table's reads.
+
+The embedding's gradient needs no switch: the lookups are gathers
+(`jnp.take`), whose transpose XLA compiles to a scatter-add into the
+table, not a dot against a one-hot of the ids (tests/model/
+test_adaptive_softmax.py holds the compiled step to that).
 """
 
 import functools
@@ -71,16 +102,18 @@ MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 1024
 # one piece per set bit of (rest / piece rows): 289 owned rows of 1,024-row
 # chunks run as pieces of 256 and 64 rows (320 scored), where whole chunks
 # scored 1,024, and 128-row chunks 384 in three loop iterations. On a CPU,
-# whose time is FLOPs, that made the word-level adaptive head (hidden 256,
-# 16,384 words, lab.bench's head_adaptive) about 1.15x faster than 128-row
-# chunks. Elsewhere the piece is the whole chunk: accelerators want rows
+# whose time is FLOPs, that made the word-level adaptive head (lab.bench's
+# head_adaptive) faster than 128-row chunks. Elsewhere the piece is the
+# whole chunk: accelerators want rows
 # to fill their matmul units more than they lose to padding.
 PLATFORM_PIECE_ROWS = {"cpu": 32}
 # At most this many rows a chunk of `predict` (accuracy), by platform, where
-# chunk_rows=0: on a CPU, 1,024-row chunks of the word-level head took 1.34x
-# the time of 128-row ones (20 interleaved rounds), its [rows, 8,192]
-# blocks outgrowing the caches.
+# chunk_rows=0: on a CPU, 1,024-row chunks of the word-level head were
+# slower than 128-row ones, its [rows, 8,192] blocks outgrowing the caches.
 PLATFORM_MAX_PREDICT_ROWS = {"cpu": 128}
+# How the loss's logits leave their matmuls (module docstring): float32, or
+# the compute dtype.
+LOGITS_DTYPES = ("float32", "compute")
 
 
 def auto_chunk_rows(widest: int, platform: str | None = None) -> int:
@@ -119,21 +152,37 @@ def chunk_and_piece(chunk_rows: int, n: int,
   return min(chunk_rows, -(-n // piece) * piece), piece
 
 
-def _matmul(x, w, dtype, spec):
+def _matmul(x, w, dtype, spec, low_result=False):
+  if low_result:  # only then: a stand-in matmul need not know the option
+    return mixed_precision.matmul(spec, x, w, dtype, low_result=True)
   return mixed_precision.matmul(spec, x, w, dtype)
 
 
-def _chunk_logits(h, proj, table, bias, dtype):
-  """A chunk's rows h [c, d] -> (z [c, d_i], word logits [c, n_i] float32)."""
+def _chunk_logits(h, proj, table, bias, dtype, low_logits=False):
+  """A chunk's rows h [c, d] -> (z [c, d_i], word logits [c, n_i] float32).
+
+  low_logits: the matmul's result in `dtype` (see logits_dtype above),
+  made float32 as the bias is added, in whatever reads it."""
   z = h if proj is None else _matmul(h, proj, dtype, "nd,dk->nk")
-  return z, _matmul(z, table, dtype, "nk,vk->nv") + bias
+  return z, _matmul(z, table, dtype, "nk,vk->nv", low_logits) + bias
+
+
+def tiled(table, bias, tile: int):
+  """(table [n, k], bias [n]) with zero rows and -inf biases appended up to
+  a multiple of `tile` rows (0: as they are): logits no softmax gives
+  mass to, no target names, and whose gradients are sliced away."""
+  extra = -bias.shape[0] % tile if tile else 0
+  if not extra:
+    return table, bias
+  return (jnp.pad(table, ((0, extra), (0, 0))),
+          jnp.concatenate([bias, jnp.full((extra,), -jnp.inf, bias.dtype)]))
 
 
 @jax.custom_vjp
 def _permute_rows(x, order, inverse):
   """x[order], whose gradient is g[inverse]: a gather, where autodiff's
-  transpose of a gather is a scatter-add, one row at a time on a CPU (about
-  6% of the word-level adaptive head's step, for two tails)."""
+  transpose of a gather is a scatter-add, one row at a time on a CPU (a
+  visible share of the word-level adaptive head's step, for two tails)."""
   return jnp.take(x, order, axis=0)
 
 
@@ -167,8 +216,9 @@ def _over_owned_rows(owned, c, piece, run, state):
   return state
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _owned_rows_nll(rows, words, owned, proj, table, bias, c, piece, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _owned_rows_nll(rows, words, owned, proj, table, bias, c, piece, dtype,
+                    low_logits=False):
   """-log p(word | cluster) of the first `owned` rows of rows [M, d] whose
   local word ids are words [M] (rows past them score 0 or garbage, and are
   masked by the caller); M is a multiple of `piece`, which divides c.
@@ -180,18 +230,18 @@ def _owned_rows_nll(rows, words, owned, proj, table, bias, c, piece, dtype):
   skipped chunk. Here forward and backward score the same chunks and
   pieces (`_over_owned_rows`), and the backward recomputes their logits
   from their rows (nothing [M, n_i] is kept). proj None: the cluster reads
-  the hidden state as it is.
+  the hidden state as it is. low_logits: see `_chunk_logits`.
   """
   return _owned_rows_nll_fwd(rows, words, owned, proj, table, bias, c, piece,
-                             dtype)[0]
+                             dtype, low_logits)[0]
 
 
 def _owned_rows_nll_fwd(rows, words, owned, proj, table, bias, c, piece,
-                        dtype):
+                        dtype, low_logits=False):
   def run(start, n, scores):
     h = jax.lax.dynamic_slice_in_dim(rows, start, n)
     t = jax.lax.dynamic_slice_in_dim(words, start, n)
-    _, logits = _chunk_logits(h, proj, table, bias, dtype)
+    _, logits = _chunk_logits(h, proj, table, bias, dtype, low_logits)
     target = jnp.take_along_axis(logits, t[:, None], -1)[:, 0]
     return jax.lax.dynamic_update_slice_in_dim(
         scores, jax.nn.logsumexp(logits, -1) - target, start, 0)
@@ -200,7 +250,7 @@ def _owned_rows_nll_fwd(rows, words, owned, proj, table, bias, c, piece,
   return scores, (rows, words, owned, proj, table, bias)
 
 
-def _owned_rows_nll_bwd(c, piece, dtype, residuals, g):
+def _owned_rows_nll_bwd(c, piece, dtype, low_logits, residuals, g):
   rows, words, owned, proj, table, bias = residuals
 
   def run(start, n, grads):
@@ -208,7 +258,7 @@ def _owned_rows_nll_bwd(c, piece, dtype, residuals, g):
     h = jax.lax.dynamic_slice_in_dim(rows, start, n)
     t = jax.lax.dynamic_slice_in_dim(words, start, n)
     g_k = jax.lax.dynamic_slice_in_dim(g, start, n)
-    z, logits = _chunk_logits(h, proj, table, bias, dtype)
+    z, logits = _chunk_logits(h, proj, table, bias, dtype, low_logits)
     one_hot = jnp.arange(logits.shape[-1]) == t[:, None]
     d_logits = g_k[:, None] * (jax.nn.softmax(logits, -1) - one_hot)
     d_table = d_table + _matmul(d_logits, z, dtype, "nv,nk->vk")
@@ -281,7 +331,8 @@ class AdaptiveSoftmax(nnx.Module):
   def __init__(self, vocab_size: int, d_model: int, cutoffs=(), div_val=1, *,
                rngs: nnx.Rngs, dtype=jnp.float32,
                tied_input: AdaptiveInput | None = None,
-               chunk_rows: int = 0):
+               chunk_rows: int = 0, logits_dtype: str = "float32",
+               fused_xent: bool = False, tile: int = 0):
     if tied_input is None:
       tied_input = AdaptiveInput(vocab_size, d_model, cutoffs, div_val,
                                  rngs=rngs, dtype=dtype)
@@ -296,6 +347,13 @@ class AdaptiveSoftmax(nnx.Module):
     self.dtype = dtype
     self.chunk_rows = int(chunk_rows) or auto_chunk_rows(widest)
     self.predict_rows = int(chunk_rows) or auto_predict_rows(widest)
+    # The loss's switches (module docstring); sampling and accuracy keep
+    # float32 logits as wide as the clusters.
+    if logits_dtype not in LOGITS_DTYPES:
+      raise ValueError(f"logits_dtype {logits_dtype!r} is not one of "
+                       f"{LOGITS_DTYPES}")
+    self.low_logits = logits_dtype == "compute"
+    self.fused_xent, self.tile = bool(fused_xent), int(tile)
     num_tails = len(self.bounds) - 1
     self.biases = nnx.List([nnx.Param(jnp.zeros((stop - start,), jnp.float32))
                             for start, stop in self.bounds])
@@ -308,20 +366,30 @@ class AdaptiveSoftmax(nnx.Module):
   def shortlist(self) -> int:
     return self.bounds[0][1]
 
-  def _cluster_logits(self, hidden, i):
+  def _cluster_logits(self, hidden, i, low_logits=False):
     """hidden [n, d] -> (z [n, d_i], cluster i's word logits [n, n_i])."""
     return _chunk_logits(hidden, self.weights.proj(i),
                          self.weights.tables[i][...], self.biases[i][...],
-                         self.dtype)
+                         self.dtype, low_logits)
 
-  def _head_logits(self, hidden):
+  def _head_logits(self, hidden, low_logits=False):
     """hidden [N, d] -> (shortlist logits [N, shortlist], cluster logits
     [N, tails] or None without tails)."""
-    z, words = self._cluster_logits(hidden, 0)
+    z, words = self._cluster_logits(hidden, 0, low_logits)
     if len(self.bounds) == 1:
       return words, None
-    return words, (_matmul(z, self.cluster_w[...], self.dtype, "nk,ck->nc")
-                   + self.cluster_b[...])
+    return words, (_matmul(z, self.cluster_w[...], self.dtype, "nk,ck->nc",
+                           low_logits) + self.cluster_b[...])
+
+  def _head_table(self):
+    """The head's word and cluster logits as one table: ([shortlist + tails
+    rounded up to `tile`, d], its bias), cluster i - 1's row after the
+    words (`tiled`)."""
+    table, bias = self.weights.tables[0][...], self.biases[0][...]
+    if len(self.bounds) > 1:
+      table = jnp.concatenate([table, self.cluster_w[...]])
+      bias = jnp.concatenate([bias, self.cluster_b[...]])
+    return tiled(table, bias, self.tile)
 
   def head_log_probs(self, hidden: jax.Array) -> jax.Array:
     """[N, d] -> [N, shortlist + tails] float32: words, then clusters."""
@@ -362,8 +430,11 @@ class AdaptiveSoftmax(nnx.Module):
     """-log p(word or cluster) in the head's softmax: [N]. The same value
     as `head_log_probs` gives, without concatenating the words' and the
     clusters' logits into one [N, shortlist + tails] array (and slicing
-    its gradient apart again): their log-sum-exps combine."""
-    words, clusters = self._head_logits(hidden)
+    its gradient apart again): their log-sum-exps combine. With fused_xent
+    or a tile, one table (`_head_table`) scores both instead."""
+    if self.fused_xent or self.tile:
+      return self._one_table_head_nll(hidden, targets, tail_id)
+    words, clusters = self._head_logits(hidden, self.low_logits)
     lse = jax.nn.logsumexp(words, -1)
     picked = jnp.take_along_axis(
         words, jnp.clip(targets, 0, self.shortlist - 1)[:, None], -1)[:, 0]
@@ -374,14 +445,33 @@ class AdaptiveSoftmax(nnx.Module):
       picked = jnp.where(tail_id == 0, picked, cluster)
     return lse - picked
 
+  def _one_table_head_nll(self, hidden, targets, tail_id):
+    """_head_nll through `_head_table`: whole (tile alone), or as the tails
+    score their rows, every row owned (fused_xent)."""
+    table, bias = self._head_table()
+    picked = jnp.where(tail_id == 0, targets, self.shortlist + tail_id - 1)
+    if not self.fused_xent:
+      _, logits = _chunk_logits(hidden, None, table, bias, self.dtype,
+                                self.low_logits)
+      return (jax.nn.logsumexp(logits, -1)
+              - jnp.take_along_axis(logits, picked[:, None], -1)[:, 0])
+    n = hidden.shape[0]
+    c, piece = chunk_and_piece(self.chunk_rows, n)
+    padded = -(-n // piece) * piece
+    scores = _owned_rows_nll(
+        jnp.pad(hidden, ((0, padded - n), (0, 0))),
+        jnp.pad(picked, (0, padded - n)), jnp.asarray(n, jnp.int32), None,
+        table, bias, c, piece, self.dtype, self.low_logits)
+    return scores[:n]
+
   def _tail_nll(self, hidden, local, inside, i):
     """-log p(word | cluster i) for rows `inside`, 0 elsewhere: [N]."""
     n = hidden.shape[0]
     c, piece = chunk_and_piece(self.chunk_rows, n)
     padded = -(-n // piece) * piece
     # Owned rows first, each side in its order: row r goes to inverse[r]
-    # (counts, not a sort: an argsort of 2,048 rows took 0.39 ms on a CPU,
-    # these 0.08).
+    # (counts, not a sort: on a CPU an argsort of the rows is several times
+    # the cumulative sums' time).
     owned = inside.astype(jnp.int32)
     inverse = jnp.where(inside, jnp.cumsum(owned) - 1,
                         owned.sum() + jnp.cumsum(1 - owned) - 1)
@@ -390,9 +480,11 @@ class AdaptiveSoftmax(nnx.Module):
     rows = jnp.pad(_permute_rows(hidden, order, inverse),
                    ((0, padded - n), (0, 0)))
     words = jnp.pad(jnp.take(local, order), (0, padded - n))
+    table, bias = tiled(self.weights.tables[i][...], self.biases[i][...],
+                        self.tile)
     scores = _owned_rows_nll(rows, words, owned.sum(), self.weights.proj(i),
-                             self.weights.tables[i][...],
-                             self.biases[i][...], c, piece, self.dtype)
+                             table, bias, c, piece, self.dtype,
+                             self.low_logits)
     scores = _permute_rows(scores[:n], inverse, order)
     return jnp.where(inside, scores, 0.0)
 

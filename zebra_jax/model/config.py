@@ -13,6 +13,7 @@ DTYPES = ("float32", "bfloat16", "float16")   # compute dtypes; parameters stay 
 HEADS = ("full", "adaptive")                  # softmax heads
 STRIPE_INPUTS = ("dense", "grouped")          # how a stripe reads its layer's input
 RECURRENCES = ("auto", "scan", "pallas", "native")  # the layer's time loop
+HEAD_LOGITS_DTYPES = ("float32", "compute")   # the adaptive loss's logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,9 @@ class ModelConfig:
   adaptive_div_val: int
   adaptive_tie: bool
   adaptive_chunk_rows: int
+  head_logits_dtype: str
+  head_fused_xent: bool
+  adaptive_tile: int
   dtype: str
   unroll: int
   remat: bool

@@ -5,10 +5,9 @@ Why: XLA's CPU backend gives a dot to its matmul library (YNNPACK) only
 when the left operand contracts its last axis, and runs the rest as its
 own (Eigen) dot. A weight gradient (xᵀ dy) contracts the rows, the first
 axis of both operands: the tied 8,192-word head's embedding gradient
-([2,048 x 8,192]ᵀ [2,048 x 512]) took 107 ms that way against 94 ms here,
-the adaptive head's shortlist gradient ([2,048 x 2,048]ᵀ [2,048 x 256]) 20
-ms against 12, torch 99 and 13 ms (one process each, 2-core AMD EPYC with
-AVX-512, jax 0.10.2).
+([2,048 x 8,192]ᵀ [2,048 x 512]) and the adaptive head's shortlist
+gradient ([2,048 x 2,048]ᵀ [2,048 x 256]) both ran slower that way than
+here, where they are on a par with torch's.
 
 So on a CPU the smaller operand is transposed into a buffer of its own
 first, behind an optimization barrier (XLA would fold the transpose back

@@ -92,7 +92,9 @@ class ZebraLM(nnx.Module):
           cfg.vocab_size, cfg.hidden_size, cfg.adaptive_cutoffs,
           cfg.adaptive_div_val, rngs=rngs, dtype=dt,
           tied_input=self.adaptive_input if self.tied else None,
-          chunk_rows=cfg.adaptive_chunk_rows)
+          chunk_rows=cfg.adaptive_chunk_rows,
+          logits_dtype=cfg.head_logits_dtype,
+          fused_xent=cfg.head_fused_xent, tile=cfg.adaptive_tile)
       return
     self.tied = bool(cfg.tie_embeddings and same_width)
     if not self.tied:

@@ -4,8 +4,9 @@ result, whose gradient dots run in the compute dtype too.
 Why not plain `einsum(..., preferred_element_type=float32)`: its float32
 result gets a float32 cotangent, and JAX's transpose of that dot promotes
 the other (bfloat16) operand to float32, so both gradient dots run in
-float32. On the WikiText-103 recipe's step (bf16, H100) the shortlist's two
-gradient dots ran as TF32 cuBLAS kernels, about a fifth of the step's time.
+float32. On the WikiText-103 recipe's step (bf16, on a GPU) the
+shortlist's two gradient dots ran as TF32 cuBLAS kernels, a large share of
+the step's time.
 Here the cotangent is cast to the compute dtype first, as mixed-precision
 training does elsewhere (PyTorch's autocast): the gradient dots read bf16
 (or fp16) operands, accumulate in float32 and return float32, cast once to
@@ -24,22 +25,28 @@ import jax.numpy as jnp
 from zebra_jax.model import library_dots
 
 
-def matmul(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+def matmul(spec: str, x: jax.Array, w: jax.Array, dtype,
+           low_result: bool = False) -> jax.Array:
   """einsum(spec, x, w) on operands cast to `dtype`, float32 result; its
   gradient dots take the cotangent in `dtype`.
 
   spec: "ab,cb->ac"-style, two operands, each index of an operand found in
   the other or in the result; x may lead with "..." (e.g. "...k,dk->...d").
+  low_result: the result in `dtype`, rounded once from its float32
+  accumulation: half the bytes written and read again where the result is
+  large (the adaptive head's logits), at one rounding of each value.
   """
   if jnp.dtype(dtype) == jnp.float32 and jax.default_backend() != "cpu":
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
                       preferred_element_type=jnp.float32)
+  result = jnp.dtype(dtype) if low_result else jnp.dtype(jnp.float32)
   if not spec.startswith("..."):
-    return _matmul(spec, jnp.dtype(dtype), x, w)
+    return _matmul(spec, jnp.dtype(dtype), result, x, w)
   # "...": its leading axes flattened into one row axis.
   flat = spec.replace("...", "z")  # z: a letter no spec here uses
   lead = x.shape[:-1]
-  out = _matmul(flat, jnp.dtype(dtype), x.reshape(-1, x.shape[-1]), w)
+  out = _matmul(flat, jnp.dtype(dtype), result, x.reshape(-1, x.shape[-1]),
+                w)
   return out.reshape(lead + out.shape[1:])
 
 
@@ -64,19 +71,29 @@ def _einsum(spec: str, x, w):
   return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _matmul(spec, dtype, x, w):
-  return _einsum(spec, x.astype(dtype), w.astype(dtype))
+def _product(spec: str, x, w, result):
+  """einsum(spec, x, w) accumulated in float32, returned in `result`: off a
+  CPU as the dot's own output type (cuBLAS and XLA's Triton GEMMs round
+  their float32 accumulators once, on writing), on a CPU rounded after."""
+  if result != jnp.float32 and jax.default_backend() != "cpu":
+    return jnp.einsum(spec, x, w, preferred_element_type=result)
+  return _einsum(spec, x, w).astype(result)
 
 
-def _forward(spec, dtype, x, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _matmul(spec, dtype, result, x, w):
+  return _product(spec, x.astype(dtype), w.astype(dtype), result)
+
+
+def _forward(spec, dtype, result, x, w):
   low_x, low_w = x.astype(dtype), w.astype(dtype)
   # Zero-size arrays carry the operands' own dtypes to the backward pass.
   kinds = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-  return _einsum(spec, low_x, low_w), (low_x, low_w, kinds)
+  return _product(spec, low_x, low_w, result), (low_x, low_w, kinds)
 
 
-def _backward(spec, dtype, residuals, g):
+def _backward(spec, dtype, result, residuals, g):
+  del result  # the cotangent is cast to `dtype` whatever the result's
   low_x, low_w, (x_kind, w_kind) = residuals
   g = g.astype(dtype)
   dx_spec, dw_spec = _transposed(spec)

@@ -1,14 +1,14 @@
 """Host memory that XLA's CPU runtime reuses instead of faulting in anew.
 
 On a CPU, every call of a compiled program allocates its temporaries as one
-block (about 80 MB for one grouped layer's forward and backward pass at
-hidden 512, batch 32, window 64) from one of the runtime's worker threads.
+block (for one grouped layer's forward and backward pass, larger than the
+heap described next) from one of the runtime's worker threads.
 glibc gives those threads arenas of their own, and an arena other than the
 main one serves any request larger than its 64 MB heap with a fresh `mmap`,
 unmapped again when freed. Each call then touches every page of its
-temporaries for the first time: about 19,500 page faults per call in that
-example, each a trap into the kernel and a page zeroed, which made the layer
-1.4x slower than the same program on memory it had used before.
+temporaries for the first time: a page fault per page, each a trap into
+the kernel and a page zeroed, which made the layer markedly slower than the
+same program on memory it had used before.
 
 `reuse_freed_host_memory` sets glibc's malloc, through `mallopt`, so that every
 thread allocates from the main arena, never with `mmap`, and freed memory stays
@@ -17,12 +17,10 @@ first calls, an odd call can still land on untouched memory; the median call
 faults in nothing). The price: the process keeps its
 high-water mark of host memory instead of returning it to the system, and
 threads share one arena's lock, which makes XLA's (multi-threaded)
-compilation 20-25% slower: paid once per program, against every step.
-The main job (the demo config for 300 steps, then its evaluation and
-sample; three runs each way, interleaved, on a 2-core x86_64 CPU loaded
-5-10x over by other work) trained at 3,852-4,099 tok/s with the settings
-against 2,313-3,422 without (1.14x to 1.77x), and peaked at 881-904 MB of
-resident memory against 823-861 MB (5% more, medians).
+compilation slower: paid once per program, against every step. The main
+job (the demo config, then its evaluation and sample) trained faster with
+the settings than without, for a little more resident memory at its
+peak.
 Importing the package changes nothing: the entry points call it first
 (`zebra-jax` and `python -m zebra_jax.main` in main.run, the tools in
 cli/entry.run_tool, lab/bench.py), before JAX starts its backend: a thread
@@ -56,8 +54,8 @@ def computes_on_cpu() -> bool:
   """Whether JAX will run on the CPU, judged before it starts: the first
   platform JAX_PLATFORMS names, else whether an accelerator plugin is
   installed (the CUDA and ROCm plugins live in the `jax_plugins` namespace
-  package; looking it up costs microseconds, where listing every installed
-  distribution's entry points would add ~20 ms to each start)."""
+  package; looking it up is cheap, where listing every installed
+  distribution's entry points would add to each start)."""
   platforms = os.environ.get("JAX_PLATFORMS", "").strip()
   if platforms:
     return platforms.split(",")[0].strip() == "cpu"

@@ -20,6 +20,7 @@ import time
 from absl import logging
 from aiohttp import web
 
+from zebra_jax import __version__
 from zebra_jax.errors import UserError
 from zebra_jax import engine as engines
 from zebra_jax.serving import openai_answers, openai_api
@@ -30,6 +31,8 @@ access_log = py_logging.getLogger("zebra_jax.access")
 # The tokens a request generated, for its access-log line: a box per
 # request, set in the task that runs its handler.
 _TOKENS: contextvars.ContextVar[list] = contextvars.ContextVar("tokens")
+# When the request arrived, on the engine's clock (time.monotonic()).
+_ARRIVED: contextvars.ContextVar[float] = contextvars.ContextVar("arrived")
 
 
 class _Inbox:
@@ -72,8 +75,12 @@ class Rows:
   cancelled together, their progress gathered on the event loop."""
 
   def __init__(self, service: Service, loop, rows: list[engines.Row],
-               stream: bool = False):
+               stream: bool = False, prompt_tokens: int | None = None):
     self._inbox, self._open = _Inbox(loop), len(rows)
+    # The request's prompt tokens as its usage counts them: a prompt once,
+    # whatever the rows drawn from it.
+    self.prompt_tokens = (sum(len(r.ids) for r in rows)
+                          if prompt_tokens is None else prompt_tokens)
     for i, row in enumerate(rows):
       # Without a listener the engine looks at a row's text only at its
       # end (or for its stop strings).
@@ -152,6 +159,7 @@ class App:
     self.in_flight = 0
     self.routes = {("GET", "/health"): self._health,
                    ("GET", "/metrics"): self._metrics,
+                   ("GET", "/version"): self._version,
                    ("POST", "/generate"): self._generate,
                    ("POST", "/score"): self._score,
                    ("POST", "/tokenize"): self._tokenize,
@@ -160,7 +168,7 @@ class App:
                    ("GET", "/v1/models"): self._models,
                    ("POST", "/v1/completions"): self._completions,
                    ("POST", "/v1/chat/completions"): self._chat}
-    self._open = {"/health", "/metrics"}  # no API key asked
+    self._open = {"/health", "/metrics", "/version"}  # no API key asked
 
   def application(self) -> web.Application:
     app = web.Application(
@@ -197,6 +205,7 @@ class App:
 
   async def dispatch(self, request: web.Request) -> web.StreamResponse:
     start, path = time.perf_counter(), request.path
+    _ARRIVED.set(time.monotonic())
     openai = path.startswith("/v1/")
     peer = _peer(request)  # before a hang-up takes the transport away
     tokens = [0]
@@ -328,6 +337,10 @@ class App:
     response.headers["Content-Type"] = content_type
     return response
 
+  async def _version(self, request, body):
+    del request, body
+    return _json(200, {"version": __version__})
+
   async def _models(self, request, body):
     del request, body
     return _json(200, self.api.models())
@@ -352,23 +365,26 @@ class App:
     return _json(200, self.service.tokenizer_info())
 
   async def _generate(self, request, body):
-    rows = Rows(self.service, asyncio.get_running_loop(),
-                self.service.generate_rows(body))
-    done = await self._finish(request, rows)
+    del request
+    rows = self.service.generate_rows(body)
+    samples = body.get("num_samples", 1)  # rows of one prompt are adjacent
+    rows = Rows(self.service, asyncio.get_running_loop(), rows,
+                prompt_tokens=sum(len(r.ids) for r in rows[::samples]))
+    done = await self._finish(rows)
     return _json(200, {"texts": [r.prompt + r.text for r in done],
                        "step": int(self.service.loaded.step)})
 
-  async def _finish(self, request, rows: Rows) -> list[engines.Request]:
+  async def _finish(self, rows: Rows) -> list[engines.Request]:
     """Every row's result; a hang-up meanwhile cancels them all."""
     try:
       done = await rows.wait()
     except asyncio.CancelledError:
       rows.cancel()
+      self._account(rows)
       raise HangUp(f"hung up before its answer; {len(rows.requests)} "
                    f"row(s) cancelled after {rows.tokens} tokens") from None
-    finally:
-      self._account(request, rows)
     failed = [r for r in done if r.finish_reason == "error"]
+    self._account(rows, served=not failed)
     if failed:
       raise GenerationFailed(
           f"the engine failed while generating this request "
@@ -376,16 +392,23 @@ class App:
           "rebuilt its state and serves on: retry the request")
     return done
 
-  def _account(self, request, rows: Rows) -> None:
-    """Tokens into the metrics and the access log, once per request."""
-    del request
+  def _account(self, rows: Rows, served: bool = False) -> None:
+    """Tokens into the metrics and the access log, once per request; for a
+    request answered in full (`served`), its latencies too, timed from its
+    arrival: to its first token produced, and to now, its last delivered."""
     tokens = rows.tokens
     _TOKENS.get([0])[0] = tokens
-    first = [r.first_token_at - r.created for r in rows.requests
+    metrics = self.service.metrics
+    metrics.generation(sum(r.fed for r in rows.requests), tokens)
+    if not served:
+      return
+    arrived = _ARRIVED.get()
+    first = [r.first_token_at for r in rows.requests
              if r.first_token_at is not None]
-    self.service.metrics.generation(
-        sum(r.fed for r in rows.requests), tokens,
-        min(first) if first else None)
+    metrics.served(time.monotonic() - arrived,
+                   min(first) - arrived if first else None,
+                   rows.prompt_tokens, tokens,
+                   max(r.completion_tokens for r in rows.requests))
 
   async def _completions(self, request, body):
     return await self._openai(request, self.api.completions(body))
@@ -397,11 +420,12 @@ class App:
     rows = Rows(self.service, asyncio.get_running_loop(),
                 [engines.Row(req.prompts[p].text, req.params,
                              req.prompts[p].ids, i) for p, i in req.rows()],
-                stream=req.stream)
+                stream=req.stream,
+                prompt_tokens=sum(len(p.ids) for p in req.prompts))
     answers = openai_answers.Answers(self.service.tokenizer, req)
     if req.stream:
       return await self._stream(request, answers, rows)
-    done = await self._finish(request, rows)
+    done = await self._finish(rows)
     return _json(200, answers.whole(done))
 
   async def _stream(self, request, answers, rows: Rows):
@@ -426,8 +450,8 @@ class App:
       await response.write_eof(answers.end(rows.requests))
     except (asyncio.CancelledError, ConnectionError):
       rows.cancel()
-      self._account(request, rows)
+      self._account(rows)
       raise HangUp(f"hung up mid-stream; {len(rows.requests)} row(s) "
                    f"cancelled after {rows.tokens} tokens") from None
-    self._account(request, rows)
+    self._account(rows, served=not failed)
     return response

@@ -1,9 +1,10 @@
 """The answers of the OpenAI routes: completion and chat objects, whole or as
-server-sent events, with OpenAI's log-probability objects.
+server-sent events, with OpenAI's log-probability objects and vLLM's
+additions (token ids, usage on every event).
 
 Log-probabilities are the model's own (temperature 1, before penalties and
 filters), the numbers --mode=score computes. A stream's events share one
-prebuilt head: only the choice is encoded per event.
+prebuilt head: only the choice (and usage) is encoded per event.
 """
 
 import json
@@ -55,6 +56,18 @@ class Answers:
     self._head = (f'data: {{"id":"{self.id}","object":"{kind}",'
                   f'"created":{self.created},"model":{json.dumps(req.model)},'
                   '"choices":[')
+    # Per row of a stream: generated tokens sent so far, and whether its
+    # prompt's token ids went out (return_token_ids: in its first event).
+    self._prompt_of = [p for p, _ in req.rows()]
+    self._index = [i for _, i in req.rows()]
+    self._sent = [0] * len(self._index)
+    self._prompt_sent = [False] * len(self._index)
+
+  def _token(self, token_id: int) -> str:
+    """A token as logprobs name it: its text, or vLLM's "token_id:N"."""
+    if self.req.tokens_as_ids:
+      return f"token_id:{token_id}"
+    return self.tokenizer.token_text(token_id)
 
   def _echo_text(self, row) -> str:
     return row.prompt if self.req.echo else ""
@@ -83,14 +96,13 @@ class Answers:
   def _completion_logprobs(self, tokens, logprobs, tops, n, offsets) -> dict:
     """OpenAI's completions `logprobs` object; tops[i]: [(id, logprob)]
     (None for a prompt's first token), the chosen token added to them."""
-    text = self.tokenizer.token_text
-    words = [text(t) for t in tokens]
+    words = [self._token(t) for t in tokens]
     top_dicts = []
     for word, lp, top in zip(words, logprobs, tops):
       if top is None:
         top_dicts.append(None)
         continue
-      entry = {text(i): v for i, v in top[:n]}
+      entry = {self._token(i): v for i, v in top[:n]}
       entry.setdefault(word, lp)
       top_dicts.append(entry)
     return {"tokens": words, "token_logprobs": list(logprobs),
@@ -99,8 +111,8 @@ class Answers:
   def _chat_logprobs(self, tokens, logprobs, tops, n) -> dict:
     """Chat's `logprobs` object: {"content": [{token, logprob, bytes,
     top_logprobs}]}."""
-    text = self.tokenizer.token_text
-    entry = lambda t, v: {"token": text(t), "logprob": v,
+    text = self.tokenizer.token_text  # bytes: the token's own text's
+    entry = lambda t, v: {"token": self._token(t), "logprob": v,
                           "bytes": list(text(t).encode("utf-8"))}
     return {"content": [
         {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top[:n]]}
@@ -129,10 +141,8 @@ class Answers:
     prompts = {}
     for (p, _), row in zip(self.req.rows(), rows):
       prompts[p] = row.prompt_tokens  # a prompt counts once, whatever n
-    prompt = sum(prompts.values())
-    completion = sum(r.completion_tokens for r in rows)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return _usage(sum(prompts.values()),
+                  sum(r.completion_tokens for r in rows))
 
   def whole(self, rows) -> dict:
     """The response object once every row is done."""
@@ -144,53 +154,82 @@ class Answers:
                             self.req.echo and not self.req.chat)
       if self.req.chat:
         choices.append({"index": i, "message": {
-            "role": "assistant", "content": row.text}, "logprobs": lp,
+            "role": self.req.role,
+            "content": self.req.reply_prefix + row.text}, "logprobs": lp,
                         "finish_reason": row.finish_reason})
       else:
         choices.append({"text": self._echo_text(row) + row.text, "index": i,
                         "logprobs": lp, "finish_reason": row.finish_reason})
         if self.req.prompt_logprobs is not None:
           choices[-1]["prompt_logprobs"] = self._prompt_logprobs(row)
+        if self.req.token_ids:  # vLLM puts a completion's on its choice
+          choices[-1]["prompt_token_ids"] = [int(t) for t in row.ids]
+      if self.req.token_ids:
+        choices[-1]["token_ids"] = row.tokens[:row.completion_tokens]
     answer = {"id": self.id,
               "object": "chat.completion" if self.req.chat else
                         "text_completion",
               "created": self.created, "model": self.req.model,
               "choices": choices, "usage": self.usage(rows)}
+    # One prompt for every choice of a chat: vLLM sends these beside them.
     if self.req.chat and self.req.prompt_logprobs is not None:
-      # One prompt for every choice: vLLM sends it beside them.
       answer["prompt_logprobs"] = self._prompt_logprobs(rows[0])
+    if self.req.chat and self.req.token_ids:
+      answer["prompt_token_ids"] = [int(t) for t in rows[0].ids]
     return answer
 
   # --- server-sent events ---
 
-  def _event(self, choice: str) -> bytes:
-    return (self._head + choice + "]}\n\n").encode("utf-8")
+  def _event(self, r: int, choice: str, top: str = "") -> bytes:
+    """One event for row r's `choice`, with chat's top-level fields `top`
+    and, with continuous_usage_stats, its row's usage so far."""
+    if self.req.continuous_usage:
+      prompt = self.req.prompts[self._prompt_of[r]]
+      top += ',"usage":' + json.dumps(_usage(len(prompt.ids), self._sent[r]))
+    return (self._head + choice + "]" + top + "}\n\n").encode("utf-8")
 
-  def _choice(self, index: int, text: str, logprobs=None, reason=None
-              ) -> str:
+  def _prompt_ids(self, r: int, rows) -> str:
+    """return_token_ids: the prompt's token ids, a member of row r's first
+    event (a completion's choice; a chat's event)."""
+    if not self.req.token_ids or self._prompt_sent[r]:
+      return ""
+    self._prompt_sent[r] = True
+    return ',"prompt_token_ids":' + json.dumps([int(t) for t in rows[r].ids])
+
+  def _choice(self, r: int, text: str, logprobs=None, reason=None,
+              tokens: list | None = None, extra: str = "") -> str:
     lp = "null" if logprobs is None else json.dumps(logprobs)
     end = "null" if reason is None else f'"{reason}"'
+    ids = ("" if tokens is None or not self.req.token_ids
+           else f',"token_ids":{json.dumps(tokens)}')
+    index = self._index[r]
     if self.req.chat:
       delta = ("{}" if reason is not None and not text
                else '{"content":' + json.dumps(text) + "}")
       return (f'{{"index":{index},"delta":{delta},"logprobs":{lp},'
-              f'"finish_reason":{end}}}')
-    return (f'{{"text":{json.dumps(text)},"index":{index},"logprobs":{lp},'
-            f'"finish_reason":{end}}}')
+              f'"finish_reason":{end}{ids}}}')
+    return (f'{{"text":{json.dumps(text)},"index":{index},'
+            f'"logprobs":{lp},"finish_reason":{end}{ids}{extra}}}')
 
   def start(self, rows) -> bytes:
-    """The first events: chat's assistant role, or completions' echoed
-    prompts (with their log-probabilities when asked)."""
+    """The first events: chat's role (and echo's text), or completions'
+    echoed prompts (with their log-probabilities when asked)."""
     out = []
-    for (_, i), row in zip(self.req.rows(), rows):
+    for r, row in enumerate(rows):
       if self.req.chat:
-        out.append(self._event(
-            f'{{"index":{i},"delta":{{"role":"assistant","content":""}},'
-            '"logprobs":null,"finish_reason":null}'))
+        role = json.dumps(self.req.role)
+        out.append(self._event(r, (
+            f'{{"index":{self._index[r]},"delta":{{"role":{role},'
+            '"content":""},"logprobs":null,"finish_reason":null}'),
+                               self._prompt_ids(r, rows)))
+        if self.req.reply_prefix:
+          out.append(self._event(r, self._choice(r, self.req.reply_prefix)))
       elif self.req.echo:
         lp = (self._logprobs(row, range(0), True)
               if self.req.logprobs is not None else None)
-        out.append(self._event(self._choice(i, row.prompt, lp)))
+        out.append(self._event(r, self._choice(
+            r, row.prompt, lp, tokens=[],
+            extra=self._prompt_ids(r, rows))))
     return b"".join(out)
 
   def chunk(self, rows, updates) -> bytes:
@@ -206,16 +245,21 @@ class Answers:
       texts[r] = (t + text, first, last)
       if reason is not None:
         ends.append((r, reason))
-    index = [i for _, i in self.req.rows()]
     out = []
     for r, (text, first, last) in texts.items():
       lp = None
-      if self.req.logprobs is not None and first is not None:
-        lp = self._logprobs(rows[r], range(first, last), False)
-      if text or lp is not None:
-        out.append(self._event(self._choice(index[r], text, lp)))
+      sent = range(0) if first is None else range(first, last)
+      if self.req.logprobs is not None and len(sent):
+        lp = self._logprobs(rows[r], sent, False)
+      self._sent[r] += len(sent)
+      if text or lp is not None or (self.req.token_ids and len(sent)):
+        out.append(self._event(r, self._choice(
+            r, text, lp, tokens=rows[r].tokens[sent.start:sent.stop],
+            extra="" if self.req.chat else self._prompt_ids(r, rows))))
     for r, reason in ends:
-      out.append(self._event(self._choice(index[r], "", None, reason)))
+      out.append(self._event(r, self._choice(
+          r, "", None, reason, tokens=[],
+          extra="" if self.req.chat else self._prompt_ids(r, rows))))
     return b"".join(out)
 
   def end(self, rows) -> bytes:
@@ -225,3 +269,8 @@ class Answers:
       return tail
     usage = json.dumps(self.usage(rows))
     return (self._head + '],"usage":' + usage + "}\n\n").encode() + tail
+
+
+def _usage(prompt: int, completion: int) -> dict:
+  return {"prompt_tokens": prompt, "completion_tokens": completion,
+          "total_tokens": prompt + completion}

@@ -16,8 +16,12 @@ and chat's `max_completion_tokens` are its `max_new_tokens`): temperature,
 top_p, top_k, min_p, presence_penalty, frequency_penalty,
 repetition_penalty, logit_bias, seed, stop, stop_token_ids, min_tokens,
 allowed_token_ids, prompt_logprobs; so a knob added there is taken here
-without an edit. Defaults are OpenAI's (temperature 1, top_p 1; max_tokens
-16 for completions, until a stop for chat), not the config's. A field of
+without an edit. vLLM's return_token_ids, return_tokens_as_token_ids,
+truncate_prompt_tokens (and truncation_side), chat's echo,
+add_generation_prompt and continue_final_message, and
+stream_options.continuous_usage_stats are honoured. Defaults are OpenAI's
+(temperature 1, top_p 1; max_tokens 16 for completions, until a stop for
+chat), not the config's. A field of
 OpenAI's or vLLM's schema is honoured, or taken only with a value that
 asks nothing of this server (INERT); any other value is a 400 in OpenAI's
 error shape whose `param` names the field, never dropped silently. A field
@@ -42,7 +46,9 @@ log = logging.getLogger("zebra_jax.serve")
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 # Request fields that are not sampling parameters by the same name.
 _COMMON = {"model", "n", "best_of", "stream", "stream_options",
-           "max_tokens", "logit_bias", "stop", "logprobs", "seed"}
+           "max_tokens", "logit_bias", "stop", "logprobs", "seed",
+           "truncate_prompt_tokens", "truncation_side", "return_token_ids",
+           "return_tokens_as_token_ids"}
 # Fields of OpenAI's and vLLM's requests that this server takes without
 # acting on them. ANY: no value changes the answer. Otherwise the values
 # that ask nothing of it (null always does): any other is a 400 naming the
@@ -57,18 +63,16 @@ INERT = {
     "parallel_tool_calls": ANY, "mm_processor_kwargs": ANY,
     "media_io_kwargs": ANY, "return_token_offsets": ANY,
     "add_special_tokens": ANY,  # these tokenizers add no BOS or EOS
-    "truncation_side": ANY,     # only with truncate_prompt_tokens
     # No token ends a text by itself: only stop, stop_token_ids, max_tokens.
     "ignore_eos": (True,),
     "skip_special_tokens": (False,),  # special tokens stay in the text
     "spaces_between_special_tokens": (True,),
     "include_stop_str_in_output": (False,),
     "use_beam_search": (False,), "length_penalty": (1,),
-    "truncate_prompt_tokens": (), "bad_words": ([],),
+    "bad_words": ([],),
     "logprob_token_ids": (), "prompt_embeds": (), "watermarking": (False,),
     "repetition_detection": (), "thinking_token_budget": (-1,),
     "reasoning_effort": (), "verbosity": (), "web_search_options": (),
-    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
     "response_format": ({"type": "text"},), "structured_outputs": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "guided_decoding_backend": (),
@@ -121,6 +125,11 @@ class Request:
   chat: bool = False
   logprobs: int | None = None   # alternatives per token; None = off
   prompt_logprobs: int | None = None  # returned as vLLM's prompt_logprobs
+  continuous_usage: bool = False  # usage on every event of a stream
+  token_ids: bool = False       # vLLM's return_token_ids
+  tokens_as_ids: bool = False   # logprobs name tokens "token_id:N"
+  role: str = "assistant"       # chat: the role the reply speaks in
+  reply_prefix: str = ""        # chat: echo's text before each reply
 
   def rows(self):
     """(prompt index, choice index) per generated row: prompt-major, so
@@ -304,7 +313,8 @@ class Api:
                      f"{lim.max_rows} rows", "n" if n > 1 else "prompt")
     return n
 
-  def _stream(self, body) -> tuple[bool, bool]:
+  def _stream(self, body) -> dict:
+    """Request's stream, include_usage and continuous_usage."""
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -313,15 +323,43 @@ class Api:
       raise ApiError("stream_options is only for a stream: send "
                      "\"stream\": true, or leave stream_options out",
                      "stream_options")
-    if (options or {}).get("continuous_usage_stats"):
-      raise ApiError("stream_options: this server sends usage once, at the "
-                     "end (include_usage), not continuous_usage_stats",
-                     "stream_options")
+    options = options or {}
+    usage, every = (_flag(options, "include_usage"),
+                    _flag(options, "continuous_usage_stats"))
+    if every and not usage:  # vLLM would send no usage at all
+      raise ApiError("stream_options: continuous_usage_stats needs "
+                     "\"include_usage\": true as well", "stream_options")
     if stream and body.get("prompt_logprobs") is not None:
       raise ApiError("prompt_logprobs are not sent in a stream: leave out "
                      "\"stream\" or prompt_logprobs", "prompt_logprobs")
-    usage = bool((options or {}).get("include_usage"))
-    return stream, usage and stream
+    return {"stream": stream, "include_usage": usage,
+            "continuous_usage": every}
+
+  @staticmethod
+  def _token_fields(body) -> dict:
+    """return_token_ids and return_tokens_as_token_ids."""
+    return {"token_ids": _flag(body, "return_token_ids"),
+            "tokens_as_ids": _flag(body, "return_tokens_as_token_ids")}
+
+  def _truncation(self, body) -> tuple[int, str] | None:
+    """vLLM's truncate_prompt_tokens (-1: the longest prompt this server
+    takes) and truncation_side ("left", the default, keeps the last
+    tokens; "right" the first) as (tokens kept, side); None: no cut."""
+    side = body.get("truncation_side")
+    if side not in (None, "left", "right"):
+      raise ApiError("truncation_side must be \"left\" (keep the last "
+                     "tokens) or \"right\" (keep the first)",
+                     "truncation_side")
+    keep, limit = (body.get("truncate_prompt_tokens"),
+                   self.service.limits.max_prompt_tokens)
+    if keep is None:
+      return None
+    if not _is_id(keep) or not (keep == -1 or 1 <= keep <= limit):
+      raise ApiError(f"truncate_prompt_tokens={json.dumps(keep)[:40]} must "
+                     f"be -1 (keep at most {limit}, the longest prompt this "
+                     f"server takes) or a whole number in [1, {limit}]",
+                     "truncate_prompt_tokens")
+    return (limit if keep == -1 else keep), side or "left"
 
   def completions(self, body) -> Request:
     """A /v1/completions request, or ApiError naming the field at fault."""
@@ -332,7 +370,7 @@ class Api:
     if "prompt" not in body:
       raise ApiError("prompt is required: a string, a list of strings, a "
                      "list of token ids or a list of lists", "prompt")
-    prompts = self._prompts(body["prompt"])
+    prompts = self._prompts(body["prompt"], self._truncation(body))
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = _flag(body, "echo")
     params = self._params(body, "max_tokens", logprobs)
@@ -340,19 +378,22 @@ class Api:
     if echo and logprobs is not None and asked is None:
       params = dataclasses.replace(params, prompt_logprobs=logprobs)
     n = self._n(body, len(prompts))
-    stream, usage = self._stream(body)
-    return Request(model, prompts, params, n, stream, usage, echo=echo,
-                   logprobs=logprobs, prompt_logprobs=asked)
+    return Request(model, prompts, params, n, echo=echo, logprobs=logprobs,
+                   prompt_logprobs=asked, **self._stream(body),
+                   **self._token_fields(body))
 
   def chat(self, body) -> Request:
     """A /v1/chat/completions request."""
     model, body = self._common(body, "/v1/chat/completions", CHAT_FIELDS)
-    if _flag(body, "echo"):
-      raise ApiError("echo: this server does not repeat the last message in "
-                     "a chat reply; send false, or leave echo out", "echo")
-    prompt = self._prompt_text(
-        self.transcript(body.get("messages"), **self.chat_form(body)),
-        "messages")
+    form, messages = self.chat_form(body), body.get("messages")
+    prompt = self._prompt_text(self.transcript(messages, **form),
+                               "messages", self._truncation(body))
+    # As vLLM: a reply that opens no turn speaks as the last message, and
+    # echo repeats the last message before the reply when it is that role's.
+    role = ("assistant" if form["add_generation_prompt"]
+            else messages[-1]["role"])
+    prefix = (_content(messages[-1]) if _flag(body, "echo")
+              and messages[-1]["role"] == role else "")
     want = _flag(body, "logprobs")
     top = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
     if top and not want:
@@ -362,44 +403,53 @@ class Api:
     params = dataclasses.replace(
         params, stop=params.stop + self.chat_stops())
     n = self._n(body, 1)
-    stream, usage = self._stream(body)
-    return Request(model, [prompt], params, n, stream, usage, chat=True,
+    return Request(model, [prompt], params, n, chat=True,
                    logprobs=top if want else None,
-                   prompt_logprobs=params.prompt_logprobs)
+                   prompt_logprobs=params.prompt_logprobs, role=role,
+                   reply_prefix=prefix, **self._stream(body),
+                   **self._token_fields(body))
 
-  def _prompt_text(self, text: str, field: str) -> Prompt:
+  def _prompt_text(self, text: str, field: str, truncation=None) -> Prompt:
     if not text:
       raise ApiError(f"{field}: a prompt is empty: send some text", field)
     try:
       ids = self.service.encode(text)
     except (UserError, ValueError) as e:  # characters the model never saw
       raise ApiError(f"{field}: {e}", field) from None
-    return self._check_length(Prompt(text, ids), field)
+    return self._check_length(Prompt(text, ids), field, truncation)
 
-  def _check_length(self, prompt: Prompt, field: str) -> Prompt:
+  def _check_length(self, prompt: Prompt, field: str,
+                    truncation=None) -> Prompt:
+    """The prompt cut to truncate_prompt_tokens (its text then the kept
+    tokens' decoding, as a token-id prompt's is); ApiError if too long."""
+    if truncation is not None and len(prompt.ids) > truncation[0]:
+      keep, side = truncation
+      ids = prompt.ids[-keep:] if side == "left" else prompt.ids[:keep]
+      prompt = Prompt(self.service.tokenizer.decode(
+          [int(i) for i in ids]), ids)
     limit = self.service.limits.max_prompt_tokens
     if len(prompt.ids) > limit:
       raise ApiError(f"a prompt of {len(prompt.ids)} tokens is too many "
                      f"tokens: at most {limit}", field)
     return prompt
 
-  def _prompts(self, value) -> list[Prompt]:
+  def _prompts(self, value, truncation=None) -> list[Prompt]:
     """Prompts from a string, strings, token ids or lists of token ids."""
     what = ("prompt must be a string, a list of strings, a list of token "
             "ids or a list of lists of token ids")
     if isinstance(value, str):
-      return [self._prompt_text(value, "prompt")]
+      return [self._prompt_text(value, "prompt", truncation)]
     if not isinstance(value, list) or not value:
       raise ApiError(what, "prompt")
     if all(_is_id(v) for v in value):
-      return [self._token_prompt(value)]
+      return [self._token_prompt(value, truncation)]
     if all(isinstance(v, str) for v in value):
-      return [self._prompt_text(v, "prompt") for v in value]
+      return [self._prompt_text(v, "prompt", truncation) for v in value]
     if all(isinstance(v, list) and all(_is_id(t) for t in v) for v in value):
-      return [self._token_prompt(v) for v in value]
+      return [self._token_prompt(v, truncation) for v in value]
     raise ApiError(what, "prompt")
 
-  def _token_prompt(self, ids: list) -> Prompt:
+  def _token_prompt(self, ids: list, truncation=None) -> Prompt:
     vocab = self.service.vocab_size
     if not ids:
       raise ApiError("prompt: a prompt of token ids is empty", "prompt")
@@ -408,7 +458,8 @@ class Api:
       raise ApiError(f"prompt: token id {bad[0]} is outside the vocabulary "
                      f"[0, {vocab})", "prompt")
     return self._check_length(
-        Prompt(self.service.tokenizer.decode(ids), list(ids)), "prompt")
+        Prompt(self.service.tokenizer.decode(ids), list(ids)), "prompt",
+        truncation)
 
   # --- chat ---
 

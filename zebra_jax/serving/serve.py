@@ -26,8 +26,8 @@ signals, the drain and the exit status.
 
 Bound to 127.0.0.1 unless --host says otherwise. With an API key
 (serve.api_key, serve.api_key_file or $ZEBRA_JAX_API_KEY) every route but
-/health and /metrics needs `Authorization: Bearer KEY`, compared in constant
-time, else 401. Request bodies are strict JSON (NaN and Infinity are a 400).
+/health, /metrics and /version needs `Authorization: Bearer KEY`, compared
+in constant time, else 401. Request bodies are strict JSON (NaN and Infinity are a 400).
 A full queue gets 503 with Retry-After. A failed engine step fails only the
 requests in it (500, saying so); an engine that cannot recover turns
 /health to 503 and the process exits 1, for a supervisor to restart it.
@@ -225,15 +225,15 @@ def run(cfg, workdir: str, host: str = "127.0.0.1", port: int = 8000) -> None:
   engine = service.engine
   # What start-up built (the model, jax's and flax's objects) lives as long
   # as the server: out of the collector's sight, a full collection scans
-  # only what requests left, where it stalled every thread for 130 ms under
-  # 64 clients (the p99 latency).
+  # only what requests left, where it stalled every thread under many
+  # clients (it was the p99 latency).
   gc.freeze()
   print(f"| serving step {loaded.step} on http://{host}:{server.server_port} "
         f"| {engine.slots} slots, queue {engine.queue_limit} "
         f"| API key {'required' if key else 'off'} "
         "| POST /v1/completions, /v1/chat/completions, /generate, /score, "
         "/tokenize, /detokenize; GET /v1/models, /health, /metrics, "
-        "/tokenizer_info", flush=True)
+        "/tokenizer_info, /version", flush=True)
   try:
     server.serve_forever(handle_signals=True)
   finally:

@@ -122,7 +122,9 @@ class Service:
     sizes = {k: v for k, v in (("slots", slots), ("queue", queue))
              if v is not None}  # else cfg.serve's
     self._fatal_listeners = []
-    self.metrics = metrics.Metrics(lambda: self.engine.stats())
+    self.metrics = metrics.Metrics(lambda: self.engine.stats(),
+                                   limits.max_prompt_tokens,
+                                   limits.max_new_tokens)
     self.generator = sample.Generator(
         loaded, max_prompt_tokens=limits.max_prompt_tokens,
         on_fatal=self._engine_failed, on_step=self.metrics.step.observe,

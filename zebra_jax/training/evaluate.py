@@ -47,9 +47,9 @@ def eval_step(params, carry, inputs, targets, *, graphdef,
   head_width: the head's widest logits block (the vocabulary, or the
   adaptive head's shortlist and clusters). The head then scores the window
   a few time steps at a time (`head_steps`), so its temporaries stay within
-  the platform's budget whatever the window: a CPU scoring 16 x 256 tokens
-  of a 267k vocabulary held 0.9 GB of them at once, which the process's
-  heap kept as its high-water mark.
+  the platform's budget whatever the window: a CPU scoring a whole window
+  of a 267k vocabulary at once held a large block of them, which the
+  process's heap kept as its high-water mark.
   """
   model = nnx.merge(graphdef, params)
   rows = model.rows(inputs.shape[0], mesh)
@@ -217,7 +217,7 @@ def summary_block(split: str, step: int, res: dict, char_level: bool) -> str:
 
 
 def run(cfg, workdir: str, splits_to_eval=("valid", "test"),
-        mesh=None, text_files=()) -> dict:
+        mesh=None, text_files=(), *, loaded=None) -> dict:
   """--mode=eval: scores the workdir's best checkpoint on the given splits.
 
   The splits are those of the corpus cfg.data names, read with the trained
@@ -228,43 +228,71 @@ def run(cfg, workdir: str, splits_to_eval=("valid", "test"),
     splits_to_eval: split names, or "valid" | "test" | "all" (--split).
     mesh: defaults to every device; tests pass a 1-device mesh.
     text_files: paths of UTF-8 files, each scored as one split.
+    loaded: the workdir's model, already loaded (zebra_jax.load's).
   """
-  if isinstance(splits_to_eval, str):
-    if splits_to_eval not in SPLIT_CHOICES:
-      raise UserError(f"--split={splits_to_eval} is unknown: use one of "
-                      f"{', '.join(SPLIT_CHOICES)}")
-    splits_to_eval = SPLIT_CHOICES[splits_to_eval]
-  for path in text_files:
-    if not os.path.isfile(path):
-      raise UserError(f"--text_file {path} does not exist: pass the path of "
-                      "a UTF-8 text file")
-  loaded = loading.load_for_inference(cfg, workdir)
+  names = split_names(splits_to_eval)
+  check_text_files(text_files)
+  loaded = loaded or loading.load_for_inference(cfg, workdir)
   log = writer.MetricWriter(workdir, tensorboard=False)
-  corpus, trained = _corpus(cfg, loaded, splits_to_eval, text_files, log)
-  mesh = mesh or parallel.make_mesh(
-      stripe_devices=loaded.cfg.parallel.stripe_devices)
-  evaluator = Evaluator(loaded.graphdef, mesh, loaded.cfg.model,
-                        cfg.eval.batch_size, cfg.eval.seq_len,
-                        accuracy=cfg.eval.accuracy)
   char_level = loaded.tokenizer.char_level
-  results = {}
-  for split, ids in corpus.items():
-    res = evaluator.run(loaded.params, ids, max_tokens=cfg.eval.max_tokens,
-                        label=split)
-    if not char_level:
-      del res["bpc"]  # bits per word-token is not a number anyone compares
-    results[split] = res
+
+  def report(split, res, trained):
     log.info(summary_block(split, loaded.step, res, char_level))
     if trained:
       log.record(f"final_{split}", loaded.step,
                  {k: res[k] for k in ("loss", "ppl", "acc", "bpc", "tokens",
                                       "split_tokens", "seconds")
                   if res.get(k) is not None})
+  results = evaluations(cfg, loaded, names, text_files, mesh, info=log.info,
+                        on_result=report)
   log.close()
   return results
 
 
-def _corpus(cfg, loaded, names, text_files, log) -> tuple[dict, bool]:
+def split_names(splits_to_eval) -> tuple[str, ...]:
+  """Split names, from a tuple or from --split's "valid" | "test" | "all"."""
+  if not isinstance(splits_to_eval, str):
+    return tuple(splits_to_eval)
+  if splits_to_eval not in SPLIT_CHOICES:
+    raise UserError(f"--split={splits_to_eval} is unknown: use one of "
+                    f"{', '.join(SPLIT_CHOICES)}")
+  return SPLIT_CHOICES[splits_to_eval]
+
+
+def check_text_files(text_files) -> None:
+  for path in text_files:
+    if not os.path.isfile(path):
+      raise UserError(f"--text_file {path} does not exist: pass the path of "
+                      "a UTF-8 text file")
+
+
+def evaluations(cfg, loaded, names, text_files=(), mesh=None,
+                info=lambda line: None, on_result=None) -> dict:
+  """{split or file: summary}: the scoring of `run`, without its report.
+
+  cfg gives the eval settings, `loaded` the model. info(line) hears how
+  much of another corpus the vocabulary lacks; on_result(split, summary,
+  trained) each result as it comes (trained: the training corpus' split).
+  """
+  corpus, trained = _corpus(cfg, loaded, names, text_files, info)
+  mesh = mesh or parallel.make_mesh(
+      stripe_devices=loaded.cfg.parallel.stripe_devices)
+  evaluator = Evaluator(loaded.graphdef, mesh, loaded.cfg.model,
+                        cfg.eval.batch_size, cfg.eval.seq_len,
+                        accuracy=cfg.eval.accuracy)
+  results = {}
+  for split, ids in corpus.items():
+    res = evaluator.run(loaded.params, ids, max_tokens=cfg.eval.max_tokens,
+                        label=split)
+    if not loaded.tokenizer.char_level:
+      del res["bpc"]  # bits per word-token is not a number anyone compares
+    results[split] = res
+    if on_result is not None:
+      on_result(split, res, trained)
+  return results
+
+
+def _corpus(cfg, loaded, names, text_files, info) -> tuple[dict, bool]:
   """({label: token ids} to score, whether it is the training corpus).
 
   Another corpus, or a text file, is read with the trained tokenizer as
@@ -289,7 +317,7 @@ def _corpus(cfg, loaded, names, text_files, log) -> tuple[dict, bool]:
   else:
     corpus = pipeline.read_with(tokenizer, cfg.data, names)
     what = f"{'/'.join(names)} of {pipeline.make_source(cfg.data)}"
-  log.info(unknown_line(tokenizer, corpus, what))
+  info(unknown_line(tokenizer, corpus, what))
   return corpus, False
 
 

@@ -130,6 +130,14 @@ def compile_train_step(graphdef, tx, mesh, state, accum_steps: int = 1):
                  out_shardings=(shardings, rep), donate_argnums=0)
 
 
+def make_batch(mesh, batcher, index: int, epoch: int = 0) -> dict:
+  """The step's batch `index` of `epoch`, placed on the mesh."""
+  inputs, targets = batcher.get(index, epoch)
+  return {"inputs": parallel.global_batch(mesh, inputs),
+          "targets": parallel.global_batch(mesh, targets),
+          "reset": np.asarray(batcher.starts_fresh(index))}
+
+
 class _Window:
   """Per-step metric sums since the last log line (kept on device until then)."""
 
@@ -198,10 +206,8 @@ def _train(cfg, workdir, config_path, stop_request) -> dict[str, Any]:
     with stop_request:
       stop = step >= cfg.train.num_steps
       while not stop:
-        inputs, targets = batcher.get(run.position.index, run.position.epoch)
-        batch = {"inputs": parallel.global_batch(mesh, inputs),
-                 "targets": parallel.global_batch(mesh, targets),
-                 "reset": np.asarray(batcher.starts_fresh(run.position.index))}
+        batch = make_batch(mesh, batcher, run.position.index,
+                           run.position.epoch)
         profiler.before_step(step)
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           run.state, sums = step_fn(run.state, batch)

@@ -22,11 +22,11 @@ def test_results_rewrite_json_and_page_after_every_row(tmp_path):
 
 
 def test_docs_and_script_give_the_sequence():
-  """docs/gpu-results.md and gpu-report.md hold the sequence the code runs
+  """lab/notes/gpu-results.md and gpu-report.md hold the sequence the code runs
   (the three steps, the budget file's table and ledger), and
   gpu_report.sh's help names the same call and timeout."""
   for page in ("gpu-results.md", "gpu-report.md"):
-    docs = open(os.path.join(REPO, "docs", page)).read()
+    docs = open(os.path.join(REPO, "lab", "notes", page)).read()
     assert "\n".join(gpu_results.sequence_lines()) in docs, page
   script = open(os.path.join(REPO, "launch", "gpu_report.sh")).read()
   assert f"#   {gpu_results.call_command()}\n" in script

@@ -62,7 +62,7 @@ def test_dry_run_writes_every_section(tmp_path):
   # on the same fresh batches: the fused kernel and a chunk size compute the
   # recipe's function, so their losses agree with its
   variants = {v["name"]: v for v in wt["variants"]}
-  assert list(variants) == [n for n, _ in gpu_stages.WT103_VARIANTS[:2]]
+  assert list(variants) == [n for n, _ in gpu_stages.dry_variants()]
   fused = variants["recurrence=pallas"]
   assert fused["plan"].startswith("fused") and fused["tokens_per_s"] > 0
   for v in variants.values():
@@ -246,3 +246,22 @@ def test_a_default_precision_float32_dot_reads_tf32():
   fn = pl.pallas_call(kernel, out_shape=sds, compiler_params=(
       pltriton.CompilerParams(num_warps=4, num_stages=1)))
   assert _lowered_dots(fn, sds, sds) == [["tf32"]]
+
+
+def test_a_dry_run_builds_every_candidates_code_path_once():
+  dry = gpu_stages.dry_variants()
+  fields = lambda variants: [f for _, fs in variants for f in fs]
+  assert set(fields(dry)) == set(fields(gpu_stages.WT103_VARIANTS))
+  assert all(len(fs) == 1 for _, fs in dry)  # here: no combination built
+  assert gpu_stages.dry_variants([("a", {"x": 1}), ("a+b", {"x": 1, "y": 2}),
+                                  ("b", {"y": 3})]) == (
+      ("a", {"x": 1}), ("a+b", {"x": 1, "y": 2}))
+
+
+def test_every_candidate_is_a_valid_recipe_config():
+  from zebra_jax.runtime import config_checks  # pylint: disable=g-import-not-at-top
+  for _, fields in gpu_stages.WT103_VARIANTS:
+    cfg = gpu_stages.wt103_config(dry=False)
+    cfg.data.path = "/wikitext-103"  # never read: the checks want one
+    cfg.model.update(fields)
+    config_checks.validate(cfg)

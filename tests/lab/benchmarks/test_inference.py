@@ -17,6 +17,7 @@ def test_infer_bench_reports_throughput_and_latency_percentiles(char_run,
                          prompt_len=4, requests=2, json_path=path)
   assert json.load(open(path)) == report
   assert [r["batch_size"] for r in report["results"]] == [1, 2]
+  assert report["engine"]["decode_block"] == 1
   for r in report["results"]:
     assert r["tokens_per_s"] > 0
     for stats in (r["token_latency_ms"], r["request_latency_ms"]):
@@ -25,3 +26,5 @@ def test_infer_bench_reports_throughput_and_latency_percentiles(char_run,
   assert stats["avg"] == pytest.approx(2.5) and stats["p50"] == pytest.approx(2.5)
   with pytest.raises(UserError, match="--batch_sizes"):
     inference.run(cfg, workdir, ["one"])
+  with pytest.raises(UserError, match="--new_tokens=1 must be at least 2"):
+    inference.run(cfg, workdir, ["1"], new_tokens=1)

@@ -18,6 +18,7 @@ from zebra_jax.data import splits as splits_lib
 from zebra_jax.data.sources.embedded import EmbeddedSource
 from zebra_jax.data.sources.hf import HFSource
 from zebra_jax.data.sources.text import TextSource
+from zebra_jax.data.sources.tfds import TFDSSource
 from zebra_jax.data.sources.wikitext import WikitextSource
 from zebra_jax.errors import UserError
 
@@ -32,7 +33,7 @@ class Source(Protocol):
 
 
 SOURCES: dict[str, type] = {cls.name: cls for cls in (
-    EmbeddedSource, WikitextSource, TextSource, HFSource)}
+    EmbeddedSource, WikitextSource, TextSource, HFSource, TFDSSource)}
 
 
 def source_class(name: str) -> type:

@@ -80,8 +80,9 @@ class EmbeddedSource:
 def embedded_documents() -> list[tuple[str, str]]:
   """(name, text) per document: one per pydoc topic, one per stdlib module.
 
-  Parsing ~560 stdlib files with `ast` takes ~4 s, so the result is cached in
-  ~/.cache/zebra_jax/ (keyed by the Python build); later calls take ~50 ms.
+  Parsing the stdlib's files with `ast` takes seconds, so the result is
+  cached in ~/.cache/zebra_jax/ (keyed by the Python build); later calls
+  only read it.
   Modules are parsed, never imported: importing would run their code.
   """
   cache = _cache_path()

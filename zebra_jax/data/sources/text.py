@@ -37,8 +37,8 @@ class TextSource:
     for path in _files(self.path):
       lines.extend(_split_lines(splits_lib.read_utf8(path)))
     n = len(lines)
-    n_test = _held_out_lines(n, self.test_fraction)
-    n_valid = _held_out_lines(n, self.valid_fraction)
+    n_test = splits_lib.held_out_count(n, self.test_fraction)
+    n_valid = splits_lib.held_out_count(n, self.valid_fraction)
     n_train = max(n - n_valid - n_test, 0)
     chunks = {"train": lines[:n_train],
               "valid": lines[n_train:n_train + n_valid],
@@ -46,13 +46,6 @@ class TextSource:
     return {name: splits_lib.in_memory_split(
         name, "".join(line + "\n" for line in chunk))
             for name, chunk in chunks.items()}
-
-
-def _held_out_lines(num_lines: int, fraction: float) -> int:
-  """round(n * fraction), but at least one line when asked for any."""
-  if fraction <= 0 or num_lines < 3:
-    return 0
-  return max(1, round(num_lines * fraction))
 
 
 def _split_lines(text: str) -> list[str]:

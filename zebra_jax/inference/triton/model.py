@@ -42,15 +42,16 @@ import json
 import os
 import sys
 
-# The Python backend's stub starts its interpreter without reading
-# PYTHONPATH, so a virtual environment's packages are named here by the
-# launcher (triton_local.py); a Triton image with the packages installed
-# leaves it unset.
-sys.path.extend(p for p in os.environ.get("ZEBRA_JAX_TRITON_PATH", "").split(
-    os.pathsep) if p and p not in sys.path)
-
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
+try:
+  import jax
+except ImportError:
+  # The Python backend's stub starts its interpreter without reading
+  # PYTHONPATH: the launcher (triton_local.py) names a virtual environment's
+  # packages here instead. A Triton image with jax installed never gets here.
+  sys.path.extend(p for p in os.environ.get(
+      "ZEBRA_JAX_TRITON_PATH", "").split(os.pathsep) if p)
+  import jax
+import numpy as np
 
 try:
   import triton_python_backend_utils as pb_utils  # provided by Triton

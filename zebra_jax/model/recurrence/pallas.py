@@ -52,9 +52,8 @@ G=128 bf16 program fills 176 x 256 of an SM's 64K registers anyway). The
 dots take jax's default matmul precision, as the scan's XLA matmuls do: in
 float32 that is TF32 on GPUs with tensor cores (Triton's inputPrecision =
 tf32), and IEEE float32 under jax_default_matmul_precision=highest. IEEE
-products run on the FMA units: the S=8 grouped float32 core step took 39 ms
-with them against 3.6 ms in TF32 on one H100 (python -m lab.pallas_plans),
-where the scan took 4.3 ms. num_stages=1:
+products run on the FMA units, an order of magnitude slower than TF32 and
+far behind the scan (python -m lab.pallas_plans). num_stages=1:
 the streamed loads have nothing to overlap with but the step that needs
 them, and pipelining them would take shared memory for whole U_s copies.
 

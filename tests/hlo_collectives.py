@@ -1,9 +1,10 @@
 """Collectives in a compiled XLA program, read from its HLO text.
 
-What the stripe-parallel tests and docs/scaling.md check the design against:
-how many collectives of each kind a step runs, how many bytes they move, and
-whether any sits inside a while loop (a `lax.scan`: the recurrence's time
-loop).
+What the stripe-parallel tests and lab/notes/scaling-model.md check the
+design against: how many collectives of each kind a step runs, how many
+bytes they move, and whether any sits inside a while loop (a `lax.scan`:
+the recurrence's time loop). The tests own it; the lab's stripe-layout table
+reads the same counts with it.
 """
 
 import collections

@@ -1,0 +1,131 @@
+"""zebra_jax against PyTorch's word_language_model example at equal wall-clock.
+
+Run by `python -m lab.wlm_compare`.
+
+Both sides read the same WikiText-layout folder (word_corpus: ~1M tokens of
+real English, a 10,000-word vocabulary) and train for the same `seconds`:
+  torch   the example's recipe (word_lm.train_for), its clock around the
+          training windows only
+  jax     `training.loop.run`, the code `--mode=train` runs, on
+          configs/wlm.py (or a variant) with train.time_budget_minutes set;
+          its clock starts before the first step, so compiling counts
+          against it. No evaluation or save happens inside the budget.
+Then each scores valid once with its final weights, the example's way
+(batch 10, windows of 35, the state carried). tokens/s is tokens trained
+over training seconds; a side's ratio is its tokens/s over torch's.
+"""
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import ml_collections
+
+from lab.benchmarks import word_corpus, word_lm
+from lab.benchmarks.table import (load_column, print_and_save, print_rows,
+                                 ratio_text)
+
+FULL = dict(target_tokens=1_100_000, vocab_size=10_000, width=200)
+QUICK = dict(target_tokens=60_000, vocab_size=2_000, width=32)
+VARIANTS = {"": "jax_S1_dense", "grouped8": "jax_S8_grouped"}
+_NEVER = 10 ** 9  # a step count no budget reaches
+
+
+def jax_config(variant: str, folder: str, seconds: float, width: int,
+               overrides: dict | None = None) -> ml_collections.ConfigDict:
+  """configs/wlm.py's variant on `folder`, stopped by the time budget alone."""
+  from zebra_jax.configs import wlm  # pylint: disable=g-import-not-at-top
+  cfg = wlm.get_config(variant)
+  cfg.data.path = folder
+  cfg.model.update(embed_size=width, hidden_size=width)
+  cfg.train.update(num_steps=_NEVER, time_budget_minutes=seconds / 60.0,
+                   eval_every=_NEVER, eval_max_batches=0, log_every=50,
+                   sample_at_eval=False)
+  cfg.eval.accuracy = False  # the example counts no accuracy
+  cfg.checkpoint.every_steps = _NEVER
+  for name, value in (overrides or {}).items():
+    section, field = name.split(".")
+    cfg[section][field] = value
+  return cfg
+
+
+def _records(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def jax_row(cfg: ml_collections.ConfigDict, name: str) -> dict:
+  """One budgeted `loop.run`; its training seconds, tokens and valid ppl."""
+  from zebra_jax.training import loop  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory(prefix="wlm_compare_") as workdir:
+    load_before = os.getloadavg()[0]
+    with contextlib.redirect_stdout(sys.stderr):  # the loop's log: stderr
+      summary = loop.run(cfg, workdir)
+    load_after = os.getloadavg()[0]
+    records = _records(workdir)
+  valid = [r for r in records if r["kind"] == "valid"][-1]
+  steady = [r["tok_per_s"] for r in records if r["kind"] == "train"][1:]
+  tokens = summary["steps"] * cfg.data.batch_size * cfg.data.seq_len
+  return {"name": name, "side": "jax", "seconds": valid["train_s"],
+          "steps": summary["steps"], "tokens": tokens,
+          "tokens_per_s": tokens / valid["train_s"],
+          "steady_tokens_per_s": statistics.median(steady) if steady else None,
+          "valid_loss": valid["loss"], "valid_ppl": valid["ppl"],
+          "stripes": cfg.model.num_stripes,
+          "stripe_input": cfg.model.stripe_input,
+          "recurrence": cfg.model.recurrence,
+          "load_before": load_before, "load_after": load_after}
+
+
+def torch_row(folder: str, seconds: float, threads: int, width: int) -> dict:
+  import torch  # pylint: disable=g-import-not-at-top
+  corpus = word_lm.Corpus(folder, word_corpus.SPLIT_FILES)
+  row = word_lm.train_for(torch, corpus, seconds, threads,
+                          p=dict(emsize=width, nhid=width))
+  row["torch"] = torch.__version__
+  return row
+
+
+def run(seconds: float, variants, threads: int, quick: bool = False,
+        overrides: dict | None = None, json_path: str | None = None) -> dict:
+  """Every JAX variant, then the torch example; prints the table."""
+  sizes = QUICK if quick else FULL
+  folder, manifest = word_corpus.prepare(sizes["target_tokens"],
+                                         sizes["vocab_size"])
+  rows = [jax_row(jax_config(v, folder, seconds, sizes["width"], overrides),
+                  VARIANTS.get(v, f"jax_{v}")) for v in variants]
+  reference = torch_row(folder, seconds, threads, sizes["width"])
+  for r in rows + [reference]:
+    r["ratio_to_torch"] = r["tokens_per_s"] / reference["tokens_per_s"]
+  result = {"seconds": seconds, "threads": threads, "cpus": os.cpu_count(),
+            "corpus": {"folder": folder, **manifest},
+            "width": sizes["width"], "rows": rows + [reference]}
+  return print_and_save(result, print_table, json_path)
+
+
+def print_table(result: dict) -> None:
+  c = result["corpus"]
+  print(f"\nequal wall-clock, {result['seconds']:g} s of training a side | "
+        f"{c['tokens']['train']:,} train / {c['tokens']['valid']:,} valid "
+        f"tokens, vocab {c['vocab_size']:,} | 2 x {result['width']} LSTM, "
+        f"batch 20, bptt 35 | torch {result['threads']} threads, XLA "
+        f"{result['cpus']} cores")
+  print_rows(result["rows"], [
+      ("row", 16, lambda r: r["name"]),
+      ("tok/s", 10, lambda r: f"{r['tokens_per_s']:,.0f}"),
+      ("x torch", 9, lambda r: ratio_text(r["ratio_to_torch"])),
+      ("valid ppl", 11, lambda r: f"{r['valid_ppl']:.2f}"),
+      ("steps", 8, lambda r: f"{r['steps']:,}"),
+      ("train s", 9, lambda r: f"{r['seconds']:.1f}"),
+      ("steady tok/s", 14, lambda r: (f"{r['steady_tokens_per_s']:,.0f}"
+                                      if r.get("steady_tokens_per_s")
+                                      else "-")),
+      load_column()])
+  torch_side = result["rows"][-1]
+  print(f"note: torch {torch_side['torch']}: {torch_side['epochs']:.2f} "
+        f"epochs, lr {torch_side['lr_final']:g} at the end (divided by 4 "
+        f"after epochs {torch_side['anneal_epochs'] or 'none'}); jax: lr 20 "
+        "throughout, compiling inside its budget")

@@ -1,0 +1,84 @@
+"""zebra_jax against PyTorch's word_language_model example, equal wall-clock.
+
+  python -m lab.wlm_compare --seconds=180       # dense S=1, grouped S=8, torch
+  python -m lab.wlm_compare --trace             # where one step's time goes
+  python -m lab.wlm_compare --quick             # tiny: a smoke test
+
+The corpus, the recipes and how both sides are clocked:
+lab/benchmarks/equal_time.py; the trace's parts: lab/benchmarks/step_split.py.
+"""
+
+import os
+from typing import Sequence
+
+from absl import flags, logging
+
+from zebra_jax.cli import entry
+from zebra_jax.errors import UserError
+
+
+def _variant(name: str) -> str:
+  return "" if name == "dense1" else name
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
+  from lab.benchmarks import equal_time, step_split  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  unknown = set(f.variants) - {"dense1", "grouped8"}
+  if unknown:
+    raise UserError(f"--variants: {', '.join(sorted(unknown))} unknown: use "
+                    "dense1 and/or grouped8")
+  variants = [_variant(v) for v in f.variants]
+  overrides = dict(o.split("=", 1) for o in f.jax_override)
+  overrides = {k: _value(v) for k, v in overrides.items()}
+  if f.trace:
+    sizes = equal_time.QUICK if f.quick else equal_time.FULL
+    folder, _ = equal_time.word_corpus.prepare(sizes["target_tokens"],
+                                               sizes["vocab_size"])
+    for v in variants:
+      cfg = equal_time.jax_config(v, folder, 60.0, sizes["width"], overrides)
+      step_split.print_trace(step_split.trace_row(
+          cfg, equal_time.VARIANTS[v], steps=5 if f.quick else 30,
+          traced=2 if f.quick else 5))
+    return
+  if f.seconds <= 0:
+    raise UserError(f"--seconds={f.seconds}: give a positive budget")
+  equal_time.run(2.0 if f.quick else f.seconds, variants, f.threads, f.quick,
+                 overrides, f.json)
+
+
+def _value(text: str):
+  """An override's value: a number where it reads as one, else the text."""
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+def _define_flags() -> None:
+  """The tool's flags, defined when it runs (importing it defines none)."""
+  cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+           else os.cpu_count())
+  flags.DEFINE_float("seconds", 180.0, "Training seconds per side.")
+  flags.DEFINE_list("variants", ["dense1", "grouped8"], "configs/wlm.py "
+                    "variants of the JAX rows: dense1 (S=1) and/or grouped8 "
+                    "(S=8, grouped input).")
+  flags.DEFINE_integer("threads", cores, "torch threads (XLA uses every "
+                       "core it sees).")
+  flags.DEFINE_multi_string("jax_override", [], "SECTION.FIELD=VALUE set on "
+                            "the JAX rows' config, e.g. "
+                            "model.recurrence=scan.")
+  flags.DEFINE_bool("trace", False, "Split one step of each JAX row into "
+                    "head, recurrence, projections, optimizer, data, host.")
+  flags.DEFINE_bool("quick", False, "A tiny corpus and model, 2 s a side: "
+                    "a smoke test.")
+  flags.DEFINE_string("json", None, "Also write the results here.")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  entry.run_tool(main)

@@ -1,0 +1,86 @@
+"""lab.wlm_compare: both sides read the same words, the trace's parts add up
+to the busy time, and `--quick` runs every row end to end. No timing
+assertions: the machines are shared and noisy."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lab.benchmarks import equal_time, step_split, word_corpus, word_lm
+from tests.helpers import REPO
+
+
+def test_torch_corpus_and_zebra_tokenizer_find_the_same_words(tmp_path):
+  from zebra_jax.data.tokenizers import word  # pylint: disable=g-import-not-at-top
+  sizes = equal_time.QUICK
+  folder, manifest = word_corpus.prepare(sizes["target_tokens"],
+                                         sizes["vocab_size"], str(tmp_path))
+  corpus = word_lm.Corpus(folder, word_corpus.SPLIT_FILES)
+  with open(f"{folder}/wiki.train.tokens", encoding="utf8") as f:
+    tokenizer = word.WordTokenizer.build(f.read())
+  assert set(corpus.word2idx) == set(tokenizer.vocab)
+  assert len(corpus.word2idx) == sizes["vocab_size"]
+  assert {s: len(ids) for s, ids in corpus.ids.items()} == manifest["tokens"]
+  # Prepared again: the same folder, not rebuilt.
+  assert word_corpus.prepare(sizes["target_tokens"], sizes["vocab_size"],
+                             str(tmp_path))[0] == folder
+
+
+def test_overlapping_ops_share_each_instant():
+  seconds, busy = step_split.partition(
+      [(0.0, 2.0, "head"), (1.0, 3.0, "recurrence"), (5.0, 6.0, "optimizer")])
+  assert busy == pytest.approx(4.0)
+  assert seconds["head"] == pytest.approx(1.5)
+  assert seconds["recurrence"] == pytest.approx(1.5)
+  assert seconds["optimizer"] == pytest.approx(1.0)
+  assert sum(seconds.values()) == pytest.approx(busy)
+
+
+def test_ops_are_given_to_the_parts_by_scope_and_kind():
+  assert step_split.op_part("custom-call.3", "jit(f)/zebra_lstm_0/x") == (
+      "recurrence")
+  assert step_split.op_part("dot.1", "jit(f)/zebra_lstm_1/dot") == (
+      "projections")
+  assert step_split.op_part("fusion.2", "jit(f)/transpose(jvp(head))/x") == (
+      "head")
+  assert step_split.op_part("fusion.9", "jit(f)/optimizer/mul") == "optimizer"
+  assert step_split.op_part("while.1", "jit(f)/zebra_lstm_0/while") is None
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_row(tmp_path):
+  path = tmp_path / "wlm.json"
+  out = subprocess.run(
+      [sys.executable, "-m", "lab.wlm_compare", "--quick", f"--json={path}"],
+      capture_output=True, text=True, timeout=600, cwd=REPO,
+      env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+           "JAX_PLATFORMS": "cpu"})  # one CPU device: batch 20 is the recipe's
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "x torch" in out.stdout
+  result = json.loads(path.read_text())
+  rows = {r["name"]: r for r in result["rows"]}
+  assert set(rows) == {"jax_S1_dense", "jax_S8_grouped", "torch_example"}
+  for r in rows.values():
+    assert r["tokens_per_s"] > 0 and math.isfinite(r["valid_ppl"])
+    assert r["seconds"] >= result["seconds"]
+  assert rows["torch_example"]["ratio_to_torch"] == 1.0
+
+
+def test_the_wlm_config_trains_a_few_steps(tmp_path):
+  """configs/wlm.py's tiny variant through the real loop: SGD at lr 20 with
+  clipping keeps the loss finite."""
+  from zebra_jax.configs import wlm  # pylint: disable=g-import-not-at-top
+  from zebra_jax.training import loop  # pylint: disable=g-import-not-at-top
+  folder, _ = word_corpus.prepare(equal_time.QUICK["target_tokens"],
+                                  equal_time.QUICK["vocab_size"],
+                                  str(tmp_path))
+  cfg = wlm.get_config("tiny")
+  cfg.data.path = folder
+  cfg.train.sample_at_eval = False
+  summary = loop.run(cfg, str(tmp_path / "run"))
+  assert summary["steps"] == cfg.train.num_steps
+  assert math.isfinite(summary["best_valid_ppl"])
