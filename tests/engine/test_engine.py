@@ -14,6 +14,7 @@ from zebra_jax.inference import loading, sample, score
 from tests import references
 
 TEXT = "line 7: the quick brown fox jumps over the lazy dog. "
+PROGRAMS = 2 + engine.params.DECODE_VARIANTS + 1
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,9 @@ class _Lowerings:
 
 def test_compiled_programs_are_the_startup_set(gen):
   e = gen.engine
-  # prefill, decode and the prefix cache's restore
-  assert e.stats()["compiled_programs"] == e.startup_programs == 3
+  # prefill (with and without prompt log-probabilities), the decode
+  # variants and the prefix cache's restore
+  assert e.stats()["compiled_programs"] == e.startup_programs == PROGRAMS
   lowerings = _Lowerings()
   jax.monitoring.register_event_duration_secs_listener(lowerings)
   try:
@@ -60,7 +62,7 @@ def test_compiled_programs_are_the_startup_set(gen):
     jax.monitoring.unregister_event_duration_listener(lowerings)
   assert lowerings.count == 0
   stats = e.stats()
-  assert stats["compiled_programs"] == stats["startup_programs"] == 3
+  assert stats["compiled_programs"] == stats["startup_programs"] == PROGRAMS
   assert stats["busy"] == stats["queued"] == 0
   assert {c.finish_reason for c in done} == {"length", "stop"}
 
@@ -77,6 +79,65 @@ REQUESTS = [(TEXT[:n], engine.SamplingParams(
                 (33, 1.0, 10, 0.8, 1.4, 5), (8, 0.5, 0, 1.0, 1.0, 6),
                 (5, 1.0, 0, 1.0, 1.0, -7), (21, 1.0, 1, 1.0, 1.0, 2**40),
                 (13, 0.0, 0, 1.0, 1.0, 9), (29, 2.0, 0, 0.95, 1.0, 10)]]
+
+
+# Rows that each use some groups of the decode math (params.Features).
+MIXES = [
+    engine.SamplingParams(temperature=0.0),
+    engine.SamplingParams(temperature=0.9, seed=1),
+    engine.SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=2),
+    engine.SamplingParams(temperature=1.2, min_p=0.1, seed=3),
+    engine.SamplingParams(temperature=0.0, repetition_penalty=1.4,
+                          logit_bias=((3, 2.0),)),
+    engine.SamplingParams(temperature=0.8, presence_penalty=0.5,
+                          frequency_penalty=0.3, seed=4, logprobs=2),
+    engine.SamplingParams(temperature=0.0, allowed_token_ids=(3, 5, 9, 11)),
+    engine.SamplingParams(temperature=1.0, min_tokens=3,
+                          stop_token_ids=(5, 9), seed=5),
+    engine.SamplingParams(temperature=0.0, logprobs=3),
+    engine.SamplingParams(temperature=0.5, top_k=2, repetition_penalty=0.8,
+                          allowed_token_ids=(1, 2, 3, 4, 5, 6), logprobs=1,
+                          seed=6),
+]
+
+
+def test_every_decode_variant_gives_a_row_the_all_features_bits(gen):
+  """A row's tokens and log-probabilities in any decode variant that covers
+  its groups equal, to the bit, those of the program with every group (in
+  which the groups it does not use are neutral for it): what a row gets
+  never depends on what its neighbours use."""
+  from zebra_jax.engine import programs, scheduler
+  e, params = gen.engine, engine.params
+  slots, vocab = len(MIXES), e.model.vocab_size
+  rng = np.random.default_rng(0)
+  state = programs.initial_state(e.model.init_carry, slots, vocab)
+  state = state._replace(
+      logits=rng.normal(0, 3, (slots, vocab)).astype(np.float32),
+      seen=rng.random((slots, vocab)) < 0.3,
+      counts=rng.integers(0, 3, (slots, vocab)).astype(np.int32),
+      key=rng.integers(0, 2**32, (slots, 2), dtype=np.uint32),
+      step=rng.integers(0, 2, slots).astype(np.int32),
+      row=params.packed_batch([params.packed_row(p) for p in MIXES], slots))
+  needs = [params.features(p) for p in MIXES]
+  decode = jax.jit(lambda state, active, features: programs.decode(
+      e.model.params, state, active, step_fn=e.model.step_fn, block=3,
+      features=features), static_argnums=2)
+  mixes = 0
+  for variant in scheduler.DECODE_VARIANTS:
+    active = np.array([variant.covers(n) for n in needs])
+    if not active.any():
+      continue
+    mixes += 1
+    _, tokens, logprobs = decode(state, active, variant)
+    _, want_tokens, want_logprobs = decode(state, active,
+                                           params.ALL_FEATURES)
+    np.testing.assert_array_equal(np.asarray(tokens)[active],
+                                  np.asarray(want_tokens)[active])
+    if variant.logprobs:
+      for got, want in zip(logprobs, want_logprobs):
+        np.testing.assert_array_equal(np.asarray(got)[active],
+                                      np.asarray(want)[active])
+  assert mixes == len(scheduler.DECODE_VARIANTS)
 
 
 def test_a_request_in_a_busy_batch_equals_it_alone(gen):

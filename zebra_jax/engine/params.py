@@ -19,6 +19,7 @@ it travels to the Triton model (wire.py).
 import dataclasses
 import math
 import secrets
+from typing import NamedTuple
 
 import numpy as np
 
@@ -282,3 +283,42 @@ def packed_batch(rows: list[dict], count: int) -> dict:
     for name, value in row.items():
       batch[name][i] = value
   return batch
+
+
+class Features(NamedTuple):
+  """Which groups of per-row math a decode program contains: a static tuple,
+  so a group no busy row uses is not in the program at all (not a cond).
+  `filters` implies `sample` (only drawn rows are filtered), so there are
+  8 + 16 = 24 variants (DECODE_VARIANTS)."""
+  sample: bool = False     # temperature > 0: the Gumbel draw
+  filters: bool = False    # top-k, top-p, min-p
+  penalties: bool = False  # repetition, presence, frequency, logit_bias
+  restrict: bool = False   # allowed_token_ids; min_tokens with stop ids
+  logprobs: bool = False   # each new token's log-probability and top N
+
+  def __or__(self, other: "Features") -> "Features":
+    return Features(*(a or b for a, b in zip(self, other)))
+
+  def covers(self, other: "Features") -> bool:
+    """Whether this variant computes every group `other` needs: for a row,
+    a group it does not use is the identity, so a wider variant gives the
+    same bits."""
+    return all(a or not b for a, b in zip(self, other))
+
+
+DECODE_VARIANTS = 24
+ALL_FEATURES = Features(True, True, True, True, True)
+
+
+def features(p: SamplingParams) -> Features:
+  """The groups one request's decoding needs."""
+  sample = p.temperature > 0
+  return Features(
+      sample=sample,
+      filters=sample and (_top_k(p) > 0 or p.top_p < 1 or p.min_p > 0),
+      penalties=(p.repetition_penalty != 1 or p.presence_penalty != 0
+                 or p.frequency_penalty != 0
+                 or any(b != 0 for _, b in p.logit_bias)),
+      restrict=bool(p.allowed_token_ids)
+      or (p.min_tokens > 0 and bool(p.stop_token_ids)),
+      logprobs=p.logprobs is not None)

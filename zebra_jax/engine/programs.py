@@ -2,8 +2,10 @@
 chunks into slots), decode (a block of tokens for every slot) and, with the
 prefix cache, restore (cached prefix states into slots).
 
-All are pure functions of the batch's device state; the scheduler jits them
-once each and calls them with the same shapes whatever the traffic.
+All are pure functions of the batch's device state, called with the same
+shapes whatever the traffic. Prefill and decode also take static switches
+(whether any row wants prompt log-probabilities; params.Features): the
+scheduler jits one program per value, so math no row uses is not in it.
 """
 
 from typing import Any, NamedTuple
@@ -39,38 +41,38 @@ def initial_state(init_carry, slots: int, vocab_size: int) -> State:
                row=params_lib.pack(params_lib.neutral_rows(slots)))
 
 
-def _neutral(packed: dict, on) -> dict:
-  """Rows where `on` is False hold the neutral parameters: a filter no busy
-  row uses is then skipped for the whole batch."""
-  neutral = params_lib.pack(params_lib.neutral_rows(1))
-  return {name: jnp.where(on[:, None], value, neutral[name])
-          for name, value in packed.items()}
-
-
-def decode(params, state: State, active, *, step_fn, block):
-  """`block` tokens for every slot.
+def decode(params, state: State, active, *, step_fn, block,
+           features: params_lib.Features):
+  """`block` tokens for every slot, with the groups of per-row math in
+  `features` (static: one program per set, the host picks it from the busy
+  rows' parameters).
 
   Rows not decoding (free, or between two chunks of their prompt) keep their
-  state and decode greedily without filters; their tokens are never read.
+  state; their tokens are computed with whatever parameters their slot holds
+  and never read.
 
   Returns:
     (state, tokens int32 [S, block], (logprobs float32 [S, block], top ids
-    int32 [S, block, K], top logprobs float32 [S, block, K])).
+    int32 [S, block, K], top logprobs float32 [S, block, K]), or None
+    without features.logprobs).
   """
   rows = jnp.arange(state.step.shape[0])
-  row = params_lib.unpack(_neutral(state.row, active))
+  row = params_lib.unpack(state.row)
   on = active[:, None]
-  want = jnp.any(row["logprobs"] >= 0)
 
   def one(state, _):
-    logits = sampler.penalize_rows(state.logits, state.seen, state.counts,
-                                   row)
-    logits = sampler.restrict_rows(logits, row, state.step)
-    keys = jax.vmap(jax.random.fold_in)(state.key, state.step)
-    tokens = sampler.draw_rows(keys, logits, row)
-    logprobs = jax.lax.cond(
-        want, lambda l: sampler.logprob_rows(l, tokens),
-        lambda l: sampler.no_logprobs(*l.shape), state.logits)
+    logits = state.logits
+    if features.penalties:
+      logits = sampler.penalize_rows(logits, state.seen, state.counts, row)
+    if features.restrict:
+      logits = sampler.restrict_rows(logits, row, state.step)
+    if features.sample:
+      keys = jax.vmap(jax.random.fold_in)(state.key, state.step)
+      tokens = sampler.draw_rows(keys, logits, row, features.filters)
+    else:
+      tokens = sampler.first_argmax(logits)
+    logprobs = (sampler.logprob_rows(state.logits, tokens)
+                if features.logprobs else None)
     new_logits, new_carry = step_fn(params, state.carry, tokens)
     # Only busy rows move: a row between two prefill chunks keeps its carry.
     new_carry = jax.tree.map(
@@ -89,8 +91,10 @@ def decode(params, state: State, active, *, step_fn, block):
 
 
 def prefill(params, state: State, tokens, lengths, slots, fresh, key, index,
-            row, *, step_fn, init_carry):
-  """Consumes up to C prompt tokens for each of P rows into their slots.
+            row, *, step_fn, init_carry, with_logprobs: bool):
+  """Consumes up to C prompt tokens for each of P rows into their slots;
+  with_logprobs (static: the host knows whether a row wants its prompt's)
+  computes the tokens' log-probabilities and ranks.
 
   Args:
     tokens: int32 [P, C]; row i's first lengths[i] are consumed.
@@ -103,10 +107,10 @@ def prefill(params, state: State, tokens, lengths, slots, fresh, key, index,
 
   Returns:
     (state, (logprobs float32 [P, C], top ids int32 [P, C, K], top logprobs
-    float32 [P, C, K], ranks int32 [P, C]), (carry, logits [P, V])): each
-    consumed token's log-probability and rank given what precedes it (a
-    fresh row's first is meaningless), for rows that want their prompt's;
-    and the rows' state after the chunk, for the prefix cache.
+    float32 [P, C, K], ranks int32 [P, C]) or None without with_logprobs,
+    (carry, logits [P, V])): each consumed token's log-probability and rank
+    given what precedes it (a fresh row's first is meaningless); and the
+    rows' state after the chunk, for the prefix cache.
   """
   num_slots = state.step.shape[0]
   take = jnp.minimum(slots, num_slots - 1)
@@ -117,32 +121,23 @@ def prefill(params, state: State, tokens, lengths, slots, fresh, key, index,
   counts = jnp.where(fresh2, 0, state.counts[take])
   logits = state.logits[take]
   rows = jnp.arange(tokens.shape[0])
-  want = jnp.any((lengths > 0)
-                 & (params_lib.unpack(row)["prompt_logprobs"] >= 0))
 
-  def chunk_of(with_logprobs: bool):
-    def one(c, t):
-      carry, logits, seen = c
-      valid = (t < lengths)[:, None]
-      if with_logprobs:
-        logprobs = sampler.logprob_rows(logits, tokens[:, t]) + (
-            sampler.token_ranks(logits, tokens[:, t]),)
-      else:
-        logprobs = sampler.no_logprobs(*logits.shape) + (
-            jnp.zeros(logits.shape[:1], jnp.int32),)
-      new_logits, new_carry = step_fn(params, carry, tokens[:, t])
-      carry = jax.tree.map(
-          lambda n, o: jnp.where(valid, n.astype(o.dtype), o), new_carry,
-          carry)
-      logits = jnp.where(valid, new_logits.astype(jnp.float32), logits)
-      seen = seen.at[rows, tokens[:, t]].max(valid[:, 0])
-      return (carry, logits, seen), logprobs
+  def one(c, t):
+    carry, logits, seen = c
+    valid = (t < lengths)[:, None]
+    logprobs = (sampler.logprob_rows(logits, tokens[:, t])
+                + (sampler.token_ranks(logits, tokens[:, t]),)
+                if with_logprobs else None)
+    new_logits, new_carry = step_fn(params, carry, tokens[:, t])
+    carry = jax.tree.map(
+        lambda n, o: jnp.where(valid, n.astype(o.dtype), o), new_carry,
+        carry)
+    logits = jnp.where(valid, new_logits.astype(jnp.float32), logits)
+    seen = seen.at[rows, tokens[:, t]].max(valid[:, 0])
+    return (carry, logits, seen), logprobs
 
-    return lambda c: jax.lax.scan(one, c, jnp.arange(tokens.shape[1]))
-
-  # One test a call, not one a token: a cond costs a call on the CPU.
-  (carry, logits, seen), logprobs = jax.lax.cond(
-      want, chunk_of(True), chunk_of(False), (carry, logits, seen))
+  (carry, logits, seen), logprobs = jax.lax.scan(
+      one, (carry, logits, seen), jnp.arange(tokens.shape[1]))
   state = _place(state, slots, carry, logits, seen, counts, key, index, row)
   return (state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), logprobs),
           (carry, logits))

@@ -1,8 +1,10 @@
 """Per-row sampling on the device: every row has its own parameters, as data.
 
 A row's parameters (params.ROW_FIELDS) are arrays with one entry per row, so
-one compiled program serves every mix of requests. Filters no row uses are
-skipped with lax.cond, so a batch of greedy rows pays for none of them.
+one compiled program serves every mix of requests. Which groups of this
+math a program contains is the caller's static choice (params.Features):
+for a row that does not use a group, the group is the identity, bit for bit,
+so a program without it gives that row the same tokens.
 Orders as in vLLM and HF: logit bias and penalties on the raw logits, then
 temperature, then top-k, top-p and min-p, then the draw.
 """
@@ -112,6 +114,12 @@ def _when(pred, fn, x):
   return jax.lax.cond(pred, fn, lambda y: y, x)
 
 
+def scale_rows(logits, row):
+  """logits / temperature, per row; greedy rows (0) are left unscaled."""
+  t = row["temperature"]
+  return logits / jnp.where(t > 0, t, 1.0)[:, None]
+
+
 def filter_rows(logits, row):
   """Per-row temperature, then top-k, top-p and min-p.
 
@@ -123,8 +131,7 @@ def filter_rows(logits, row):
     float32 [rows, V] for `categorical`: kept entries `logits /
     temperature`, the rest -inf.
   """
-  t = row["temperature"]
-  logits = logits / jnp.where(t > 0, t, 1.0)[:, None]
+  logits = scale_rows(logits, row)
   k = row["top_k"][:, None]
   logits = _when(jnp.any((k > 0) & (k < logits.shape[-1])),
                  lambda x: top_k_rows(x, k), logits)
@@ -159,17 +166,10 @@ def penalize_rows(logits, seen, counts, row):
   ids, values = row["bias_ids"], row["bias_values"]
   rows = jnp.arange(logits.shape[0])[:, None]
 
-  def penalize(x):
-    scaled = jnp.where(x > 0, x / rep, x * rep)
-    x = jnp.where(seen & (rep != 1), scaled, x)
-    x = x - frequency * counts - presence * (counts > 0)
-    return x.at[rows, ids].add(values, mode="drop")
-
-  # One test for all three: a cond costs a call on the CPU, at every token,
-  # and a batch without penalties (the common case) pays only that.
-  used = (jnp.any(rep != 1) | jnp.any(presence != 0) | jnp.any(frequency != 0)
-          | jnp.any(values != 0))
-  return _when(used, penalize, logits)
+  scaled = jnp.where(logits > 0, logits / rep, logits * rep)
+  x = jnp.where(seen & (rep != 1), scaled, logits)
+  x = x - frequency * counts - presence * (counts > 0)
+  return x.at[rows, ids].add(values, mode="drop")
 
 
 def restrict_rows(logits, row, step):
@@ -188,12 +188,8 @@ def restrict_rows(logits, row, step):
   mark = lambda x, ids: jnp.zeros(x.shape, bool).at[rows, ids].set(
       True, mode="drop")  # the pad, INT32_MAX, is dropped
 
-  def restrict(x):
-    x = jnp.where(mark(x, allowed) | ~limited, x, -jnp.inf)
-    return jnp.where(mark(x, stops) & early, -jnp.inf, x)
-
-  # One test for both: a cond costs a call on the CPU, at every token.
-  return _when(jnp.any(limited) | jnp.any(early), restrict, logits)
+  x = jnp.where(mark(logits, allowed) | ~limited, logits, -jnp.inf)
+  return jnp.where(mark(x, stops) & early, -jnp.inf, x)
 
 
 def categorical(key, logits):
@@ -205,18 +201,17 @@ def categorical(key, logits):
       jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
 
 
-def draw_rows(keys, logits, row):
+def draw_rows(keys, logits, row, filters: bool = True):
   """One token per row: greedy (first argmax) where temperature is 0, else a
-  draw from the filtered distribution with the row's own key. A batch of
-  greedy rows draws nothing."""
+  draw from the filtered distribution with the row's own key. filters=False
+  leaves top-k, top-p and min-p out (no row uses them: for such a row they
+  change nothing). A batch of greedy rows needs only first_argmax."""
   t = row["temperature"]
-
-  def draw(logits):
-    return jax.vmap(categorical)(keys, filter_rows(logits, row))
-
-  drawn = jax.lax.cond(jnp.any(t > 0), draw,
-                       lambda l: jnp.zeros(l.shape[:1], jnp.int32), logits)
+  scaled = (filter_rows(logits, row) if filters
+            else scale_rows(logits, row))
+  drawn = jax.vmap(categorical)(keys, scaled)
   return jnp.where(t == 0, first_argmax(logits), drawn)
+
 
 
 def logprob_rows(logits, tokens):
@@ -238,13 +233,6 @@ def token_ranks(logits, tokens):
   likely (vLLM's `rank`)."""
   chosen = jnp.take_along_axis(logits, tokens[:, None], -1)
   return 1 + jnp.sum(logits > chosen, -1, dtype=jnp.int32)
-
-
-def no_logprobs(rows: int, vocab: int):
-  """logprob_rows' shapes, zeros: what a batch that wants none returns."""
-  k = min(MAX_LOGPROBS, vocab)
-  return (jnp.zeros(rows, jnp.float32), jnp.zeros((rows, k), jnp.int32),
-          jnp.zeros((rows, k), jnp.float32))
 
 
 def seed_key(seed: int) -> np.ndarray:

@@ -12,7 +12,9 @@ cause and `on_fatal` is told, so a server can report unhealthy and exit.
 import collections
 import dataclasses
 import enum
+import functools
 import itertools
+import operator
 import logging
 import threading
 import time
@@ -127,6 +129,7 @@ class Request:
     self.created = time.monotonic()
     # The row's entries in the batch's arrays, computed once.
     self.packed = params_lib.packed_row(self.params)
+    self.features = params_lib.features(self.params)
     self.key = seed_key(self.params.seed)
     self.first_token_at: float | None = None
     self.prefix_keys: list[bytes] | None = None  # set at the first lookup
@@ -239,6 +242,15 @@ def _top(ids, lps, n) -> list:
   return [(int(i), float(v)) for i, v in zip(ids[:n], lps[:n])]
 
 
+# Every decode program the engine may run, one per set of groups in use
+# (params.Features; filters implies sample), all compiled at start-up.
+DECODE_VARIANTS = tuple(
+    params_lib.Features(*bits) for bits in itertools.product((False, True),
+                                                             repeat=5)
+    if bits[0] or not bits[1])
+assert len(DECODE_VARIANTS) == params_lib.DECODE_VARIANTS
+
+
 class Engine:
   """Owns the running batch and the thread that steps it."""
 
@@ -264,22 +276,24 @@ class Engine:
                                                       on_step)
     self._traces = 0  # each trace is a new program: a jit cache miss
 
-    def decode(params, state, active):
+    def decode(params, state, active, features):
       self._traces += 1
       return programs.decode(params, state, active, step_fn=model.step_fn,
-                             block=decode_block)
+                             block=decode_block, features=features)
 
-    def prefill(params, state, *args):
+    def prefill(params, state, *args, with_logprobs):
       self._traces += 1
       return programs.prefill(params, state, *args, step_fn=model.step_fn,
-                              init_carry=model.init_carry)
+                              init_carry=model.init_carry,
+                              with_logprobs=with_logprobs)
 
     def restore(state, *args):
       self._traces += 1
       return programs.restore(state, *args)
 
-    self._decode = jax.jit(decode, donate_argnums=1)
-    self._prefill = jax.jit(prefill, donate_argnums=1)
+    self._decode = jax.jit(decode, donate_argnums=1, static_argnums=3)
+    self._prefill = jax.jit(prefill, donate_argnums=1,
+                            static_argnames="with_logprobs")
     # 0 bytes: no cache, and no restore program.
     self._cache = (prefix_cache.PrefixCache(prefix_cache_bytes)
                    if prefix_cache_bytes else None)
@@ -364,11 +378,15 @@ class Engine:
   def _warm_up(self) -> None:
     """Compiles the programs (twice each: a state that came out of a
     program may be laid out differently from the first, hand-made one)."""
+    idle = np.zeros(self.slots, bool)
     for _ in range(2):
-      self._state, _, _ = self._prefill(self.model.params, self._state,
-                                     *self._prefill_args([]))
-      self._state, tokens, _ = self._decode(self.model.params, self._state,
-                                            np.zeros(self.slots, bool))
+      for with_logprobs in (False, True):
+        self._state, _, _ = self._prefill(
+            self.model.params, self._state, *self._prefill_args([]),
+            with_logprobs=with_logprobs)
+      for features in DECODE_VARIANTS:
+        self._state, tokens, _ = self._decode(self.model.params, self._state,
+                                              idle, features)
       if self._cache is not None:
         self._state = self._restore(self._state, *self._restore_args([]))
       jax.block_until_ready((tokens, self._state))
@@ -644,10 +662,10 @@ class Engine:
     args = self._prefill_args(filling)
     keys = [r.prefix_keys[r.fed // self.chunk] if r.prefix_keys else None
             for r in filling]
-    self._state, logprobs, rows = self._prefill(self.model.params,
-                                                self._state, *args)
-    self._prefill_calls += 1
     want = any(r.wants_prompt_logprobs for r in filling)
+    self._state, logprobs, rows = self._prefill(
+        self.model.params, self._state, *args, with_logprobs=want)
+    self._prefill_calls += 1
     logprobs = jax.device_get(logprobs) if want else None
     if self._cache is not None:
       self._store(filling, keys, args[1], logprobs, rows)
@@ -727,10 +745,12 @@ class Engine:
   def _decode_batch(self, decoding: list[Request]) -> None:
     active = np.zeros(self.slots, bool)
     active[[r.slot for r in decoding]] = True
+    features = functools.reduce(operator.or_,
+                                (r.features for r in decoding))
     self._state, tokens, logprobs = self._decode(self.model.params,
-                                                 self._state, active)
+                                                 self._state, active, features)
     tokens = np.asarray(tokens)                         # [S, block]
-    want = any(r.params.logprobs is not None for r in decoding)
+    want = features.logprobs
     logprobs = jax.device_get(logprobs) if want else None
     self._steps += 1
     for req in decoding:
