@@ -20,18 +20,28 @@ A prompt whose leading chunks another prompt already consumed starts from
 the state cached after them (prefix_cache.py: carry and next-token logits at
 a chunk boundary, a few KiB however long the prefix), restored into its
 slot by a third program; it then consumes the same chunks a cold start
-would, so its tokens and log-probabilities are the same to the bit. The
-engine therefore compiles exactly three programs (prefill, decode, restore;
-two with the cache off), all at start-up, whatever the traffic:
-stats()["compiled_programs"] counts their traces (jit cache misses). Every decode call computes all slots, busy or
+would, so its tokens and log-probabilities are the same to the bit.
+
+Math that no busy row uses is not in the program that runs: decode is
+compiled once per set of feature groups (params.Features: sampling, the
+top-k/top-p/min-p filters, the logit edits (penalties, logit bias,
+allowed tokens, min_tokens), log-probabilities; filters imply sampling, so
+4 + 8 = 12 variants), the host picks the set from the busy rows'
+parameters at each step, and prefill once with and once without prompt
+log-probabilities. For a row, a group it does not use is the identity to
+the bit, so its tokens and log-probabilities are the same in every variant
+that covers its own groups: what its neighbours use never changes them. The engine therefore compiles
+exactly 15 programs (2 prefill, 12 decode, restore; 14 with the cache off),
+all at start-up, whatever the traffic: stats()["compiled_programs"] counts
+their traces (jit cache misses). Every decode call computes all slots, busy or
 not: a program for fewer rows rounds differently (on the CPU a logit's last
 bits differed between 8 and 64 rows), so a request's text would depend on
 how many ran beside it. On the tiny char model (hidden 32, 2 CPU cores) a
 decode call of 4 tokens cost about the same whether 1 slot was busy or 64,
 and a 16-token prefill chunk the same for 8 rows as for 16 (so
-`prefill_rows` is 16): the calls are overhead-bound. Filters, penalties and
-log-probabilities that no row in the batch uses are skipped with a cond
-each, so their cost is one test a token.
+`prefill_rows` is 16): the calls are overhead-bound, which is why a feature
+no row uses is left out of the program rather than skipped by a cond (a
+cond is a call on the CPU, at every token).
 
   params.py     SamplingParams: every knob, its bound, its per-row array
   sampler.py    the per-row math on the device: penalties, filters, draws,

@@ -289,11 +289,12 @@ class Features(NamedTuple):
   """Which groups of per-row math a decode program contains: a static tuple,
   so a group no busy row uses is not in the program at all (not a cond).
   `filters` implies `sample` (only drawn rows are filtered), so there are
-  8 + 16 = 24 variants (DECODE_VARIANTS)."""
+  4 + 8 = 12 variants (DECODE_VARIANTS). Groups are few, and coarse, to
+  keep that number (and the start-up's compiles) small."""
   sample: bool = False     # temperature > 0: the Gumbel draw
   filters: bool = False    # top-k, top-p, min-p
-  penalties: bool = False  # repetition, presence, frequency, logit_bias
-  restrict: bool = False   # allowed_token_ids; min_tokens with stop ids
+  edits: bool = False      # penalties, logit_bias, allowed_token_ids,
+                           # min_tokens with stop ids
   logprobs: bool = False   # each new token's log-probability and top N
 
   def __or__(self, other: "Features") -> "Features":
@@ -306,8 +307,8 @@ class Features(NamedTuple):
     return all(a or not b for a, b in zip(self, other))
 
 
-DECODE_VARIANTS = 24
-ALL_FEATURES = Features(True, True, True, True, True)
+DECODE_VARIANTS = 12
+ALL_FEATURES = Features(True, True, True, True)
 
 
 def features(p: SamplingParams) -> Features:
@@ -316,9 +317,9 @@ def features(p: SamplingParams) -> Features:
   return Features(
       sample=sample,
       filters=sample and (_top_k(p) > 0 or p.top_p < 1 or p.min_p > 0),
-      penalties=(p.repetition_penalty != 1 or p.presence_penalty != 0
-                 or p.frequency_penalty != 0
-                 or any(b != 0 for _, b in p.logit_bias)),
-      restrict=bool(p.allowed_token_ids)
-      or (p.min_tokens > 0 and bool(p.stop_token_ids)),
+      edits=(p.repetition_penalty != 1 or p.presence_penalty != 0
+             or p.frequency_penalty != 0
+             or any(b != 0 for _, b in p.logit_bias)
+             or bool(p.allowed_token_ids)
+             or (p.min_tokens > 0 and bool(p.stop_token_ids))),
       logprobs=p.logprobs is not None)

@@ -62,9 +62,8 @@ def decode(params, state: State, active, *, step_fn, block,
 
   def one(state, _):
     logits = state.logits
-    if features.penalties:
+    if features.edits:
       logits = sampler.penalize_rows(logits, state.seen, state.counts, row)
-    if features.restrict:
       logits = sampler.restrict_rows(logits, row, state.step)
     if features.sample:
       keys = jax.vmap(jax.random.fold_in)(state.key, state.step)

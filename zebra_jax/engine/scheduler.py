@@ -246,7 +246,7 @@ def _top(ids, lps, n) -> list:
 # (params.Features; filters implies sample), all compiled at start-up.
 DECODE_VARIANTS = tuple(
     params_lib.Features(*bits) for bits in itertools.product((False, True),
-                                                             repeat=5)
+                                                             repeat=4)
     if bits[0] or not bits[1])
 assert len(DECODE_VARIANTS) == params_lib.DECODE_VARIANTS
 
