@@ -17,6 +17,7 @@ it travels to the Triton model (wire.py).
 """
 
 import dataclasses
+import itertools
 import math
 import secrets
 from typing import NamedTuple
@@ -307,7 +308,9 @@ class Features(NamedTuple):
     return all(a or not b for a, b in zip(self, other))
 
 
-DECODE_VARIANTS = 12
+# Every decode program the engine may run, all compiled at start-up.
+DECODE_VARIANTS = tuple(Features(*bits) for bits in itertools.product(
+    (False, True), repeat=len(Features._fields)) if bits[0] or not bits[1])
 ALL_FEATURES = Features(True, True, True, True)
 
 

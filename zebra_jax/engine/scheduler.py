@@ -242,15 +242,6 @@ def _top(ids, lps, n) -> list:
   return [(int(i), float(v)) for i, v in zip(ids[:n], lps[:n])]
 
 
-# Every decode program the engine may run, one per set of groups in use
-# (params.Features; filters implies sample), all compiled at start-up.
-DECODE_VARIANTS = tuple(
-    params_lib.Features(*bits) for bits in itertools.product((False, True),
-                                                             repeat=4)
-    if bits[0] or not bits[1])
-assert len(DECODE_VARIANTS) == params_lib.DECODE_VARIANTS
-
-
 class Engine:
   """Owns the running batch and the thread that steps it."""
 
@@ -384,7 +375,7 @@ class Engine:
         self._state, _, _ = self._prefill(
             self.model.params, self._state, *self._prefill_args([]),
             with_logprobs=with_logprobs)
-      for features in DECODE_VARIANTS:
+      for features in params_lib.DECODE_VARIANTS:
         self._state, tokens, _ = self._decode(self.model.params, self._state,
                                               idle, features)
       if self._cache is not None:
