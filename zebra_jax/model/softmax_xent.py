@@ -1,17 +1,16 @@
 """Softmax cross-entropy over integer labels with a hand-written gradient.
 
 The same numbers as `optax.softmax_cross_entropy_with_integer_labels`, its
-loss and its gradient bit for bit (tests/model/test_softmax_xent.py), in
-fewer passes over the [rows, vocab] logits. Differentiated by JAX, the
-loss's backward keeps exp(logits - max) from the forward pass and adds
--1 at each target through a scatter into a zero array the logits' size:
-two more [rows, vocab] float32 arrays, written and read again. Here the
-backward keeps only the logits (which the forward holds anyway) and each
-row's max and sum of exponentials, and writes the gradient in one pass:
-exp(logits - max) * (g / sum), minus g at the target, the order of
-operations JAX's own derivative of logsumexp uses, so nothing rounds
-differently.
-"""
+loss and its gradient bit for bit (tests/model/test_softmax_xent.py).
+Differentiated by JAX, that loss's backward is a program for XLA to fuse:
+exp(logits - max) kept from the forward pass, and -1 added at each target
+through a scatter into a zero array the logits' size. Here it is one
+elementwise pass by construction, whatever XLA makes of it: the backward
+keeps only the logits (which the forward holds anyway) and each row's max
+and sum of exponentials, and writes exp(logits - max) * (g / sum), minus
+g at the target, the order of operations JAX's own derivative of
+logsumexp uses, so nothing rounds differently. Never log-softmax and
+softmax both as [rows, vocab] float32 arrays."""
 
 import jax
 import jax.numpy as jnp
