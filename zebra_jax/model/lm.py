@@ -202,9 +202,9 @@ class ZebraLM(nnx.Module):
     """metrics.token_sums for this head, from hidden [B, T, H].
 
     The adaptive head scores targets with the chunked `nll`, never building
-    [B*T, V]; its accuracy needs a full-vocabulary `predict`, so
-    with_accuracy=False leaves "correct" out. The full head has the logits
-    anyway and always counts "correct".
+    [B*T, V]; its accuracy needs a full-vocabulary `predict`. The full head
+    has the logits, but its accuracy is still one more pass over them.
+    Under both, with_accuracy=False leaves "correct" out.
     """
     return self._on_rows(
         rows,
@@ -215,7 +215,7 @@ class ZebraLM(nnx.Module):
     if self.head == "full":
       logits = self._logits(hidden)
       with jax.named_scope("loss"):
-        return metrics.token_sums(logits, targets)
+        return metrics.token_sums(logits, targets, with_accuracy)
     log_probs = self._target_log_probs(hidden, targets)  # chunked nll
     with jax.named_scope("loss"):
       sums = {"loss_sum": -log_probs.sum(),
@@ -290,9 +290,9 @@ def token_sums(graphdef, params, inputs, targets, carry, dropout_rng=None,
                with_accuracy: bool = True, *, mesh=None):
   """Pure loss pass: ({"loss_sum", "count"[, "correct"]} float32, new carry).
 
-  What train and eval steps call: `metrics.token_sums(apply(...)[0], targets)`
-  for the full head; the chunked adaptive-softmax loss otherwise (see
-  `ZebraLM.token_sums` for when "correct" is left out).
+  What train and eval steps call: `metrics.token_sums(apply(...)[0],
+  targets, with_accuracy)` for the full head; the chunked adaptive-softmax
+  loss otherwise (`ZebraLM.token_sums`).
   """
   lm = nnx.merge(graphdef, params)
   rows = lm.rows(inputs.shape[0], mesh)
