@@ -34,7 +34,7 @@ FIXED = ("model.vocab_size", "model.embed_size", "model.hidden_size",
 # How a trained model runs: the compute dtype, the recurrence's code and the
 # devices' layout; the same parameters give the same numbers up to rounding.
 COMPUTE = ("model.dtype", "model.adaptive_chunk_rows", "model.recurrence",
-           "model.unroll", "parallel")
+           "model.cpu_bf16_head", "model.unroll", "parallel")
 # Which text --mode=eval scores (read with the trained tokenizer).
 CORPUS = ("data.source", "data.path", "data.hf_name", "data.hf_config",
           "data.hf_cache_dir", "data.hf_text_column", "data.tfds_name",

@@ -13,6 +13,7 @@ DTYPES = ("float32", "bfloat16", "float16")   # compute dtypes; parameters stay 
 HEADS = ("full", "adaptive")                  # softmax heads
 STRIPE_INPUTS = ("dense", "grouped")          # how a stripe reads its layer's input
 RECURRENCES = ("auto", "scan", "pallas", "native")  # the layer's time loop
+CPU_BF16_HEADS = ("off", "auto")              # the full head's matmuls on a CPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ModelConfig:
   unroll: int
   remat: bool
   recurrence: str
+  cpu_bf16_head: str
 
   @classmethod
   def of(cls, model: "ModelConfig | Mapping[str, Any]") -> "ModelConfig":
