@@ -112,8 +112,8 @@ def _loss_and_grads(setting, tied=True):
   compiled program calls the bf16 kernel."""
   cfg = _model_cfg(setting, tied)
   graphdef, params = nnx.split(lm.ZebraLM(cfg, rngs=nnx.Rngs(0)))
-  tokens = jax.random.randint(jax.random.key(0), (4, 9), 0, 300)
-  carry = lm.init_carry(cfg, 4)
+  tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 300)
+  carry = lm.init_carry(cfg, 8)  # 64 rows: cpu_bf16_head.MIN_ROWS
 
   def loss(p):
     logits, _ = lm.apply(graphdef, p, tokens[:, :-1], carry)
@@ -179,6 +179,21 @@ def test_a_cpu_without_the_units_runs_float32(monkeypatch):
   assert why == (library or "this CPU has no avx512_bf16")
   assert not cpu_bf16_head.chosen("auto")
   _assert_float32_program("auto")
+
+
+@needs_compiler
+@needs_units
+def test_a_few_rows_run_float32(this_cpus_build):
+  """A sampling step's rows (fewer than MIN_ROWS) keep the float32
+  products: the bits of the off setting."""
+  cfg = _model_cfg("auto")
+  model = lm.ZebraLM(cfg, rngs=nnx.Rngs(0))
+  assert model.bf16_head
+  off = lm.ZebraLM(_model_cfg("off"), rngs=nnx.Rngs(0))
+  hidden = jax.random.normal(jax.random.key(2), (1, 3, 32))
+  np.testing.assert_array_equal(model.logits(hidden), off.logits(hidden))
+  rows = jax.random.normal(jax.random.key(2), (2, 32, 32))
+  assert not np.array_equal(model.logits(rows), off.logits(rows))
 
 
 def test_off_is_the_float32_program():

@@ -49,6 +49,19 @@ def chosen(setting: str) -> bool:
   return setting == "auto" and not unavailable()
 
 
+# Rows of hidden states at or above which a call runs the bf16 products:
+# each call rounds and packs the head's whole matrix, a pass over it that a
+# window's rows repay and a sampling step's few rows (which read the matrix
+# once anyway) do not.
+MIN_ROWS = 64
+
+
+def runs_for(rows: int) -> bool:
+  """Whether a head call over this many rows takes the bf16 products (once
+  `chosen`)."""
+  return rows >= MIN_ROWS
+
+
 def _product(a, b, a_transposed: bool, b_transposed: bool):
   """op(a) op(b) [m, n] float32 through the library's bf16 matmul."""
   m = a.shape[1 if a_transposed else 0]

@@ -177,7 +177,7 @@ class ZebraLM(nnx.Module):
         w, spec = self.embed[...], "nh,vh->nv"
       else:
         w, spec = self.head_w[...], "nh,hv->nv"
-      if self.bf16_head:
+      if self.bf16_head and cpu_bf16_head.runs_for(b * t):
         logits = cpu_bf16_head.logits(flat, w, self.tied)
       else:
         logits = mixed_precision.matmul(spec, flat, w, self.dtype)
