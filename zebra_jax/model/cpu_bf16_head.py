@@ -91,8 +91,11 @@ def _forward(x, w, tied):
 def _backward(tied, residuals, g):
   x, w = residuals
   d_x = _product(g, w, False, not tied)  # g [N, V] · w as [V, H]
-  # d_w: tied gᵀ x [V, H], else xᵀ g [H, V]
-  d_w = _product(g, x, True, False) if tied else _product(x, g, True, False)
+  # d_w: xᵀ g [H, V] (tied: transposed back to [V, H]): the kernel packs g
+  # by rows, its fast way, rather than transposing it.
+  d_w = _product(x, g, True, False)
+  if tied:
+    d_w = d_w.T
   return d_x.astype(x.dtype), d_w.astype(w.dtype)
 
 

@@ -65,12 +65,37 @@ constexpr int kBf16Vectors = 2;   // 16-column vectors a block holds
 constexpr int kBf16PairsBlock = 256;  // pairs of K per pass over C (L2)
 constexpr int kBf16RowChunk = 64;     // rows whose A block stays in L2
 
+// 16 floats -> 16 bf16 (nearest even) in the low halves of 16 uint32 (a
+// float32 past `left` read as 0).
+inline __m512i Bf16Lanes(const float* x, int64_t left) {
+  const __mmask16 mask =
+      left >= 16 ? __mmask16(0xffff)
+                 : __mmask16((1u << std::max<int64_t>(left, 0)) - 1);
+  return _mm512_cvtepu16_epi32(
+      __m256i(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x))));
+}
+
 // A's rows [m0, m1) packed: row i's pairs of K, one uint32 each (first
-// element in the low half). A transposed operand is read in tiles, so
-// neither side strides through memory element by element.
+// element in the low half). Stored as it is read, a row's pairs are its
+// bf16 values in order; a transposed operand is read in tiles, so neither
+// side strides through memory element by element.
 void PackRows(const Operand& a, int64_t m0, int64_t m1, int64_t k,
               uint32_t* out) {
   const int64_t pairs = (k + 1) / 2;
+  if (!a.transposed) {
+    for (int64_t i = m0; i < m1; ++i) {
+      const float* row = a.x + i * a.ld;
+      uint16_t* dst = reinterpret_cast<uint16_t*>(out + i * pairs);
+      int64_t j = 0;
+      for (; j + 16 <= k; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                            __m256i(_mm512_cvtneps_pbh(
+                                _mm512_loadu_ps(row + j))));
+      for (; j < k; ++j) dst[j] = Bf16(row[j]);
+      if (k % 2) dst[k] = 0;
+    }
+    return;
+  }
   constexpr int64_t kTile = 32;
   for (int64_t i0 = m0; i0 < m1; i0 += kTile)
     for (int64_t q0 = 0; q0 < pairs; q0 += kTile)
@@ -83,23 +108,34 @@ void PackRows(const Operand& a, int64_t m0, int64_t m1, int64_t k,
 }
 
 // B's 16-column panels [p0, p1) packed: panel p, pair q is 16 uint32 (the
-// column's two K values), zero past N and past an odd K.
+// column's two K values), zero past N and past an odd K. B read by rows of
+// K (transposed: x[k * ld + col]) converts two rows' 16 columns at once;
+// else a column's values are a row of x, converted first, then its pairs
+// copied into the panel.
 void PackPanels(const Operand& b, int64_t p0, int64_t p1, int64_t k,
                 int64_t n, uint32_t* out) {
   const int64_t pairs = (k + 1) / 2;
-  for (int64_t p = p0; p < p1; ++p)
-    for (int64_t q = 0; q < pairs; ++q) {
-      uint32_t* row = out + (p * pairs + q) * 16;
-      for (int j = 0; j < 16; ++j) {
-        const int64_t col = p * 16 + j;
-        if (col >= n) {
-          row[j] = 0;
-          continue;
-        }
-        const uint32_t lo = Bf16(b.At(col, 2 * q));
-        const uint32_t hi = 2 * q + 1 < k ? Bf16(b.At(col, 2 * q + 1)) : 0;
-        row[j] = lo | (hi << 16);
+  if (b.transposed) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t q = 0; q < pairs; ++q) {
+        const float* first = b.x + 2 * q * b.ld + p * 16;
+        const __m512i lo = Bf16Lanes(first, n - p * 16);
+        const __m512i hi = 2 * q + 1 < k
+                               ? Bf16Lanes(first + b.ld, n - p * 16)
+                               : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + (p * pairs + q) * 16,
+                            _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
       }
+    return;
+  }
+  std::vector<uint32_t> row(static_cast<size_t>(pairs));
+  for (int64_t p = p0; p < p1; ++p)
+    for (int j = 0; j < 16; ++j) {
+      const int64_t col = p * 16 + j;
+      if (col < n)
+        PackRows(Operand{b.x + col * b.ld, b.ld, false}, 0, 1, k, row.data());
+      for (int64_t q = 0; q < pairs; ++q)
+        out[(p * pairs + q) * 16 + j] = col < n ? row[size_t(q)] : 0;
     }
 }
 
