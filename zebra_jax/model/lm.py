@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zebra_jax.model import adaptive_softmax as asm, metrics
-from zebra_jax.model import mixed_precision, stripe_parallel
+from zebra_jax.model import cpu_bf16_head, mixed_precision, stripe_parallel
 from zebra_jax.model.config import DTYPES, ModelConfig
 from zebra_jax.model.layer import ZebraLSTMLayer, stripe_shuffle
 
@@ -97,6 +97,7 @@ class ZebraLM(nnx.Module):
           fused_xent=cfg.head_fused_xent, tile=cfg.adaptive_tile)
       return
     self.tied = bool(cfg.tie_embeddings and same_width)
+    self.bf16_head = cpu_bf16_head.chosen(cfg.cpu_bf16_head)
     if not self.tied:
       bound = 1.0 / cfg.hidden_size ** 0.5
       self.head_w = nnx.Param(jax.random.uniform(
@@ -178,7 +179,10 @@ class ZebraLM(nnx.Module):
         w, spec = self.embed[...], "nh,vh->nv"
       else:
         w, spec = self.head_w[...], "nh,hv->nv"
-      logits = mixed_precision.matmul(spec, flat, w, self.dtype)
+      if self.bf16_head and cpu_bf16_head.runs_for(b * t):
+        logits = cpu_bf16_head.logits(flat, w, self.tied)
+      else:
+        logits = mixed_precision.matmul(spec, flat, w, self.dtype)
       return (logits + self.head_b[...]).reshape(b, t, -1)
 
   def target_log_probs(self, hidden: jax.Array, targets: jax.Array,
