@@ -3,6 +3,7 @@ text independent of what runs beside it."""
 
 import concurrent.futures
 import dataclasses
+import itertools
 import threading
 
 import jax
@@ -123,7 +124,10 @@ def test_every_decode_variant_gives_a_row_the_all_features_bits(gen):
       e.model.params, state, active, step_fn=e.model.step_fn, block=3,
       features=features), static_argnums=2)
   mixes = 0
-  for variant in params.DECODE_VARIANTS:
+  # Every set of groups, compiled by the engine or not: the property holds
+  # for any program the groups make.
+  for variant in {params.Features(*bits) for bits in itertools.product(
+      (False, True), repeat=len(params.Features._fields))}:
     active = np.array([variant.covers(n) for n in needs])
     if not active.any():
       continue
@@ -137,7 +141,13 @@ def test_every_decode_variant_gives_a_row_the_all_features_bits(gen):
       for got, want in zip(logprobs, want_logprobs):
         np.testing.assert_array_equal(np.asarray(got)[active],
                                       np.asarray(want)[active])
-  assert mixes == len(params.DECODE_VARIANTS) == 12
+  assert mixes == 2 ** len(params.Features._fields)
+  # The engine runs the plain program for plain rows, the full one as soon
+  # as one row uses a group.
+  plain = params.features(params.SamplingParams(temperature=0.7, seed=1))
+  assert params.variant_for(plain) == params.DECODE_VARIANTS[0]
+  assert params.variant_for(plain | params.Features(logprobs=True)) \
+      == params.ALL_FEATURES
 
 
 def test_a_request_in_a_busy_batch_equals_it_alone(gen):

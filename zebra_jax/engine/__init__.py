@@ -23,15 +23,17 @@ slot by a third program; it then consumes the same chunks a cold start
 would, so its tokens and log-probabilities are the same to the bit.
 
 Math that no busy row uses is not in the program that runs: decode is
-compiled once per set of feature groups (params.Features: sampling, the
+compiled for two sets of feature groups (params.Features: sampling, the
 top-k/top-p/min-p filters, the logit edits (penalties, logit bias,
-allowed tokens, min_tokens), log-probabilities; filters imply sampling, so
-4 + 8 = 12 variants), the host picks the set from the busy rows'
-parameters at each step, and prefill once with and once without prompt
-log-probabilities. For a row, a group it does not use is the identity to
-the bit, so its tokens and log-probabilities are the same in every variant
-that covers its own groups: what its neighbours use never changes them. The engine therefore compiles
-exactly 15 programs (2 prefill, 12 decode, restore; 14 with the cache off),
+allowed tokens, min_tokens), log-probabilities): the plain one (greedy
+or drawn rows only) and the one with every group; the host runs the
+smaller whenever it covers the busy rows' parameters. Prefill is compiled
+once with and once without prompt log-probabilities. For a row, a group it
+does not use is the identity to the bit, so its tokens and
+log-probabilities are the same in every variant that covers its own
+groups: what its neighbours use never changes them. The engine therefore
+compiles exactly 5 programs (2 prefill, 2 decode, restore; 4 with the
+prefix cache off),
 all at start-up, whatever the traffic: stats()["compiled_programs"] counts
 their traces (jit cache misses). Every decode call computes all slots, busy or
 not: a program for fewer rows rounds differently (on the CPU a logit's last

@@ -17,7 +17,6 @@ it travels to the Triton model (wire.py).
 """
 
 import dataclasses
-import itertools
 import math
 import secrets
 from typing import NamedTuple
@@ -289,9 +288,10 @@ def packed_batch(rows: list[dict], count: int) -> dict:
 class Features(NamedTuple):
   """Which groups of per-row math a decode program contains: a static tuple,
   so a group no busy row uses is not in the program at all (not a cond).
-  `filters` implies `sample` (only drawn rows are filtered), so there are
-  4 + 8 = 12 variants (DECODE_VARIANTS). Groups are few, and coarse, to
-  keep that number (and the start-up's compiles) small."""
+  `filters` implies `sample` (only drawn rows are filtered). The engine
+  compiles two of the sets (DECODE_VARIANTS): each program is a compile at
+  every start-up, so more of them would cost every server and test more
+  than they save a step."""
   sample: bool = False     # temperature > 0: the Gumbel draw
   filters: bool = False    # top-k, top-p, min-p
   edits: bool = False      # penalties, logit_bias, allowed_token_ids,
@@ -309,9 +309,16 @@ class Features(NamedTuple):
 
 
 # Every decode program the engine may run, all compiled at start-up.
-DECODE_VARIANTS = tuple(Features(*bits) for bits in itertools.product(
-    (False, True), repeat=len(Features._fields)) if bits[0] or not bits[1])
 ALL_FEATURES = Features(True, True, True, True)
+# The decode programs the engine compiles at start-up, smallest first: the
+# plain one (greedy or drawn rows, no filter, edit or log-probability:
+# what most traffic asks) and the one with every group.
+DECODE_VARIANTS = (Features(sample=True), ALL_FEATURES)
+
+
+def variant_for(needs: Features) -> Features:
+  """The smallest compiled decode variant that covers `needs`."""
+  return next(v for v in DECODE_VARIANTS if v.covers(needs))
 
 
 def features(p: SamplingParams) -> Features:

@@ -736,8 +736,8 @@ class Engine:
   def _decode_batch(self, decoding: list[Request]) -> None:
     active = np.zeros(self.slots, bool)
     active[[r.slot for r in decoding]] = True
-    features = functools.reduce(operator.or_,
-                                (r.features for r in decoding))
+    features = params_lib.variant_for(functools.reduce(
+        operator.or_, (r.features for r in decoding)))
     self._state, tokens, logprobs = self._decode(self.model.params,
                                                  self._state, active, features)
     tokens = np.asarray(tokens)                         # [S, block]
