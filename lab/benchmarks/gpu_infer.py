@@ -10,6 +10,7 @@ import time
 import jax
 import numpy as np
 
+from lab.benchmarks.gpu_results import first_error_line
 from lab.benchmarks.steps import IdText, random_model
 
 
@@ -91,13 +92,14 @@ class StepClock:
     parts = {"loop": [], "dispatch": [], "device_wait": [],
              "bookkeeping": []}
     cadence = []
-    for before, (start, wall, calls, prompt) in zip(self.steps,
-                                                    self.steps[1:]):
-      if prompt or before[3] or len(calls) != 1 or len(before[2]) != 1:
+    for (start, wall, calls, prompt), after in zip(self.steps,
+                                                   self.steps[1:]):
+      # Both decode-only: the gap is the loop's, not an idle wait's.
+      if prompt or after[3] or len(calls) != 1 or len(after[2]) != 1:
         continue
       (dispatch, wait), = calls
-      cadence.append(start - before[0])
-      parts["loop"].append(start - before[0] - before[1])
+      cadence.append(after[0] - start)
+      parts["loop"].append(after[0] - start - wall)
       parts["dispatch"].append(dispatch)
       parts["device_wait"].append(wait)
       parts["bookkeeping"].append(wall - dispatch - wait)
@@ -122,3 +124,41 @@ def random_generators(cfg):
     return sample.Generator.from_parts(cfg, IdText(), graphdef, params,
                                        slots=slots)
   return make
+
+
+def serve_row(results, model: str, slots: int, make, prompt_ids, *,
+              new_tokens: int, rounds: int, deadline: float | None = None,
+              margin: float = 0.0, split: bool = False) -> None:
+  """The infer stage's row `{model}_slots{slots}`: make(slots)'s engine
+  through `engine_tokens_per_s`, written as it lands; split: then the same
+  engine's programs clocked (StepClock) over rows 8 times as long, the
+  row `..._host_device`. Not started with less than `margin` seconds left
+  before `deadline` (time.time()); a row that cannot run is its error."""
+  name, key = f"{model}_slots{slots}", "results"
+  if deadline is not None and deadline - time.time() < margin:
+    results.append("infer", key, [{
+        "name": name, "model": model, "slots": slots,
+        "error": "not run: the stage's budget is spent"}])
+    return
+  prompt_ids = np.asarray(prompt_ids, np.int32)
+  generator = None
+  try:
+    generator = make(slots)
+    got = engine_tokens_per_s(generator, prompt_ids, slots, new_tokens,
+                              rounds)
+    results.append("infer", key, [{"name": name, "model": model, **got}])
+    if split:
+      key, name = "split", f"{name}_host_device"
+      clock = StepClock(generator.engine)
+      engine_tokens_per_s(generator, prompt_ids, slots, 8 * new_tokens,
+                          rounds)
+      results.append("infer", key, [{
+          "name": name, "model": model, "slots": slots,
+          **clock.split(generator.engine.block)}])
+  except Exception as e:  # pylint: disable=broad-except
+    results.append("infer", key, [{"name": name, "model": model,
+                                   "slots": slots,
+                                   "error": first_error_line(e)}])
+  finally:
+    if generator is not None:
+      generator.close()

@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from lab.benchmarks import gpu_kernel, gpu_profile
+from lab.benchmarks import gpu_infer, gpu_kernel, gpu_profile
 from lab.benchmarks.gpu_results import Results, first_error_line
 from lab.benchmarks.gpu_smoke import stage_smoke
 from lab.benchmarks.shapes import SHAPES, model_config, zipf_probs
@@ -424,9 +424,7 @@ def stage_infer(results: Results, dry: bool, work: str,
   time split between host and device on the same engine, then the
   wt103 recipe's model with random weights (dry: its tiny variant). A row
   that cannot run (memory, the stage's budget) is its one-line error."""
-  # pylint: disable=g-import-not-at-top
-  from lab.benchmarks import gpu_infer
-  from zebra_jax.inference import loading, sample
+  from zebra_jax.inference import loading, sample  # pylint: disable=g-import-not-at-top
   workdir = os.path.join(work, "precision_float32")
   cfg = _config("demo", "tiny" if dry else "")
   if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
@@ -440,39 +438,10 @@ def stage_infer(results: Results, dry: bool, work: str,
                       "dtype": wt103.model.dtype,
                       "vocab": wt103.model.vocab_size,
                       "weights": "random"}}, rows=0)
-  new_tokens, rounds = (4, 1) if dry else (64, 3)
-  margin = DRY_INFER_ROW_MARGIN_S if dry else INFER_ROW_MARGIN_S
-
-  def row(model, slots, make, prompt_ids, split=False):
-    name = f"{model}_slots{slots}"
-    if deadline is not None and deadline - time.time() < margin:
-      results.append("infer", "results", [{
-          "name": name, "model": model, "slots": slots,
-          "error": "not run: the stage's budget is spent"}])
-      return
-    generator, key = None, "results"
-    try:
-      generator = make(slots)
-      got = gpu_infer.engine_tokens_per_s(
-          generator, prompt_ids.astype(np.int32), slots, new_tokens, rounds)
-      results.append("infer", key, [{"name": name, "model": model, **got}])
-      if split:  # the same programs, clocked from outside; longer rows
-        key, name = "split", f"{name}_host_device"
-        clock = gpu_infer.StepClock(generator.engine)
-        gpu_infer.engine_tokens_per_s(
-            generator, prompt_ids.astype(np.int32), slots, 8 * new_tokens,
-            rounds)
-        results.append("infer", key, [{
-            "name": name, "model": model, "slots": slots,
-            **clock.split(generator.engine.block)}])
-    except Exception as e:  # pylint: disable=broad-except
-      results.append("infer", key, [{"name": name, "model": model,
-                                     "slots": slots,
-                                     "error": first_error_line(e)}])
-    finally:
-      if generator is not None:
-        generator.close()
-
+  row = functools.partial(
+      gpu_infer.serve_row, results, new_tokens=4 if dry else 64,
+      rounds=1 if dry else 3, deadline=deadline,
+      margin=DRY_INFER_ROW_MARGIN_S if dry else INFER_ROW_MARGIN_S)
   for slots in DRY_INFER_SLOTS if dry else INFER_SLOTS:
     row("demo", slots, lambda n: sample.Generator(loaded, slots=n), prompt,
         split=slots == 1)
