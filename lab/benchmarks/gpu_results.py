@@ -410,15 +410,14 @@ def _infer_section(infer: dict) -> list[str]:
            "each a prompt and its new tokens; one untimed round first; "
            "the engine as --mode=serve builds it (its decode block: tokens "
            "a slot per decode call). demo: the precision stage's float32 "
-           "run; wt103: the recipe's model"
-           + (f" ({wt.get('variant')}, {wt.get('dtype')}, "
-              f"{wt.get('vocab'):,} words)" if wt else "")
-           + " with random weights.", "",
+           "run" + (f"; wt103: the recipe's model ({wt['variant']}, "
+                    f"{wt['dtype']}, {wt['vocab']:,} words) with random "
+                    "weights" if wt else "") + ".", "",
            "| row | slots | decode block | requests | prompt | new tokens "
            "| tok/s | us/token a slot |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in infer["results"]:
-    name = r.get("name", f"slots{r['slots']}")
+    name = r.get("name", f"demo_slots{r['slots']}")
     if "error" in r:
       lines.append(f"| {name} | {r['slots']} | error: {r['error']} "
                    "| | | | | |")
@@ -426,7 +425,7 @@ def _infer_section(infer: dict) -> list[str]:
     lines.append(f"| {name} | {r['slots']} | {r.get('decode_block', '-')} "
                  f"| {r['requests']} | {r['prompt_len']} | "
                  f"{r['new_tokens']} | {r['tokens_per_s']:,.0f} | "
-                 f"{_fmt(r.get('us_per_token_per_slot'), '.0f')} |")
+                 f"{1e6 * r['slots'] / r['tokens_per_s']:,.0f} |")
   lines.append("")
   split = infer.get("split", [])
   if split:
