@@ -22,6 +22,9 @@ ratios the median of each round's ratio):
               machine, by batch rows or by hidden units (the parts then run
               on this CPU's cores): x rows is the units split's time over
               the rows split's, the work each way of splitting costs
+  split_w200_{rows,units}_{N}  the same at hidden 200, batch 20, 35 steps
+              (PyTorch's word_language_model LSTM) on this CPU's N cores;
+              us/step: a forward and a backward step
 S1: one dense stripe; S8g: 8 grouped stripes. On a shared CPU compare the
 ratios, not the times.
 """
@@ -100,15 +103,29 @@ def _loops_runner(shape, stripes: int, parts: int | None = None,
   return lambda: jax.block_until_ready(compiled(x_proj, w_h))
 
 
+# PyTorch's word_language_model example's default LSTM (hidden 200, batch
+# 20, 35 steps): a width where a step's work is small next to what a call
+# and a wait a step cost.
+SMALL = {"hidden": 200, "batch": 20, "seq_len": 35}
+
+
 def _split_rows(shape, rounds: int) -> list[dict]:
-  """split_S1_* rows: each split's time, and units over rows."""
-  fns = {}
+  """split_S1_* rows: each split's time, and units over rows; split_w200_*
+  the same at SMALL on this machine's cores, with each step's time."""
+  fns, steps = {}, {}
   for parts in (2, 8, 16):
     for how in ("rows", "units"):
       fns[f"split_S1_{how}_{parts}"] = _loops_runner(shape, 1, parts,
                                                      how == "units")
+      steps[f"split_S1_{how}_{parts}"] = shape["seq_len"]
+  cores = native_recurrence.threads(1 << 62)
+  for how in ("rows", "units"):
+    fns[f"split_w200_{how}_{cores}"] = _loops_runner(SMALL, 1, cores,
+                                                     how == "units")
+    steps[f"split_w200_{how}_{cores}"] = SMALL["seq_len"]
   times = round_times(fns, rounds)
   return [{"name": row, "ms": 1e3 * float(np.median(t)),
+           "us_per_step": 1e6 * float(np.median(t)) / steps[row],
            "x_rows": float(np.median(
                t / times[row.replace("_units_", "_rows_")]))}
           for row, t in times.items()]
@@ -175,6 +192,7 @@ def run(quick: bool, rounds: int, json_path: str | None) -> list[dict]:
     print_rows(split, [
         ("row", 24, lambda r: r["name"]),
         ("ms/call", 10, lambda r: f"{r['ms']:.2f}"),
+        ("us/step", 9, lambda r: f"{r['us_per_step']:.1f}"),
         ("x rows", 8, lambda r: ratio_text(r["x_rows"]))])
   if json_path:
     with open(json_path, "w") as f:

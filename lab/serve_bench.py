@@ -2,6 +2,7 @@
 
   python -m lab.serve_bench --workdir=runs/tiny \
       [--clients=1,16,64] [--seconds=15] [--soak_seconds=600] \
+      [--soak_shared_prefix=1000] \
       [--client=aiohttp|openai] [--server_cpus=0 --client_cpus=1] \
       [--url=http://127.0.0.1:8000] [--config.serve.slots=64 ...]
 
@@ -401,20 +402,35 @@ def table(phases: list[dict]) -> str:
 
 
 def soak(url, key, text, clients, seconds, max_tokens, procs, pid,
-         client="openai", cpus=None, every=30.0) -> dict:
-  """Varied traffic for `seconds`, the server's RSS sampled between bursts."""
+         client="openai", cpus=None, every=30.0, shared_prefix="") -> dict:
+  """Varied traffic for `seconds`, the server's RSS sampled between bursts.
+
+  With a `shared_prefix`, bursts alternate between prompts that all start
+  with it (after the first burst, the prefix state cache holds it) and cold
+  prompts that share nothing, so the cache's entries both hit and churn."""
   samples, phases, t_end = [], [], time.monotonic() + seconds
+  kinds = []
   while time.monotonic() < t_end:
     burst = min(every, t_end - time.monotonic())
     if burst < 1:
       break
+    cached = bool(shared_prefix) and len(phases) % 2 == 0
+    tag = shared_prefix if cached else (f"c{len(phases)}." if shared_prefix
+                                        else "")
     phases.append(phase(url, key, text, clients, burst, max_tokens, procs,
-                        pid, client, cpus))
+                        pid, client, cpus, tag=tag))
+    kinds.append("cached" if cached else "cold")
     samples.append(_get(url, "/health", key)["rss_bytes"])
   first, last = samples[0], samples[-1]
+  engine = _get(url, "/health", key).get("engine", {})
   return {"clients": clients, "seconds": seconds,
           "requests": sum(p["requests"] for p in phases),
           "errors": sum(p["errors"] for p in phases),
+          "bursts": kinds,
+          "tokens_per_s": [round(p["tokens_per_s"]) for p in phases],
+          "prefix_cache": {k: engine.get(k) for k in (
+              "prefix_cache_queries", "prefix_cache_hits",
+              "prefix_cache_bytes", "prefix_cache_entries")},
           "rss_mb": [round(s / 2**20, 1) for s in samples],
           "growth_pct": round(100 * (last - first) / first, 2)}
 
@@ -629,7 +645,8 @@ def main(argv) -> None:
     load.append(os.getloadavg())
     rss_warm = _get(url, "/health", key)["rss_bytes"]
     soaked = (soak(url, key, text, f.soak_clients, f.soak_seconds,
-                   f.max_tokens, f.client_procs, pid, f.client, client_cpus)
+                   f.max_tokens, f.client_procs, pid, f.client, client_cpus,
+                   shared_prefix=text[:f.soak_shared_prefix])
               if f.soak_seconds > 0 else None)
     health = _get(url, "/health", key)
     load.append(os.getloadavg())
@@ -707,6 +724,9 @@ def _flags() -> None:
                      "from --soak_clients, the server's RSS sampled every "
                      "30 s.")
   flags.DEFINE_integer("soak_clients", 16, "Concurrent clients of the soak.")
+  flags.DEFINE_integer("soak_shared_prefix", 0, "Characters of model text "
+                       "that the soak's every other burst starts each prompt "
+                       "with (the prefix state cache's hits); 0: one mix.")
   flags.DEFINE_string("seed_prompt", None, "Text the model continues to make "
                       "the prompts (default: from the workdir's tokenizer).")
   flags.DEFINE_string("json", None, "JSON output (default "

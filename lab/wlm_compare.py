@@ -1,6 +1,7 @@
 """zebra_jax against PyTorch's word_language_model example, equal wall-clock.
 
-  python -m lab.wlm_compare --seconds=180       # dense S=1, grouped S=8, torch
+  python -m lab.wlm_compare --seconds=180       # dense S=1, grouped S=8,
+                                                # torch on every core and on 1
   python -m lab.wlm_compare --trace             # where one step's time goes
   python -m lab.wlm_compare --quick             # tiny: a smoke test
 
@@ -45,7 +46,12 @@ def main(argv: Sequence[str]) -> None:
     return
   if f.seconds <= 0:
     raise UserError(f"--seconds={f.seconds}: give a positive budget")
-  equal_time.run(2.0 if f.quick else f.seconds, variants, f.threads, f.quick,
+  if not f.threads or not all(t.isdigit() and int(t) >= 1
+                              for t in f.threads):
+    raise UserError(f"--threads={','.join(f.threads)}: give thread counts "
+                    "of at least 1")
+  threads = [int(t) for t in f.threads]
+  equal_time.run(2.0 if f.quick else f.seconds, variants, threads, f.quick,
                  overrides, f.json)
 
 
@@ -67,8 +73,9 @@ def _define_flags() -> None:
   flags.DEFINE_list("variants", ["dense1", "grouped8"], "configs/wlm.py "
                     "variants of the JAX rows: dense1 (S=1) and/or grouped8 "
                     "(S=8, grouped input).")
-  flags.DEFINE_integer("threads", cores, "torch threads (XLA uses every "
-                       "core it sees).")
+  flags.DEFINE_list("threads", [str(t) for t in sorted({cores, 1})[::-1]],
+                    "torch rows' thread counts, one row each; ratios are "
+                    "to the faster (XLA uses every core it sees).")
   flags.DEFINE_multi_string("jax_override", [], "SECTION.FIELD=VALUE set on "
                             "the JAX rows' config, e.g. "
                             "model.recurrence=scan.")

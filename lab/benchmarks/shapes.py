@@ -53,7 +53,8 @@ def model_config(shape: dict, stripes: int, grouped=False, head="full",
            recurrence="scan",
            adaptive_cutoffs=tuple(shape.get("cutoffs", ())),
            adaptive_div_val=shape.get("div_val", 1), adaptive_tie=True,
-           adaptive_chunk_rows=0)  # sized to the platform, as the product
+           adaptive_chunk_rows=0,  # sized to the platform, as the product
+           cpu_bf16_head="off")
   c.update(overrides)
   # Every other field at the product's default, so a new model field needs
   # no edit here.

@@ -25,6 +25,10 @@ best matmul measured in this run, XLA's planned bytes per step):
   head_tied   the head alone at the LM rows' shape: the tied 8,192-word
               matrix, bias and cross-entropy, forward and backward (the
               hidden states' gradient too), no optimizer
+  *_cpu_bf16  head_tied and the LM's native rows with
+              model.cpu_bf16_head=auto: the head's matmuls in bf16 on the
+              CPU's AVX512_BF16 units (model/cpu_bf16_head.py; only where
+              they run)
   head_adaptive  the same for the word-level shape's adaptive head, beside
               nn.AdaptiveLogSoftmaxWithLoss
   torch_*_{n}t  nn.LSTM (+ nn.Embedding and a tied head, or
@@ -72,6 +76,7 @@ from lab.benchmarks.torch_reference import (TORCH_GROUPS, torch_matmuls,
 from lab.benchmarks import traces
 from lab.benchmarks.traces import trace_rows
 from zebra_jax import strict_json
+from zebra_jax.model import cpu_bf16_head
 from zebra_jax.runtime import profiling
 
 def row_specs(shape) -> dict:
@@ -88,6 +93,8 @@ def row_specs(shape) -> dict:
   # grouped setting (CPU shapes only)
   native_rows = ([(first, False), (grouped[-1], True)] if shape.get("native")
                  else [])
+  # model.cpu_bf16_head=auto beside float32 where it runs the bf16 units
+  bf16 = bool(shape.get("native")) and not cpu_bf16_head.unavailable()
   suffix = lambda is_grouped: "_grouped" if is_grouped else ""
   core_flops = lambda s, g=False: step_flops(shape, s, grouped=g,
                                              input_grad=False)
@@ -115,9 +122,16 @@ def row_specs(shape) -> dict:
                 for s, g in lm_rows},
              **{f"lm_S{s}{suffix(g)}_native": (
                  p(lm_runner, shape, s, grouped=g, kernel="native"), b * t,
-                 lm_flops(s, g)) for s, g in native_rows}},
+                 lm_flops(s, g)) for s, g in native_rows},
+             **{f"lm_S{s}{suffix(g)}_native_cpu_bf16": (
+                 p(lm_runner, shape, s, grouped=g, kernel="native",
+                   cpu_bf16_head="auto"), b * t,
+                 lm_flops(s, g)) for s, g in native_rows if bf16}},
       "head": {"head_tied": (p(head_runner, shape), b * t,
-                             head_step_flops(shape, "full"))},
+                             head_step_flops(shape, "full")),
+               **({"head_tied_cpu_bf16": (
+                   p(head_runner, shape, cpu_bf16_head="auto"), b * t,
+                   head_step_flops(shape, "full"))} if bf16 else {})},
       "eval": {**{f"eval_S{s}{suffix(g)}": (p(eval_runner, shape, s, g),
                                             b * t, lm_flops(s, g, train=False))
                   for s, g in lm_rows},

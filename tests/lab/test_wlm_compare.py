@@ -55,7 +55,8 @@ def test_ops_are_given_to_the_parts_by_scope_and_kind():
 def test_quick_run_reports_every_row(tmp_path):
   path = tmp_path / "wlm.json"
   out = subprocess.run(
-      [sys.executable, "-m", "lab.wlm_compare", "--quick", f"--json={path}"],
+      [sys.executable, "-m", "lab.wlm_compare", "--quick", "--threads=2,1",
+       f"--json={path}"],
       capture_output=True, text=True, timeout=600, cwd=REPO,
       env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
            "JAX_PLATFORMS": "cpu"})  # one CPU device: batch 20 is the recipe's
@@ -63,11 +64,14 @@ def test_quick_run_reports_every_row(tmp_path):
   assert "x torch" in out.stdout
   result = json.loads(path.read_text())
   rows = {r["name"]: r for r in result["rows"]}
-  assert set(rows) == {"jax_S1_dense", "jax_S8_grouped", "torch_example"}
+  assert set(rows) == {"jax_S1_dense", "jax_S8_grouped", "torch_2thread",
+                       "torch_1thread"}
   for r in rows.values():
     assert r["tokens_per_s"] > 0 and math.isfinite(r["valid_ppl"])
     assert r["seconds"] >= result["seconds"]
-  assert rows["torch_example"]["ratio_to_torch"] == 1.0
+  # Ratios are to the faster torch row.
+  torch_ratios = [rows[f"torch_{t}thread"]["ratio_to_torch"] for t in (1, 2)]
+  assert max(torch_ratios) == 1.0 and min(torch_ratios) <= 1.0
 
 
 def test_the_wlm_config_trains_a_few_steps(tmp_path):

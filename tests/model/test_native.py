@@ -274,20 +274,23 @@ def test_any_thread_split_gives_the_same_bits(native, monkeypatch, threads,
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-@pytest.mark.parametrize("stripes,threads,batch", [
-    (1, 2, 9), (1, 3, 9), (1, 7, 9), (2, 7, 9), (1, 2, 1)])
+@pytest.mark.parametrize("stripes,threads,batch,width", [
+    (1, 2, 9, 80), (1, 3, 9, 80), (1, 7, 9, 80), (2, 7, 9, 80), (1, 2, 1, 80),
+    (1, 2, 20, 200), (1, 3, 20, 200)])
 def test_a_split_by_hidden_units_gives_the_same_bits(march, monkeypatch,
-                                                     stripes, threads, batch):
+                                                     stripes, threads, batch,
+                                                     width):
   """A dense stripe's hidden units split over threads that move in step
   (each its own columns of W, every row; 2, 3 or 7 parts of 80 units, so
-  parts end inside a vector on some builds; one row, as sampling): the
+  parts end inside a vector on some builds; one row, as sampling; hidden
+  200, whose parts end inside a panel: the partial panel's columns): the
   bits of one thread, which match the scan."""
-  args = _args(stripes, "dense", steps=16, batch=batch, width=80, seed=6)
+  args = _args(stripes, "dense", steps=16, batch=batch, width=width, seed=6)
   monkeypatch.setattr(native_recurrence, "threads", lambda flops: 1)
   one = _native()(*args)
   monkeypatch.setattr(native_recurrence, "threads", lambda flops: threads)
   monkeypatch.setattr(native_recurrence, "MIN_UNIT_SPLIT_FLOPS", 0)
-  assert native_recurrence.unit_parts(stripes, batch, 80, threads) > 1
+  assert native_recurrence.unit_parts(stripes, batch, width, threads) > 1
   many = _native()(*args)
   for name, a, b in zip(NAMES, jax.tree.leaves(one), jax.tree.leaves(many)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
@@ -306,6 +309,9 @@ def test_only_large_dense_stripes_split_by_units():
   assert native_recurrence.unit_parts(1, 1, 512, 2) == 2   # sampling
   assert native_recurrence.unit_parts(1, 1, 512, 8) == 1
   assert native_recurrence.unit_parts(1, 32, 16, 2) == 1    # too little
+  # PyTorch's word_language_model LSTM (hidden 200, batch 20): units, each
+  # thread half of W and every row, not 10 rows that underfill a block
+  assert native_recurrence.unit_parts(1, 20, 200, 2) == 2
 
 
 def test_threads_are_sized_to_the_work(monkeypatch):

@@ -129,6 +129,12 @@ FIELDS = dict(
                      "GPUs (interpret mode elsewhere: slow) | native: the "
                      "time loops as compiled C++ on CPUs, float32 (built on "
                      "first use; the scan elsewhere)"),
+        cpu_bf16_head=F("off", one_of(model_config.CPU_BF16_HEADS), "the "
+                        "full head's matmuls on a CPU: off (float32) | "
+                        "auto: bf16 operands, float32 sums, on the CPU's "
+                        "bf16 units where it has them (AVX512_BF16) and "
+                        "the native library is built for them; float32 "
+                        "elsewhere"),
     ),
     optim=dict(
         name=F("adam", one_of(("adam", "adamw", "sgd", "lamb")),

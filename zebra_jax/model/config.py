@@ -14,6 +14,7 @@ HEADS = ("full", "adaptive")                  # softmax heads
 STRIPE_INPUTS = ("dense", "grouped")          # how a stripe reads its layer's input
 RECURRENCES = ("auto", "scan", "pallas", "native")  # the layer's time loop
 HEAD_LOGITS_DTYPES = ("float32", "compute")   # the adaptive loss's logits
+CPU_BF16_HEADS = ("off", "auto")              # the full head's matmuls on a CPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ModelConfig:
   unroll: int
   remat: bool
   recurrence: str
+  cpu_bf16_head: str
 
   @classmethod
   def of(cls, model: "ModelConfig | Mapping[str, Any]") -> "ModelConfig":

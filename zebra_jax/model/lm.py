@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zebra_jax.model import adaptive_softmax as asm, metrics
-from zebra_jax.model import mixed_precision, stripe_parallel
+from zebra_jax.model import cpu_bf16_head, mixed_precision, stripe_parallel
 from zebra_jax.model.config import DTYPES, ModelConfig
 from zebra_jax.model.layer import ZebraLSTMLayer, stripe_shuffle
 
@@ -97,6 +97,7 @@ class ZebraLM(nnx.Module):
           fused_xent=cfg.head_fused_xent, tile=cfg.adaptive_tile)
       return
     self.tied = bool(cfg.tie_embeddings and same_width)
+    self.bf16_head = cpu_bf16_head.chosen(cfg.cpu_bf16_head)
     if not self.tied:
       bound = 1.0 / cfg.hidden_size ** 0.5
       self.head_w = nnx.Param(jax.random.uniform(
@@ -178,7 +179,10 @@ class ZebraLM(nnx.Module):
         w, spec = self.embed[...], "nh,vh->nv"
       else:
         w, spec = self.head_w[...], "nh,hv->nv"
-      logits = mixed_precision.matmul(spec, flat, w, self.dtype)
+      if self.bf16_head and cpu_bf16_head.runs_for(b * t):
+        logits = cpu_bf16_head.logits(flat, w, self.tied)
+      else:
+        logits = mixed_precision.matmul(spec, flat, w, self.dtype)
       return (logits + self.head_b[...]).reshape(b, t, -1)
 
   def target_log_probs(self, hidden: jax.Array, targets: jax.Array,
@@ -202,9 +206,9 @@ class ZebraLM(nnx.Module):
     """metrics.token_sums for this head, from hidden [B, T, H].
 
     The adaptive head scores targets with the chunked `nll`, never building
-    [B*T, V]; its accuracy needs a full-vocabulary `predict`, so
-    with_accuracy=False leaves "correct" out. The full head has the logits
-    anyway and always counts "correct".
+    [B*T, V]; its accuracy needs a full-vocabulary `predict`. The full head
+    has the logits, but its accuracy is still one more pass over them.
+    Under both, with_accuracy=False leaves "correct" out.
     """
     return self._on_rows(
         rows,
@@ -215,7 +219,7 @@ class ZebraLM(nnx.Module):
     if self.head == "full":
       logits = self._logits(hidden)
       with jax.named_scope("loss"):
-        return metrics.token_sums(logits, targets)
+        return metrics.token_sums(logits, targets, with_accuracy)
     log_probs = self._target_log_probs(hidden, targets)  # chunked nll
     with jax.named_scope("loss"):
       sums = {"loss_sum": -log_probs.sum(),
@@ -290,9 +294,9 @@ def token_sums(graphdef, params, inputs, targets, carry, dropout_rng=None,
                with_accuracy: bool = True, *, mesh=None):
   """Pure loss pass: ({"loss_sum", "count"[, "correct"]} float32, new carry).
 
-  What train and eval steps call: `metrics.token_sums(apply(...)[0], targets)`
-  for the full head; the chunked adaptive-softmax loss otherwise (see
-  `ZebraLM.token_sums` for when "correct" is left out).
+  What train and eval steps call: `metrics.token_sums(apply(...)[0],
+  targets, with_accuracy)` for the full head; the chunked adaptive-softmax
+  loss otherwise (`ZebraLM.token_sums`).
   """
   lm = nnx.merge(graphdef, params)
   rows = lm.rows(inputs.shape[0], mesh)

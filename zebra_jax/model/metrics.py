@@ -8,7 +8,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
+
+from zebra_jax.model import softmax_xent
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -55,20 +56,25 @@ def correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return at & ~before
 
 
-def token_sums(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+def token_sums(logits: jax.Array, targets: jax.Array,
+               with_accuracy: bool = True) -> dict[str, jax.Array]:
   """Summed cross-entropy, correct top-1 predictions and token count.
 
   Args:
     logits: [batch, time, vocab], any float dtype (cast to float32 here).
     targets: [batch, time] int32.
+    with_accuracy: count "correct" (a pass over the logits that the loss
+      does not need; training leaves it out).
   Returns:
-    {"loss_sum", "correct", "count"} float32 scalars.
+    {"loss_sum", "count"[, "correct"]} float32 scalars.
   """
   logits = logits.astype(jnp.float32)
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  hits = correct(logits, targets).astype(jnp.float32)
-  return {"loss_sum": losses.sum(), "correct": hits.sum(),
+  losses = softmax_xent.cross_entropy(logits, targets)
+  sums = {"loss_sum": losses.sum(),
           "count": jnp.asarray(targets.size, jnp.float32)}
+  if with_accuracy:
+    sums["correct"] = correct(logits, targets).astype(jnp.float32).sum()
+  return sums
 
 
 def summarize(loss_sum: float, correct: float | None,

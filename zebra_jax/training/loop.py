@@ -70,8 +70,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef,
 
   def grads_of(params, inputs, targets, carry, rng):
     def loss_fn(params):
-      # No extra full-vocabulary pass for accuracy (adaptive head): see
-      # lm.token_sums; the train log then shows no acc.
+      # No extra full-vocabulary pass for accuracy under either head (see
+      # lm.token_sums): the train log shows no acc; evaluation counts it.
       sums, new_carry = lm.token_sums(graphdef, params, inputs, targets,
                                          carry, rng, with_accuracy=False,
                                          mesh=mesh)

@@ -48,6 +48,7 @@ from zebra_jax.model.recurrence import native_build, native_check, scan
 _FORWARD, _BACKWARD = "zebra_native_forward", "zebra_native_backward"
 _BACKWARD_GRADS = "zebra_native_backward_grads"
 _FORWARD_PROJECTED = "zebra_native_forward_projected"
+BF16_MATMUL = "zebra_bf16_matmul"  # the head's (model/cpu_bf16_head.py)
 
 
 @functools.cache
@@ -71,7 +72,8 @@ def _load(target: str, prebuilt: str | None, cxx: str | None
     handlers = {_FORWARD: library.ZebraForward,
                 _BACKWARD: library.ZebraBackward,
                 _BACKWARD_GRADS: library.ZebraBackwardGrads,
-                _FORWARD_PROJECTED: library.ZebraForwardProjected}
+                _FORWARD_PROJECTED: library.ZebraForwardProjected,
+                BF16_MATMUL: library.ZebraBf16Matmul}
   except (OSError, AttributeError) as e:
     return f"loading {path} failed: {e}", ""
   # One set of FFI targets per library: tests load several (-march) side
@@ -80,7 +82,7 @@ def _load(target: str, prebuilt: str | None, cxx: str | None
   for name, handler in handlers.items():
     jax.ffi.register_ffi_target(name + suffix, jax.ffi.pycapsule(handler),
                                 platform="cpu")
-  _TARGETS[suffix] = native_check.build_info(data)[1]
+  _, _TARGETS[suffix], _NEEDS[suffix] = native_check.build_info(data)
   # The one line that says which loops run (the CLI shows warnings only).
   logging.warning("model.recurrence=native: the C++ time loops, %s build "
                   "(%s: %s)", _TARGETS[suffix], origin, path)
@@ -88,6 +90,7 @@ def _load(target: str, prebuilt: str | None, cxx: str | None
 
 
 _TARGETS = {}  # FFI target suffix -> the vector ISA its library was built for
+_NEEDS = {}  # FFI target suffix -> the CPU features its library was built for
 
 
 def _loaded() -> tuple[str, str]:
@@ -100,6 +103,18 @@ def vector_isa() -> str:
   avx2, avx, sse2, neon or generic); "" when none is loaded."""
   why, suffix = _loaded()
   return "" if why else _TARGETS[suffix]
+
+
+def target_suffix() -> str:
+  """The loaded library's FFI target suffix ("" when none is loaded)."""
+  return _loaded()[1]
+
+
+def built_with(feature: str) -> bool:
+  """Whether the library in use was compiled for this CPU feature
+  (/proc/cpuinfo's name, e.g. avx512_bf16)."""
+  why, suffix = _loaded()
+  return not why and feature in _NEEDS[suffix]
 
 
 def _unsupported(dtype, shape=()) -> str:

@@ -118,57 +118,84 @@ constexpr int kPanel = kVectors * kLanes;
 // reads is then contiguous. Read in place, a block's rows lie a whole row
 // of W apart (8 KB at dense S=1, hidden 512): every k touched a new page,
 // where the L2 prefetchers stop, and the recurrent matmul ran far below
-// the machine's best. Columns past the last whole panel are not packed
-// (Matmul reads them in place).
+// the machine's best. The columns past the last whole panel go into one
+// more, zero-padded: a width that is no multiple of the panel (hidden 200)
+// still runs in register blocks, not one column at a time.
 void Pack(int k_size, int n, const float* w, Index ldw, float* panels) {
-  for (int j = 0; j + kPanel <= n; j += kPanel)
-    for (int k = 0; k < k_size; ++k)
-      std::copy(w + k * ldw + j, w + k * ldw + j + kPanel,
-                panels + Index(j) * k_size + Index(k) * kPanel);
+  for (int j = 0; j < n; j += kPanel) {
+    const int width = std::min(kPanel, n - j);
+    for (int k = 0; k < k_size; ++k) {
+      float* panel_row = panels + Index(j) * k_size + Index(k) * kPanel;
+      std::copy(w + k * ldw + j, w + k * ldw + j + width, panel_row);
+      std::fill(panel_row + width, panel_row + kPanel, 0.0f);
+    }
+  }
 }
 
 // Floats Pack writes for n columns of k_size rows.
 Index PackedSize(int k_size, int n) {
-  return Index(n / kPanel) * kPanel * k_size;
+  return Index((n + kPanel - 1) / kPanel) * kPanel * k_size;
 }
 
 // One product of a Matmul: A[rows, k] W[k, n], W row-major with row stride
-// ldw, its whole panels also packed (Pack) in `panels`.
+// ldw, also packed (Pack) in `panels`.
 struct Product {
   Term term;
   const float* panels;
 };
 
+// C[rows, width] = X + the terms' sum for the last, partial panel: each
+// block through a scratch block as wide as V vectors (the panel's padding
+// columns computed and dropped), so its columns sum in the order of every
+// other column's, whatever part of the panel a call covers.
+template <int V, size_t N>
+void PartialPanel(int rows, int width, const std::array<Term, N>& terms,
+                  const float* x, Index ldx, float* c, Index ldc) {
+  float xs[kRows * kPanel], cs[kRows * kPanel];
+  for (int r0 = 0; r0 < rows; r0 += kRows) {
+    const int m = std::min(kRows, rows - r0);
+    for (int r = 0; x && r < m; ++r) {
+      std::copy(x + (r0 + r) * ldx, x + (r0 + r) * ldx + width,
+                xs + r * kPanel);
+      std::fill(xs + r * kPanel + width, xs + (r + 1) * kPanel, 0.0f);
+    }
+    Columns<V>(m, FromRow(terms, r0), x ? xs : nullptr, kPanel, cs, kPanel);
+    for (int r = 0; r < m; ++r)
+      std::copy(cs + r * kPanel, cs + r * kPanel + width,
+                c + (r0 + r) * ldc);
+  }
+}
+
+// PartialPanel with the fewest vectors that cover `width` columns.
+template <int V = kVectors, size_t N>
+void PartialPanelOf(int rows, int width, const std::array<Term, N>& terms,
+                    const float* x, Index ldx, float* c, Index ldc) {
+  if constexpr (V > 1) {
+    if (width <= (V - 1) * kLanes)
+      return PartialPanelOf<V - 1>(rows, width, terms, x, ldx, c, ldc);
+  }
+  PartialPanel<V>(rows, width, terms, x, ldx, c, ldc);
+}
+
 // C[rows, n] = X + the products' sum, in the products' order.
 template <size_t N>
 void Matmul(int rows, int n, const std::array<Product, N>& products,
             const float* x, Index ldx, float* c, Index ldc) {
-  auto terms = [&](int j, bool packed) {
+  auto terms = [&](int j) {
     std::array<Term, N> t;
     for (size_t i = 0; i < N; ++i) {
       const Term& p = products[i].term;
-      t[i] = packed ? Term{p.k, p.a, p.lda,
-                           products[i].panels + Index(j) * p.k, kPanel}
-                    : Term{p.k, p.a, p.lda, p.w + j, p.ldw};
+      t[i] = Term{p.k, p.a, p.lda, products[i].panels + Index(j) * p.k,
+                  kPanel};
     }
     return t;
   };
   int j = 0;
   for (; j + kPanel <= n; j += kPanel)
-    Columns<kVectors>(rows, terms(j, true), x ? x + j : nullptr, ldx, c + j,
-                      ldc);
-  for (; j + kLanes <= n; j += kLanes)
-    Columns<1>(rows, terms(j, false), x ? x + j : nullptr, ldx, c + j, ldc);
-  for (; j < n; ++j)
-    for (Index r = 0; r < rows; ++r) {
-      float sum = x ? x[r * ldx + j] : 0.0f;
-      for (const Product& product : products) {
-        const Term& p = product.term;
-        for (Index k = 0; k < p.k; ++k)
-          sum += p.a[r * p.lda + k] * p.w[k * p.ldw + j];
-      }
-      c[r * ldc + j] = sum;
-    }
+    Columns<kVectors>(rows, terms(j), x ? x + j : nullptr, ldx, c + j, ldc);
+  if (j < n)
+    PartialPanelOf(rows, n - j, terms(j), x ? x + j : nullptr, ldx, c + j,
+                   ldc);
 }
 
 // C[rows, n] = X + A[rows, k] W[k, n]: one product.
@@ -181,8 +208,8 @@ void Matmul(int rows, int n, int k_size, const float* a, Index lda,
 }
 
 // Column ranges [first, last) of every stripe's W[k_size, ldw], each
-// range's whole panels packed one after another (nothing where a call runs
-// one row: RowTimesMatrix reads W in place).
+// range packed (Pack) after the one before (nothing where a call runs one
+// row: RowTimesMatrix reads W in place).
 class Packed {
  public:
   Packed(const Shape& d, int k_size, int ldw, const float* w,

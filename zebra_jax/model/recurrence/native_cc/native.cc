@@ -24,6 +24,7 @@
 //   threads.h       Plan and Run, Units and RunLockstep (XLA's pool)
 //   weight_grads.h  a window's d_w_h, d_w_x, d_bias (StripeGrads)
 //   lstm.h          the cell, Forward and Backward
+//   bf16_matmul.h   a bf16 matmul on AVX512_BF16 units (the tied head's)
 // native_build.py's digest of the source covers every file here.
 
 #include <algorithm>
@@ -36,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_matmul.h"
 #include "lstm.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -341,6 +343,38 @@ ffi::Error BackwardGradsImpl(
   });
 }
 
+// C = op(A) op(B) in bf16 with float32 sums (bf16_matmul.h): a [m, k] or,
+// transposed, [k, m]; b [k, n] or, transposed, [n, k]; c [m, n].
+ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
+                          ffi::Buffer<ffi::F32> b,
+                          ffi::ResultBuffer<ffi::F32> c, bool a_transposed,
+                          bool b_transposed, int64_t threads) {
+  const char* name = "zebra_bf16_matmul";
+  if (!kBf16Matmul)
+    return Failed(std::string(name) + ": this library was built without "
+                  "AVX512_BF16");
+  if (a.dimensions().size() != 2 || b.dimensions().size() != 2)
+    return Failed(std::string(name) + ": a and b must be matrices");
+  const int64_t m = a.dimensions()[a_transposed ? 1 : 0];
+  const int64_t k = a.dimensions()[a_transposed ? 0 : 1];
+  const int64_t n = b.dimensions()[b_transposed ? 0 : 1];
+  const std::string why = FirstMismatch(
+      "", {Mismatch("b", b, {b_transposed ? n : k, b_transposed ? k : n}),
+           Mismatch("c", *c, {m, n})});
+  if (!why.empty()) return Failed(std::string(name) + ": " + why);
+#ifdef ZEBRA_BF16_MATMUL
+  const Operand left{a.typed_data(), a.dimensions()[1], a_transposed};
+  const Operand right{b.typed_data(), b.dimensions()[1], !b_transposed};
+  return Guarded(name, [&] {
+    Bf16Matmul(m, n, k, left, right, c->typed_data(), Clipped(threads),
+               &pool);
+  });
+#else
+  (void)pool, (void)threads;
+  return ffi::Error::Success();
+#endif
+}
+
 }  // namespace
 
 // The vector instructions this library was compiled for: what
@@ -534,3 +568,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackwardGrads, BackwardGradsImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d_bias
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("unit_parts"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBf16Matmul, Bf16MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // a
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // c
+                                  .Attr<bool>("a_transposed")
+                                  .Attr<bool>("b_transposed")
+                                  .Attr<int64_t>("threads"));

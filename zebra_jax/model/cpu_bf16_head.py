@@ -1,0 +1,102 @@
+"""The full softmax head's matmuls in bfloat16 on a CPU's bf16 units.
+
+Why: the head is most of a CPU's LM step (the tied 8,192-word head's three
+products, logits = h Eᵀ, d_h = d_logits E and d_E = d_logitsᵀ h), and
+XLA's CPU dot runs them in float32 whatever the operands' dtype. CPUs with
+AVX512_BF16 have an instruction (vdpbf16ps) that does two bf16 products a
+float32 lane where the float32 FMA does one; the native library
+(`recurrence/native_cc/bf16_matmul.h`) runs the three products on it: the
+operands rounded to bf16, the sums in float32, the result float32, as the
+GPU's bf16 steps do.
+
+`model.cpu_bf16_head`: "off" (default) keeps the float32 products, the
+same program as before the option; "auto" runs them in bf16 where the
+native library is built with AVX512_BF16 and this CPU has it, and in float32
+elsewhere (another CPU, another -march build, no library, a GPU).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zebra_jax.model.recurrence import native, native_check
+
+SETTINGS = ("off", "auto")
+FEATURE = "avx512_bf16"
+
+
+def unavailable() -> str:
+  """Why the bf16 products cannot run here ("" when they can)."""
+  if jax.default_backend() != "cpu":
+    return f"it runs on CPUs, not {jax.default_backend()}"
+  why = native.unavailable(jnp.float32)
+  if why:
+    return why
+  if FEATURE not in native_check.cpu_flags():
+    return f"this CPU has no {FEATURE}"
+  if not native.built_with(FEATURE):
+    return (f"the native library is built for {native.vector_isa()} "
+            f"without {FEATURE}")
+  return ""
+
+
+def chosen(setting: str) -> bool:
+  """Whether model.cpu_bf16_head=setting runs the bf16 products here."""
+  if setting not in SETTINGS:
+    raise ValueError(f"cpu_bf16_head: {setting!r} is not one of {SETTINGS}")
+  return setting == "auto" and not unavailable()
+
+
+# Rows of hidden states at or above which a call runs the bf16 products:
+# each call rounds and packs the head's whole matrix, a pass over it that a
+# window's rows repay and a sampling step's few rows (which read the matrix
+# once anyway) do not.
+MIN_ROWS = 64
+
+
+def runs_for(rows: int) -> bool:
+  """Whether a head call over this many rows takes the bf16 products (once
+  `chosen`)."""
+  return rows >= MIN_ROWS
+
+
+def _product(a, b, a_transposed: bool, b_transposed: bool):
+  """op(a) op(b) [m, n] float32 through the library's bf16 matmul."""
+  m = a.shape[1 if a_transposed else 0]
+  n = b.shape[0 if b_transposed else 1]
+  k = a.shape[0 if a_transposed else 1]
+  threads = native.threads(2 * m * n * k)
+  return jax.ffi.ffi_call(
+      native.BF16_MATMUL + native.target_suffix(),
+      jax.ShapeDtypeStruct((m, n), jnp.float32),
+      vmap_method="sequential")(
+          a.astype(jnp.float32), b.astype(jnp.float32),
+          a_transposed=np.bool_(a_transposed),
+          b_transposed=np.bool_(b_transposed), threads=np.int64(threads))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def logits(x, w, tied: bool):
+  """x [N, H] times the head's matrix: w [V, H] (tied: the embedding,
+  contracted on H as it is stored) or [H, V]; [N, V] float32."""
+  return _product(x, w, False, tied)
+
+
+def _forward(x, w, tied):
+  return logits(x, w, tied), (x, w)
+
+
+def _backward(tied, residuals, g):
+  x, w = residuals
+  d_x = _product(g, w, False, not tied)  # g [N, V] · w as [V, H]
+  # d_w: xᵀ g [H, V] (tied: transposed back to [V, H]): the kernel packs g
+  # by rows, its fast way, rather than transposing it.
+  d_w = _product(x, g, True, False)
+  if tied:
+    d_w = d_w.T
+  return d_x.astype(x.dtype), d_w.astype(w.dtype)
+
+
+logits.defvjp(_forward, _backward)
