@@ -40,7 +40,9 @@ bounds. Stages, in the order they run:
   precision  the demo corpus in float32, bfloat16 and float16 (dynamic loss
              scaling): loss curves and skipped steps
   infer      the serving engine's generation tokens/s at 1, 16 and 64
-             slots, every slot busy
+             slots, every slot busy: the demo model, its one-slot token
+             split between host and device, and the wt103 recipe's model
+             with random weights
   scaling    data-parallel weak scaling over this machine's GPUs
   profile    a jax.profiler trace of three wt103 steps and XLA's dump of the
              step (XLA_FLAGS=--xla_dump_to), each packed into one archive

@@ -276,9 +276,19 @@ def summary(report: dict) -> list[str]:
         for d, c in curves.items()))
   infer = report.get("infer", {}).get("results", [])
   if infer:
-    lines.append("- infer: " + ", ".join(
-        f"{r['slots']} slots {r['tokens_per_s']:,.0f} tok/s"
-        for r in infer))
+    models = {r.get("model", "demo"): [] for r in infer}
+    for r in infer:
+      models[r.get("model", "demo")].append(r)
+    lines.append("- infer: " + "; ".join(
+        f"{m} at {'/'.join(str(r['slots']) for r in rows)} slots "
+        + " / ".join(_fmt(r.get("tokens_per_s")) for r in rows) + " tok/s"
+        for m, rows in models.items()))
+  for r in report.get("infer", {}).get("split", []):
+    if r.get("cadence_us") is not None:
+      lines.append(f"- infer, {r['model']} one-slot token: "
+                   f"{r['cadence_us']:.0f} us = " + " + ".join(
+                       f"{part} {r[part + '_us']:.0f}"
+                       for part in INFER_SPLIT_PARTS))
   scaling = report.get("scaling", {})
   if scaling.get("rows"):
     last = scaling["rows"][-1]
@@ -386,6 +396,59 @@ def _kernel_section(report: dict) -> list[str]:
   return lines
 
 
+# The parts of a one-slot decode step's time, in the order they are spent
+# (gpu_infer.StepClock.split): they add up to its cadence.
+INFER_SPLIT_PARTS = ("loop", "dispatch", "device_wait", "bookkeeping")
+
+
+def _infer_section(infer: dict) -> list[str]:
+  """The infer stage's tables: tokens/s per model and slot count, then the
+  one-slot decode's time per token split between host and device."""
+  wt = infer.get("wt103_model", {})
+  lines = ["## inference: the serving engine's tokens/s", "",
+           "Every slot busy: as many requests as slots, submitted at once, "
+           "each a prompt and its new tokens; one untimed round first; "
+           "the engine as --mode=serve builds it (its decode block: tokens "
+           "a slot per decode call). demo: the precision stage's float32 "
+           "run" + (f"; wt103: the recipe's model ({wt['variant']}, "
+                    f"{wt['dtype']}, {wt['vocab']:,} words) with random "
+                    "weights" if wt else "") + ".", "",
+           "| row | slots | decode block | requests | prompt | new tokens "
+           "| tok/s | us/token a slot |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in infer["results"]:
+    name = r.get("name", f"demo_slots{r['slots']}")
+    if "error" in r:
+      lines.append(f"| {name} | {r['slots']} | error: {r['error']} "
+                   "| | | | | |")
+      continue
+    lines.append(f"| {name} | {r['slots']} | {r.get('decode_block', '-')} "
+                 f"| {r['requests']} | {r['prompt_len']} | "
+                 f"{r['new_tokens']} | {r['tokens_per_s']:,.0f} | "
+                 f"{1e6 * r['slots'] / r['tokens_per_s']:,.0f} |")
+  lines.append("")
+  split = infer.get("split", [])
+  if split:
+    lines += ["One slot's decode, per token (a step's time over its decode "
+              "block), the mean over steps that only decoded: the loop "
+              "between steps (admission, locks), the decode call's host "
+              "dispatch, the device's work left after it, and the host's "
+              "bookkeeping; they add up to the cadence.", "",
+              "| row | steps | cadence, us | median, us | "
+              + " | ".join(f"{p}, us" for p in INFER_SPLIT_PARTS) + " |",
+              "|---|---:|---:|---:|" + "---:|" * len(INFER_SPLIT_PARTS)]
+    for r in split:
+      if "error" in r:
+        lines.append(f"| {r['name']} | error: {r['error']} |")
+        continue
+      lines.append(f"| {r['name']} | {r['steps']} | "
+                   + " | ".join(_fmt(r[f"{k}_us"], ".1f") for k in (
+                       "cadence", "cadence_median", *INFER_SPLIT_PARTS))
+                   + " |")
+    lines.append("")
+  return lines
+
+
 def render(report: dict) -> str:
   """The markdown page, from whatever the JSON holds (a stage stopped
   midway shows the rows it finished)."""
@@ -465,16 +528,7 @@ def render(report: dict) -> str:
                    f"{_fmt(c['loss_scale'], '.0f')} |")
     lines.append("")
   if report.get("infer", {}).get("results"):
-    lines += ["## inference: the serving engine's tokens/s (demo model)", "",
-              "Every slot busy: as many requests as slots, submitted at "
-              "once, each a prompt and its new tokens; one untimed round "
-              "first.", "",
-              "| slots | requests | prompt | new tokens | tok/s |",
-              "|---:|---:|---:|---:|---:|"]
-    for r in report["infer"]["results"]:
-      lines.append(f"| {r['slots']} | {r['requests']} | {r['prompt_len']} | "
-                   f"{r['new_tokens']} | {r['tokens_per_s']:,.0f} |")
-    lines.append("")
+    lines += _infer_section(report["infer"])
   s = report.get("scaling", {})
   if s.get("rows"):
     lines += [f"## data-parallel weak scaling (LM S={s['stripes']}, hidden "

@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from lab.benchmarks import gpu_kernel, gpu_profile
+from lab.benchmarks import gpu_infer, gpu_kernel, gpu_profile
 from lab.benchmarks.gpu_results import Results, first_error_line
 from lab.benchmarks.gpu_smoke import stage_smoke
 from lab.benchmarks.shapes import SHAPES, model_config, zipf_probs
@@ -407,56 +407,49 @@ def stage_precision(results: Results, dry: bool, work: str,
     results.update("precision", {"curves": curves})
 
 
-def engine_tokens_per_s(generator, prompt_ids, slots: int,
-                        new_tokens: int, rounds: int) -> dict:
-  """The serving engine with `slots` slots, every slot busy: `slots`
-  requests of new_tokens tokens each, submitted at once, `rounds` times
-  after one untimed round (its programs compile); generated tokens/s."""
-  from zebra_jax import engine as engines  # pylint: disable=g-import-not-at-top
-  params = engines.SamplingParams(max_new_tokens=new_tokens, seed=0)
-  engine = generator.engine
-
-  def one_round():
-    requests = engine.submit_many(
-        [engines.Row("", params, prompt_ids, i) for i in range(slots)],
-        block=True)
-    for r in requests:
-      r.result(timeout=600)
-    return sum(r.completion_tokens for r in requests)
-
-  one_round()
-  start, tokens = time.perf_counter(), 0
-  for _ in range(rounds):
-    tokens += one_round()
-  sec = time.perf_counter() - start
-  return {"slots": slots, "requests": slots * rounds,
-          "prompt_len": len(prompt_ids), "new_tokens": new_tokens,
-          "tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec}
+# The infer stage's slot counts (a dry run's), and the new tokens and timed
+# rounds of each row.
+INFER_SLOTS, DRY_INFER_SLOTS = (1, 16, 64), (1, 2)
+# A row is started only while this much of the stage is left: the recipe's
+# model compiles its engine's programs (decode, prefill, restore) afresh at
+# every slot count; a row the budget leaves out says so.
+INFER_ROW_MARGIN_S, DRY_INFER_ROW_MARGIN_S = 12, 5
 
 
-def stage_infer(results: Results, dry: bool, work: str) -> None:
-  """The serving engine's generation tokens/s at 1, 16 and 64 slots, each
-  written as it lands, on the precision stage's float32 run (a short demo
-  run when it is not there)."""
-  # pylint: disable=g-import-not-at-top
-  from zebra_jax.inference import loading, sample
+def stage_infer(results: Results, dry: bool, work: str,
+                deadline: float | None = None) -> None:
+  """The serving engine's generation at 1, 16 and 64 slots, each row
+  written as it lands: the demo model (the precision stage's float32 run,
+  or a short demo run when it is not there), then the one-slot decode's
+  time split between host and device on the same engine, then the
+  wt103 recipe's model with random weights (dry: its tiny variant). A row
+  that cannot run (memory, the stage's budget) is its one-line error."""
+  from zebra_jax.inference import loading, sample  # pylint: disable=g-import-not-at-top
   workdir = os.path.join(work, "precision_float32")
   cfg = _config("demo", "tiny" if dry else "")
   if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     cfg = _train_demo(workdir, dry, 4 if dry else 50)
   loaded = loading.load_for_inference(cfg, workdir)
   prompt = np.asarray(loaded.splits["valid"])[:4 if dry else 32]
-  results.update("infer", {"step": int(loaded.step),
-                           "dtype": loaded.cfg.model.dtype}, rows=0)
-  for slots in (1, 2) if dry else (1, 16, 64):
-    generator = sample.Generator(loaded, slots=slots)
-    try:
-      row = engine_tokens_per_s(generator, prompt.astype(np.int32), slots,
-                                new_tokens=4 if dry else 64,
-                                rounds=1 if dry else 3)
-    finally:
-      generator.close()
-    results.append("infer", "results", [row])
+  wt103 = wt103_config(dry)
+  results.update("infer", {
+      "step": int(loaded.step), "dtype": loaded.cfg.model.dtype,
+      "wt103_model": {"variant": "tiny" if dry else "recipe",
+                      "dtype": wt103.model.dtype,
+                      "vocab": wt103.model.vocab_size,
+                      "weights": "random"}}, rows=0)
+  row = functools.partial(
+      gpu_infer.serve_row, results, new_tokens=4 if dry else 64,
+      rounds=1 if dry else 3, deadline=deadline,
+      margin=DRY_INFER_ROW_MARGIN_S if dry else INFER_ROW_MARGIN_S)
+  for slots in DRY_INFER_SLOTS if dry else INFER_SLOTS:
+    row("demo", slots, lambda n: sample.Generator(loaded, slots=n), prompt,
+        split=slots == 1)
+  wt103_prompt = np.random.default_rng(0).integers(
+      0, wt103.model.vocab_size, len(prompt))
+  make = gpu_infer.random_generators(wt103)
+  for slots in DRY_INFER_SLOTS if dry else INFER_SLOTS:
+    row("wt103", slots, make, wt103_prompt)
 
 
 def stage_scaling(results: Results, dry: bool) -> None:
@@ -522,7 +515,7 @@ def run_stage(stage: str, out: str, dry: bool, wt103_seconds: float = 10.0,
   elif stage == "precision":
     stage_precision(results, dry, work, precision_steps)
   elif stage == "infer":
-    stage_infer(results, dry, work)
+    stage_infer(results, dry, work, deadline)
   elif stage == "scaling":
     stage_scaling(results, dry)
   elif stage == "profile":

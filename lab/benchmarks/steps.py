@@ -49,7 +49,9 @@ def _random_split(build):
   return graphdef, jax.tree.unflatten(treedef, draw(jax.random.key(0)))
 
 
-def _create(cfg):
+def random_model(cfg):
+  """(graphdef, params) of the product's LM for a model config, params
+  random (_random_split): what every benchmark of a model's speed builds."""
   return _random_split(lambda: lm.ZebraLM(cfg, rngs=nnx.Rngs(0)))
 
 
@@ -138,7 +140,7 @@ def train_step(model, batch_size: int, devices=None):
   cfg.model.update(model)
   cfg.data.batch_size = batch_size
   mesh = parallel.make_mesh(devices or jax.devices()[:1])
-  graphdef, params = _create(model)
+  graphdef, params = random_model(model)
   tx = optax.adam(1e-3)
   state = train_state.TrainState(
       step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
@@ -183,7 +185,7 @@ def head_runner(shape, head="full", cpu_bf16_head="off"):
   alone XLA drops the work only the value needs (the adaptive tails'
   forward loops). cpu_bf16_head: model.cpu_bf16_head."""
   cfg = model_config(shape, 1, head=head, cpu_bf16_head=cpu_bf16_head)
-  graphdef, params = _create(cfg)
+  graphdef, params = random_model(cfg)
   b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
   hidden = jax.random.uniform(jax.random.key(1), (b, t, h), jnp.float32,
                               -0.1, 0.1)
@@ -213,7 +215,7 @@ def eval_runner(shape, stripes, grouped=False, kernel="scan"):
   should not define."""
   from zebra_jax.training import evaluate  # pylint: disable=g-import-not-at-top
   cfg = model_config(shape, stripes, grouped, recurrence=kernel)
-  graphdef, params = _create(cfg)
+  graphdef, params = random_model(cfg)
   tokens = random_tokens(shape)
   step = jax.jit(functools.partial(evaluate.eval_step, graphdef=graphdef),
                  donate_argnums=1)
@@ -225,7 +227,7 @@ _SAMPLE = base.get_config().sample
 _SAMPLE_FILTER = {k: _SAMPLE[k] for k in ("temperature", "top_k", "top_p")}
 
 
-class _Ids:
+class IdText:
   """Token ids as text: the random models have no tokenizer, and the
   engine decodes a row's tokens once, at its end."""
   spaces_in_tokens = True
@@ -247,12 +249,12 @@ def gen_runner(shape, stripes, batch, grouped=False, nucleus=False,
   distribution; nucleus: with the sample config's default temperature,
   top_k and top_p. kernel: the layers' recurrence (model.recurrence)."""
   cfg = model_config(shape, stripes, grouped, recurrence=kernel)
-  graphdef, params = _create(cfg)
+  graphdef, params = random_model(cfg)
   tokens = shape["gen_tokens"]
   model = engine.Model(
       step_fn=functools.partial(lm.decode_step, graphdef=graphdef),
       params=params, init_carry=functools.partial(lm.init_carry, cfg),
-      vocab_size=shape["vocab"], tokenizer=_Ids())
+      vocab_size=shape["vocab"], tokenizer=IdText())
   running = engine.Engine(model, slots=batch, queue=1, prefill_chunk=1,
                           prefill_rows=batch,
                           decode_block=min(tokens, int(_SAMPLE.chunk)))

@@ -83,11 +83,24 @@ def test_dry_run_writes_every_section(tmp_path):
   assert curves["float16"]["loss_scale"] is not None  # dynamic scaling on
   assert curves["float32"]["max_abs_diff_vs_fp32"] == 0.0
 
+  # infer: the demo run, then the tiny recipe with random weights, through
+  # the engine as configured; the one-slot demo token split host/device
   infer = report["infer"]["results"]
-  assert [r["slots"] for r in infer] == [1, 2]
+  assert [r["name"] for r in infer] == [
+      f"{m}_slots{n}" for m in ("demo", "wt103")
+      for n in gpu_stages.DRY_INFER_SLOTS]
   assert all(r["tokens"] == r["requests"] * r["new_tokens"] > 0
              for r in infer)
+  assert {r["decode_block"] for r in infer} == {4}
+  for r in infer:
+    assert r["us_per_token_per_slot"] == pytest.approx(
+        1e6 * r["slots"] / r["tokens_per_s"])
   assert report["infer"]["step"] == report["precision"]["steps"]
+  assert report["infer"]["wt103_model"]["variant"] == "tiny"
+  split, = report["infer"]["split"]
+  assert split["name"] == "demo_slots1_host_device" and split["steps"] > 0
+  assert split["cadence_us"] == pytest.approx(sum(
+      split[f"{p}_us"] for p in gpu_results.INFER_SPLIT_PARTS))
   scaling = report["scaling"]["rows"]
   assert [r["devices"] for r in scaling] == sorted({1, jax.device_count()})
 
