@@ -38,7 +38,8 @@ NON_NEGATIVE_INTS = (
     "model.adaptive_chunk_rows", "model.adaptive_tile",
     "optim.warmup_steps", "train.eval_max_batches", "checkpoint.keep_best",
     "profile.start_step", "profile.num_steps",
-    "eval.max_tokens", "serve.queue", "export.triton_queue_delay_us")
+    "eval.max_tokens", "serve.queue", "serve.prefix_cache_bytes",
+    "export.triton_queue_delay_us")
 POSITIVE_NUMBERS = ("optim.learning_rate", "optim.eps",
                     "train.loss_scale.initial_scale",
                     "train.loss_scale.min_scale")
@@ -103,6 +104,7 @@ CASES = (
        ("export.triton_instance", "tpu", "is not one of"),
        ("model.recurrence", "cuda", "is not one of"),
        ("model.head_logits_dtype", "bfloat16", "is not one of"),
+       ("model.cpu_bf16_head", "on", "is not one of"),
        ("optim.name", "adagrad", "is not one of"),
        ("model.num_stripes", 3, "not divisible by model.num_stripes=3"),
        ("parallel.stripe_devices", 3,
