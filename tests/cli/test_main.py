@@ -174,6 +174,7 @@ def test_empty_corpus_and_eval_without_checkpoint(tmp_path):
     sample.run(demo.get_config("tiny"), str(tmp_path / "b"))
 
 
+@pytest.mark.slow
 def test_workdir_with_other_tokenizer_or_model_is_rejected(tmp_path):
   cfg = tiny_word_config(write_wikitext(tmp_path / "wt"))
   cfg.train.num_steps = 2
@@ -220,6 +221,7 @@ def _greedy(*args, cwd):
   return out.stdout
 
 
+@pytest.mark.slow
 def test_overrides_apply_to_the_workdirs_config_json(char_run, tmp_path):
   """--config.sample.temperature=0 without --config: the same greedy text as
   with the config file the run was trained from."""

@@ -172,6 +172,7 @@ def test_cli_refuses_a_model_field_in_one_line(char_run):
   assert "trained with model.hidden_size=32" in line, line
 
 
+@pytest.mark.slow
 def test_eval_of_another_corpus_reports_unknown_tokens(char_run, tmp_path):
   """Another text scores another perplexity; what the trained vocabulary
   lacks is counted, and the workdir's records keep the training corpus."""
@@ -241,6 +242,7 @@ def test_a_flag_the_mode_does_not_read_is_warned_about(tmp_path):
   assert out.returncode == 2 and "no config.json" in out.stderr
 
 
+@pytest.mark.slow
 def test_eval_of_another_wikitext_counts_unknown_words(tmp_path, capsys):
   """Word level: words the trained vocabulary lacks are scored as <unk>,
   and counted exactly."""

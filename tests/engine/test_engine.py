@@ -102,6 +102,7 @@ MIXES = [
 ]
 
 
+@pytest.mark.slow
 def test_every_decode_variant_gives_a_row_the_all_features_bits(gen):
   """A row's tokens and log-probabilities in any decode variant that covers
   its groups equal, to the bit, those of the program with every group (in

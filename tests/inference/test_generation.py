@@ -112,6 +112,7 @@ def test_bad_options(trained, options, message):
     gen.generate([], P())
 
 
+@pytest.mark.slow
 def test_cli_prompt_file_and_stream(trained, tmp_path):
   cfg, workdir, gen = trained
   prompts = tmp_path / "prompts.txt"

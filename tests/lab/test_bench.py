@@ -111,6 +111,7 @@ def _bench(args):
                             os.path.dirname(os.path.abspath(__file__)))))
 
 
+@pytest.mark.slow
 def test_bench_groups_runs_only_the_groups_named(tmp_path):
   path = tmp_path / "bench.json"
   out = _bench(["--quick", "--memory=false", "--groups=head_adaptive",

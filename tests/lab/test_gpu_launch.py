@@ -283,6 +283,7 @@ def test_a_call_killed_mid_kernel_stage_returns_every_row_before(tmp_path):
 # ------------------------------------------------------------ TensorBoard
 
 
+@pytest.mark.slow
 def test_training_without_tensorboardx(tmp_path):
   """tensorboardX cannot be imported: the run finishes, metrics.jsonl has its
   rows and stderr one warning line about TensorBoard."""

@@ -5,11 +5,13 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 from lab import pallas_plans
 from zebra_jax.model.recurrence import pallas
 
 
+@pytest.mark.slow
 def test_each_row_runs_its_plan_and_precision(monkeypatch):
   traced, chooser = [], pallas.launch_plan
   fused = pallas._fused_layer  # pylint: disable=protected-access

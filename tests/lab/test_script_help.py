@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 
 
@@ -15,6 +17,7 @@ def _scripts() -> list[str]:
                 if name.endswith(".py") and name != "__init__.py")
 
 
+@pytest.mark.slow
 def test_every_lab_script_answers_help_with_status_0():
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   running = {name: subprocess.Popen(

@@ -192,6 +192,7 @@ def trained(tmp_path_factory):
   return cfg, workdir, summary
 
 
+@pytest.mark.slow
 def test_tiny_wt103_run_trains_evaluates_and_samples(trained):
   cfg, workdir, summary = trained
   saved = json.load(open(f"{workdir}/config.json"))["model"]

@@ -155,6 +155,7 @@ def test_a_shared_temporary_folder_is_not_trusted(monkeypatch, tmp_path):
 
 
 @needs_compiler
+@pytest.mark.slow
 def test_build_without_a_home_then_load(clean_env, monkeypatch):
   """The whole build with no home: compiled into the temporary folder."""
   monkeypatch.delenv("HOME", raising=False)
@@ -173,6 +174,7 @@ def _x86() -> bool:
 
 
 @needs_compiler
+@pytest.mark.slow
 def test_prebuilt_library_on_a_node_without_a_compiler(clean_env, monkeypatch,
                                                        capsys, caplog):
   """Built ahead of time with the command (for an AVX2 target on x86-64),
@@ -241,6 +243,7 @@ OTHER_CPUS = [("aarch64-linux-gnu-g++", "armv8-a", "neon", "asimd"),
 
 
 @pytest.mark.parametrize("compiler,march,isa,needs", OTHER_CPUS)
+@pytest.mark.slow
 def test_compiles_for_other_cpus(tmp_path, compiler, march, isa, needs):
   """The source compiles for a CPU this machine is not, and its build
   record says what that CPU must have: aarch64 (NEON only) with a cross

@@ -42,6 +42,7 @@ def _final_state(cfg, workdir, step):
   return jax.device_get(state), meta
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_bitwise(tmp_path, monkeypatch):
   data = write_wikitext(tmp_path / "wt")
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")

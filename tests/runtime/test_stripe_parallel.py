@@ -300,6 +300,7 @@ def test_remat_and_accumulation_equal_single_device(stripe_input):
   assert m1[-1]["loss_sum"] == pytest.approx(mn[-1]["loss_sum"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_pallas_kernel_on_each_devices_stripes():
   """The fused kernel (interpret mode off GPUs) runs inside shard_map too."""
   cfg = stripe_config("grouped", 4, recurrence="pallas")
