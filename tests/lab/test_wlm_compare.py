@@ -53,6 +53,8 @@ def test_ops_are_given_to_the_parts_by_scope_and_kind():
 
 @pytest.mark.slow
 def test_quick_run_reports_every_row(tmp_path):
+  pytest.importorskip(
+      "torch", reason="the example's recipe runs in PyTorch: pip install torch")
   path = tmp_path / "wlm.json"
   out = subprocess.run(
       [sys.executable, "-m", "lab.wlm_compare", "--quick", "--threads=2,1",
