@@ -29,8 +29,17 @@ def finite(value: Any) -> Any:
 
 
 def dumps(value: Any, **kwargs) -> str:
-  """json.dumps of finite(value), refusing NaN and Infinity literals."""
-  return json.dumps(finite(value), allow_nan=False, **kwargs)
+  """json.dumps of finite(value), refusing NaN and Infinity literals.
+
+  Most values have nothing to convert: they go straight to the encoder,
+  which refuses a non-finite float (ValueError) and a NumPy scalar
+  (TypeError); only then is the value walked. The text is the same either
+  way (finite changes nothing else), and a server's answer of a few
+  hundred log-probabilities is not walked twice."""
+  try:
+    return json.dumps(value, allow_nan=False, **kwargs)
+  except (ValueError, TypeError):
+    return json.dumps(finite(value), allow_nan=False, **kwargs)
 
 
 def dump(value: Any, f, **kwargs) -> None:

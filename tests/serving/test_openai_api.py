@@ -781,3 +781,31 @@ def test_version(server):
   status, body = raw(port, "GET", "/version")
   assert status == 200 and json.loads(body) == {
       "version": zebra_jax.__version__}
+
+
+def test_offsets_of_joined_tokens_match_the_pairwise_count():
+  """Characters and BPE tokens whose texts join into the prompt take the
+  one-pass count; it gives the pairwise decodes' offsets, and a prompt
+  whose tokens do not join (a character cut into bytes) still gets
+  those."""
+  pytest.importorskip("tokenizers")
+  from zebra_jax.data.tokenizers import (BPESpec, BPETokenizer, CharSpec,
+                                         CharTokenizer)
+  text = "hello world, the wörld is big. é ü\n"
+  bpe = BPETokenizer.build([text * 40], BPESpec(bpe_vocab_size=300))
+  char = CharTokenizer.build(text, CharSpec())
+
+  def pairwise(tok, ids):
+    # Text the tokens cannot join into: the pairwise decodes run.
+    return openai_answers.prompt_starts(tok, ids, "\0")
+
+  for tok in (bpe, char):
+    for prompt in (text, text[3:17], "ü" * 5 + text):
+      ids = tok.encode_prompt(prompt)
+      echoed = tok.decode(ids)
+      assert openai_answers.prompt_starts(tok, ids, echoed) == (
+          pairwise(tok, ids))
+  arrow = bpe.encode_prompt("a→")  # unseen in training: byte tokens
+  assert len(arrow) > 2
+  assert openai_answers.prompt_starts(bpe, arrow, bpe.decode(arrow)) == (
+      pairwise(bpe, arrow))

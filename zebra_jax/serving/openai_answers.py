@@ -30,6 +30,19 @@ def prompt_starts(tokenizer, ids, text: str) -> list[int]:
     starts = [m.start() for m in _WORD_OR_LINE_END.finditer(text)]
     if len(starts) == len(ids):
       return starts
+  else:
+    # Tokens whose own texts join into the text (characters; most BPE
+    # prompts): each starts where the ones before it end. One decode per
+    # distinct id, not two per token.
+    ids = [int(t) for t in ids]
+    own = {i: tokenizer.decode([i]) for i in set(ids)}
+    pieces = [own[i] for i in ids]
+    if "".join(pieces) == text:
+      starts, at = [], 0
+      for piece in pieces:
+        starts.append(at)
+        at += len(piece)
+      return starts
   starts, at, before = [], 0, None
   for i in (int(t) for t in ids):
     size = len(tokenizer.decode([i]))
