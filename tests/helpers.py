@@ -9,6 +9,7 @@ import contextlib
 import glob
 import http.client
 import json
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -359,12 +360,13 @@ def triton_target():
       (1,), ("x",), abstract_device=device))
 
 
-def pallas_layer_grad(s, t, b, g, n_in, dtype, remat=False):
-  """(value_and_grad of a sum over the Pallas layer's outputs, the shapes of
+def pallas_layer_grad(s, t, b, g, n_in, dtype, remat=False, kernel="pallas"):
+  """(value_and_grad of a sum over a Pallas layer's outputs, the shapes of
   its six inputs): both kernels, forward and backward, for lowering. The
-  matmul operands are `dtype`; biases and the carry float32."""
+  matmul operands are `dtype`; biases and the carry float32. kernel: the
+  module in zebra_jax/model/recurrence/ (pallas, pallas_stream)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from zebra_jax.model.recurrence import pallas  # pylint: disable=g-import-not-at-top
+  pallas = importlib.import_module(f"zebra_jax.model.recurrence.{kernel}")
   f32, sds = jnp.float32, jax.ShapeDtypeStruct
   specs = (sds((t, b, n_in), dtype), sds((n_in, s, 4 * g), dtype),
            sds((s, 4 * g), f32), sds((s, b, g), f32), sds((s, b, g), f32),

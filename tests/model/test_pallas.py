@@ -91,9 +91,14 @@ SCALED_ATOL = {jnp.dtype(jnp.float32): 3e-6, jnp.dtype(jnp.bfloat16): 2.5e-4}
 
 def _check(args, launch, remat=False):
   """Kernel against scan; returns both results."""
+  return check_against_scan(_pallas(launch, remat), args, remat)
+
+
+def check_against_scan(layer_fn, args, remat=False):
+  """A layer function's outputs, final carry and gradients against the
+  scan's, within SCALED_ATOL; returns both results."""
   cts = _cotangents(args)
-  got = jax.jit(lambda a, c: _value_and_grads(_pallas(launch, remat), a, c))(
-      args, cts)
+  got = jax.jit(lambda a, c: _value_and_grads(layer_fn, a, c))(args, cts)
   want = jax.jit(lambda a, c: _value_and_grads(_scan(remat), a, c))(args, cts)
   names = ["ys", "h", "c", "d_inputs", "d_w_x", "d_bias", "d_h0", "d_c0",
            "d_w_h"]
@@ -229,11 +234,13 @@ def test_lowers_for_gpu_triton(width, batch, remat, strategy, warps):
   assert re.findall(r"num_stages = (\d+) : i32", module) == ["1"] * 2
 
 
-@pytest.mark.parametrize("stripe_input", ["dense", "grouped"])
-def test_model_recurrence_pallas_trains_like_scan(stripe_input, caplog):
-  """model.recurrence=pallas reaches every layer of the LM: the loss and
-  every parameter gradient equal model.recurrence=scan's, and off GPUs one
-  warning line says the kernel runs in interpret mode."""
+@pytest.mark.parametrize("stripe_input,kernel", [
+    ("dense", "pallas"), ("grouped", "pallas"), ("dense", "pallas_stream")])
+def test_model_recurrence_pallas_trains_like_scan(stripe_input, kernel,
+                                                  caplog):
+  """model.recurrence=pallas (pallas_stream) reaches every layer of the LM:
+  the loss and every parameter gradient equal model.recurrence=scan's, and
+  off GPUs one warning line says the kernel runs in interpret mode."""
   def model_config(recurrence_kind):
     cfg = base.get_config().model
     cfg.update(vocab_size=16, embed_size=8, hidden_size=8, num_layers=2,
@@ -255,7 +262,7 @@ def test_model_recurrence_pallas_trains_like_scan(stripe_input, caplog):
 
   recurrence._warned.clear()  # pylint: disable=protected-access
   with caplog.at_level(logging.WARNING):
-    got = loss_and_grads("pallas")
+    got = loss_and_grads(kernel)
   want = loss_and_grads("scan")
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5,

@@ -340,7 +340,9 @@ def _weight_spec(shape):
   return pl.BlockSpec((pl.squeezed, *shape), lambda s, b: (s, 0, 0))
 
 
-def _compiler_params(launch, interpret):
+def compiler_params(launch, interpret):
+  """Triton's warps and stages for a compiled launch; None in interpret
+  mode."""
   if interpret:
     return None
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
@@ -377,7 +379,7 @@ def _forward(x_proj, h0, c0, w_h, launch, keep, interpret):
       in_specs=[_window_spec(t, rows, g4), _weight_spec((g, g4)),
                 _state_spec(rows, g), _state_spec(rows, g)],
       out_specs=out_specs, interpret=interpret,
-      compiler_params=_compiler_params(launch, interpret),
+      compiler_params=compiler_params(launch, interpret),
       name="zebra_stripe_forward",
   )(x_proj, w_h, h0.astype(f32), c0.astype(f32))
   return outs[0], outs[1], outs[2], tuple(outs[3:])
@@ -403,7 +405,7 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c, launch, interpret):
       out_specs=[_window_spec(t, rows, g4), _state_spec(rows, g),
                  _state_spec(rows, g)],
       interpret=interpret,
-      compiler_params=_compiler_params(launch, interpret),
+      compiler_params=compiler_params(launch, interpret),
       name="zebra_stripe_backward",
   )(d_ys, gates, cs, c0.astype(f32), jnp.swapaxes(w_h, 1, 2), d_h, d_c)
 
