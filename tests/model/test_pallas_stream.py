@@ -20,8 +20,6 @@ flipped; the bounds (3e-6 in float32, 2.5e-4 plus one bfloat16 step,
 2**-8 relative, in bfloat16) leave room for such a flip.
 """
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +29,7 @@ from zebra_jax.model.recurrence import pallas as pallas_recurrence
 from zebra_jax.model.recurrence import pallas_stream
 from zebra_jax.model.recurrence import scan as recurrence
 from tests.helpers import pallas_layer_grad, triton_target
-from tests.model.test_pallas import _args, check_against_scan
+from tests.model.test_pallas import _args, check_against_scan, check_runs_scan
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 Plan = pallas_stream.StreamPlan
@@ -124,18 +122,11 @@ def test_launch_plan():
 
 
 def test_refused_plan_runs_the_scan_with_one_warning(caplog):
-  args = _args(1, "dense", F32, seed=4, batch=8, width=16)
-  with caplog.at_level(logging.WARNING):
-    for _ in range(2):
-      got = pallas_stream.zebra_layer(
-          *args, 1, False, interpret=True,
-          launch=pallas_stream.launch_plan(8, 16, F32, triton=True))
-  want = recurrence.zebra_layer(*args, 1, False)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-  lines = [r.getMessage() for r in caplog.records
-           if "running the scan instead" in r.getMessage()]
-  assert len(lines) == 1 and "multiple of 16" in lines[0]
+  check_runs_scan(lambda *a: pallas_stream.zebra_layer(
+      *a, 1, False, interpret=True,
+      launch=pallas_stream.launch_plan(8, 16, F32, triton=True)),
+                  _args(1, "dense", F32, seed=4, batch=8, width=16), caplog,
+                  "multiple of 16")
 
 
 @pytest.mark.filterwarnings(

@@ -386,21 +386,11 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False, *,
   `launch_plan`'s (tests). Shapes the plan refuses run the scan, with one
   warning line.
   """
-  platform = jax.devices()[0].platform
-  if interpret is None:
-    interpret = platform != "gpu"
-    if interpret:
-      scan.warn_once(
-          f"model.recurrence=pallas_stream on {platform}: the kernels run in "
-          "Pallas interpret mode (exact but slow); use model.recurrence=scan "
-          "off GPUs")
+  interpret = pallas.interpret_mode(interpret, "pallas_stream")
   s, b, g = h0.shape
   if launch is None:
     launch = launch_plan(b, g, w_h.dtype, triton=not interpret, stripes=s)
-  if launch.rows is None:
-    scan.warn_once(
-        f"model.recurrence=pallas_stream: {launch.why}; running the scan "
-        f"instead (S={s}, B={b}, G={g}, {jnp.dtype(w_h.dtype).name})")
+  if pallas.refused(launch, "pallas_stream", h0, w_h):
     return scan.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll, remat)
-  return _stream_layer(launch, bool(interpret), unroll)(
+  return _stream_layer(launch, interpret, unroll)(
       inputs, w_x, bias, h0, c0, w_h, remat)
