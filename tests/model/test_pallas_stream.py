@@ -8,7 +8,7 @@ float32 and bfloat16; a batch that is no multiple of 16 in interpret mode;
 and lowering for the GPU (Triton) at the recipe's shapes, checked without a
 GPU by exporting for CUDA.
 
-Tolerance: test_pallas.SCALED_ATOL, the fused kernel's. The kernels'
+Tolerance: helpers.SCALED_ATOL, the fused kernel's. The kernels'
 arithmetic is the scan's; only float32 sums run in another order (a
 program's dot sums U_s's rows in chunks of kc, then adds x_proj, where the
 scan's XLA dot sums them at once and adds x_proj first), so a result
@@ -28,8 +28,9 @@ import pytest
 from zebra_jax.model.recurrence import pallas as pallas_recurrence
 from zebra_jax.model.recurrence import pallas_stream
 from zebra_jax.model.recurrence import scan as recurrence
-from tests.helpers import pallas_layer_grad, triton_target
-from tests.model.test_pallas import _args, check_against_scan, check_runs_scan
+from tests.helpers import (check_against_scan, check_runs_scan,
+                           pallas_layer_grad, stripe_layer_args as _args,
+                           triton_target)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 Plan = pallas_stream.StreamPlan
