@@ -57,8 +57,8 @@ h_{t-1} (or dz_{t+1}) once per unit tile, the GEMM's operand traffic.
 Expected on an H100 (not measured yet: the rows await a GPU,
 lab/notes/gpu-report.md): a step's kernel bounded by its launch and the
 loop's per-iteration cost (a few us) plus ~16-32 MiB of L2 reads (~3-6 us)
-where the scan runs five or more kernels per step; the target is under
-half the scan's 23 us per layer-timestep.
+where the scan runs a cuBLAS dot and elementwise fusions per step; the
+target is under half the scan's 23 us per layer-timestep.
 
 Off GPUs the kernels run in Pallas interpret mode (exact, slow: what the
 CPU tests use) with any batch and width; on Triton a batch not a multiple
