@@ -9,6 +9,7 @@ import contextlib
 import glob
 import http.client
 import json
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -20,6 +21,7 @@ import threading
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -359,12 +361,12 @@ def triton_target():
       (1,), ("x",), abstract_device=device))
 
 
-def pallas_layer_grad(s, t, b, g, n_in, dtype, remat=False):
-  """(value_and_grad of a sum over the Pallas layer's outputs, the shapes of
+def pallas_layer_grad(s, t, b, g, n_in, dtype, remat=False, kernel="pallas"):
+  """(value_and_grad of a sum over a Pallas layer's outputs, the shapes of
   its six inputs): both kernels, forward and backward, for lowering. The
-  matmul operands are `dtype`; biases and the carry float32."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from zebra_jax.model.recurrence import pallas  # pylint: disable=g-import-not-at-top
+  matmul operands are `dtype`; biases and the carry float32. kernel: the
+  module in zebra_jax/model/recurrence/ (pallas, pallas_stream)."""
+  pallas = importlib.import_module(f"zebra_jax.model.recurrence.{kernel}")
   f32, sds = jnp.float32, jax.ShapeDtypeStruct
   specs = (sds((t, b, n_in), dtype), sds((n_in, s, 4 * g), dtype),
            sds((s, 4 * g), f32), sds((s, b, g), f32), sds((s, b, g), f32),
@@ -384,3 +386,100 @@ def python_block(page: str, contains: str) -> str:
     blocks = re.findall(r"^```python\n(.*?)^```", f.read(), re.M | re.S)
   [block] = [b for b in blocks if contains in b]
   return block
+
+
+# ------------------------------------ the Pallas kernels against the scan
+
+LAYER_STEPS, LAYER_INPUTS = 3, 8  # window and layer input of the kernels' tests
+
+
+def normal_array(rng, shape, scale=1.0):
+  """float32 draws of scale x a standard normal."""
+  return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+def stripe_layer_args(stripes, kind, dtype, seed=0, batch=4, width=4):
+  """Layer arguments as ZebraLSTMLayer passes them to the recurrence
+  (zebra_jax/model/recurrence/scan.py): a window of LAYER_STEPS steps of
+  LAYER_INPUTS inputs, dense or grouped.
+
+  NumPy draws them: jax.random would compile a kernel per shape. U_s scales
+  as 1/sqrt(G), so gates stay off saturation at every width."""
+  rng = np.random.default_rng(seed)
+  s, g, t, n_in = stripes, width, LAYER_STEPS, LAYER_INPUTS
+  if kind == "dense":
+    inputs = normal_array(rng, (t, batch, n_in))
+    w_x = normal_array(rng, (n_in, s, 4 * g), 0.4)
+  else:  # grouped: stripe s reads its own n_in/S inputs
+    inputs = normal_array(rng, (s, t, batch, n_in // s))
+    w_x = normal_array(rng, (s, n_in // s, 4 * g), 0.4)
+  bias = normal_array(rng, (s, 4 * g), 0.2)
+  h0 = normal_array(rng, (s, batch, g), 0.5)
+  c0 = normal_array(rng, (s, batch, g), 0.5)
+  w_h = normal_array(rng, (s, g, 4 * g), 0.8 / np.sqrt(g))
+  return (jnp.asarray(inputs, dtype), jnp.asarray(w_x, dtype),
+          jnp.asarray(bias), jnp.asarray(h0), jnp.asarray(c0),
+          jnp.asarray(w_h, dtype))
+
+
+def value_and_grads(layer_fn, args, cotangents):
+  """(ys, h, c) and the gradients of every argument for the given
+  cotangents of ys, h and c."""
+  outs, vjp = jax.vjp(layer_fn, *args)
+  return outs, vjp(tuple(ct.astype(o.dtype)
+                         for ct, o in zip(cotangents, outs)))
+
+
+def layer_cotangents(args):
+  """Fixed random weights for ys [S, T, B, G], h and c [S, B, G]: no
+  gradient path is zero or symmetric."""
+  s, b, g = args[3].shape
+  t = args[0].shape[-3]  # inputs: dense [T, B, I], grouped [S, T, B, I/S]
+  rng = np.random.default_rng(7)
+  return tuple(jnp.asarray(normal_array(rng, shape)) for shape in
+               ((s, t, b, g), (s, b, g), (s, b, g)))
+
+
+# A Pallas kernel against the scan: max |error| / max(1, max |reference|) per
+# array, as measured over tests/model/test_pallas.py's cases. float32 runs: <= 6.0e-7 (the kernel's
+# arithmetic is the scan's; a dot split in blocks sums in another order).
+# bfloat16 runs: <= 5.9e-6 on float32 arrays (d_h0) and <= 4.9e-5 on
+# bfloat16 arrays (d_w_h) beyond one bfloat16 rounding step (2**-8 relative,
+# where a float32 value straddles a rounding boundary): a float32 difference
+# in the last bit flips a bfloat16 operand (dz, h) that later sums carry.
+# Tolerances are 5x those.
+SCALED_ATOL = {jnp.dtype(jnp.float32): 3e-6, jnp.dtype(jnp.bfloat16): 2.5e-4}
+
+
+def check_against_scan(layer_fn, args, remat=False):
+  """A layer function's outputs, final carry and gradients against the
+  scan's, within SCALED_ATOL; returns both results."""
+  cts = layer_cotangents(args)
+  got = jax.jit(lambda a, c: value_and_grads(layer_fn, a, c))(args, cts)
+  want = jax.jit(lambda a, c: value_and_grads(
+      lambda *x: scan_recurrence.zebra_layer(*x, 1, remat), a, c))(args, cts)
+  names = ["ys", "h", "c", "d_inputs", "d_w_x", "d_bias", "d_h0", "d_c0",
+           "d_w_h"]
+  scaled_atol = SCALED_ATOL[jnp.dtype(args[-1].dtype)]
+  for name, g, w in zip(names, jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.shape == w.shape and g.dtype == w.dtype, name
+    rtol = 2.0**-8 if g.dtype == jnp.bfloat16 else 0.0
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    atol = scaled_atol * max(1.0, float(np.abs(w).max()))
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=name)
+  return got, want
+
+
+def check_runs_scan(layer_fn, args, caplog, why):
+  """layer_fn, called twice, returns the scan's results exactly, and one
+  warning line says why the scan runs."""
+  with caplog.at_level(logging.WARNING):
+    for _ in range(2):
+      got = layer_fn(*args)
+  want = scan_recurrence.zebra_layer(*args, 1, False)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  lines = [r.getMessage() for r in caplog.records
+           if "running the scan instead" in r.getMessage()]
+  assert len(lines) == 1 and why in lines[0]
+  assert "\n" not in lines[0]

@@ -1,7 +1,9 @@
 """The kernel stage's headline rows: a ZebraLSTM core train step (2 layers,
-forward + backward + Adam) on the scan and on the fused Pallas kernel,
-beside every LSTM a user could take instead, timed interleaved in one
-process: jax.experimental.rnn's cuDNN LSTM, torch nn.LSTM (cuDNN), FlashRNN.
+forward + backward + Adam) on the scan and on the fused Pallas kernel (at
+S = 1 also the streaming per-step kernel, `model.recurrence=pallas_stream`,
+which runs the widths the fused kernel leaves to the scan), beside every
+LSTM a user could take instead, timed interleaved in one process:
+jax.experimental.rnn's cuDNN LSTM, torch nn.LSTM (cuDNN), FlashRNN.
 
 Baselines of a group of S stripes, by what they compute:
 - same function: one dense cuDNN LSTM of width H (jax, torch). At S = 1 it
@@ -14,7 +16,10 @@ Baselines of a group of S stripes, by what they compute:
 - FlashRNN: its S heads are stripes (a peer with the same function).
 
 Groups, in order of value: (bf16, S=1), (bf16, S=8 grouped), (fp32, S=1),
-(fp32, S=8 grouped); each group's rows are written as soon as it is timed,
+(fp32, S=8 grouped), then the wide group: the scan and the streaming
+kernel alone at S = 1, bf16, at the shape's wide_hidden (the WikiText-103
+recipe's 2048), where the fused kernel does not fit; each group's rows are
+written as soon as it is timed,
 a row that cannot be built or run at once as an error row with its reason
 (one line), so a stage killed at any moment keeps every group before it.
 FlashRNN's builds take minutes (its Triton build of one 1024-unit head
@@ -47,8 +52,9 @@ from lab.benchmarks.steps import core_runner
 from lab.benchmarks.timing import datasheet
 from zebra_jax.model import lm
 from zebra_jax.model.recurrence import pallas as pallas_recurrence
+from zebra_jax.model.recurrence import pallas_stream
 
-OURS = ("zebra_scan", "zebra_pallas")
+OURS = ("zebra_scan", "zebra_pallas", "zebra_pallas_stream")
 SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 ROUND_S = 0.05     # each row's steps per round fill about this long
 MAX_CALLS = 200    # steps per round at most (a step of microseconds)
@@ -77,6 +83,8 @@ def candidates(shape, dtype: str, stripes: int) -> list[tuple]:
   out.append(("zebra_pallas", (lambda: core_runner(
       sized, stripes, grouped=grouped, kernel="pallas")) if block else
               f"the kernel does not fit this shape: {why}", stripes))
+  if not grouped:
+    out.append(stream_candidate(sized))
   # jax refuses bf16 for its cuDNN LSTM: the bf16 S=1 group asks anyway
   # (its row says why not) and times TF32 beside it; fp32 times both.
   jax_precisions = ("bf16", "tf32") if prec == "bf16" else ("fp32", "tf32")
@@ -94,6 +102,29 @@ def candidates(shape, dtype: str, stripes: int) -> list[tuple]:
   out.append(("flashrnn_triton", flashrnn_builder(sized, stripes, prec,
                                                    "triton"), stripes))
   return out
+
+
+def stream_candidate(shape) -> tuple:
+  """The streaming kernel's S = 1 row: (impl, build or why not, 1)."""
+  launch = pallas_stream.launch_plan(
+      shape["batch"], shape["hidden"], lm.compute_dtype(shape["dtype"]),
+      triton=jax.devices()[0].platform == "gpu")
+  build = ((lambda: core_runner(shape, 1, kernel="pallas_stream"))
+           if launch.rows else
+           f"the kernel does not fit this shape: {launch.why}")
+  return ("zebra_pallas_stream", build, 1)
+
+
+def wide_group(shape):
+  """(shape at its wide_hidden, bf16; the group's label; its candidates:
+  the scan and the streaming kernel at S = 1), or None for a shape
+  without one."""
+  if "wide_hidden" not in shape:
+    return None
+  wide = {**shape, "hidden": shape["wide_hidden"], "dtype": "bfloat16"}
+  return (wide, f"1 at H={wide['hidden']}",
+          [("zebra_scan", lambda: core_runner(wide, 1), 1),
+           stream_candidate(wide)])
 
 
 def math_of(impl: str, dtype: str) -> str:
@@ -232,15 +263,19 @@ def _measured(shape, impl: str, dtype: str, stripes: int, timed: dict
 
 
 def time_group(shape, dtype, stripes, cands, rounds: int,
-               deadline: float | None = None) -> list[dict]:
+               deadline: float | None = None,
+               label: str | None = None) -> list[dict]:
   """The group's rows: each candidate built (guarded; before deadline,
   time.time(), when given), the ones that run timed interleaved; error rows
   say why, in the candidates' order. A candidate is (impl, build) or
-  (impl, build, the row's own stripes)."""
+  (impl, build, the row's own stripes). label: the group's name when it is
+  not its stripes (another width: its row names end in _h<width>, and no
+  other group's baselines count for it)."""
   cands = [(c[0], c[1], c[2] if len(c) > 2 else stripes) for c in cands]
+  suffix = f"_h{shape['hidden']}" if label else ""
   steps, errors = {}, {}
   for impl, build, width in cands:
-    name = f"{impl}_S{width}"
+    name = f"{impl}_S{width}{suffix}"
     print(f"| building {name} (group S={stripes}, {dtype})", flush=True)
     start = time.perf_counter()
     step, why = _ready_by(build, deadline)
@@ -257,9 +292,9 @@ def time_group(shape, dtype, stripes, cands, rounds: int,
         flush=True)
   rows = []
   for impl, _, width in cands:
-    name = f"{impl}_S{width}"
-    row = {"name": name, "impl": impl, "stripes": width, "group": stripes,
-           "grouped": width > 1, "dtype": dtype}
+    name = f"{impl}_S{width}{suffix}"
+    row = {"name": name, "impl": impl, "stripes": width,
+           "group": label or stripes, "grouped": width > 1, "dtype": dtype}
     if name in errors or name not in timed:
       row["error"] = errors.get(name, "not timed")
     else:

@@ -99,6 +99,11 @@ def stage_kernel(results: Results, dry: bool, flashrnn_cuda: bool = True,
         shape, dtype, stripes,
         [c for c in cands if not c[0].startswith("flashrnn")], rounds)
     _add_kernel_rows(results, rows)
+  wide = gpu_kernel.wide_group(shape)
+  if wide:
+    wide_shape, label, cands = wide
+    _add_kernel_rows(results, gpu_kernel.time_group(
+        wide_shape, wide_shape["dtype"], 1, cands, rounds, label=label))
   if flashrnn_cuda:
     later += [(dtype, stripes, ("flashrnn_cuda", gpu_kernel.flashrnn_builder(
         {**shape, "dtype": dtype}, stripes, gpu_kernel.SHORT[dtype], "cuda")))

@@ -17,7 +17,8 @@ NO_PREALLOCATE = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 # vocabulary, tokens drawn from a Zipf law (ids sorted by frequency).
 _WORD = dict(hidden=256, vocab=16384, cutoffs=(2048, 8192), div_val=4)
 # hidden = embed (tied head); vocab 8192 for the LM rows. native: the CPU
-# shapes (float32) also time model.recurrence=native.
+# shapes (float32) also time model.recurrence=native. wide_hidden: the
+# kernel stage's S = 1 width past the fused kernel (gpu_kernel.wide_group).
 SHAPES = {
     "A": dict(hidden=512, layers=2, batch=32, seq_len=64, vocab=8192,
               dtype="float32", stripes=(1, 2, 4, 8), lm_stripes=(1, 8),
@@ -27,13 +28,15 @@ SHAPES = {
     "gpu": dict(hidden=1024, layers=2, batch=64, seq_len=64, vocab=8192,
                 dtype="bfloat16", stripes=(1, 2, 4, 8), lm_stripes=(1, 8),
                 grouped_stripes=(2, 4, 8), word=_WORD,
-                gen_tokens=256, windows=(64, 256, 1024), budget_gb=40.0),
+                gen_tokens=256, windows=(64, 256, 1024), budget_gb=40.0,
+                wide_hidden=2048),
     "quick": dict(hidden=32, layers=2, batch=4, seq_len=8, vocab=64,
                   dtype="float32", stripes=(1, 4), lm_stripes=(1,),
                   grouped_stripes=(4,),
                   word=dict(hidden=32, vocab=512, cutoffs=(64, 256),
                             div_val=4),
-                  gen_tokens=8, windows=(8, 16), budget_gb=1.0, native=True),
+                  gen_tokens=8, windows=(8, 16), budget_gb=1.0, native=True,
+                  wide_hidden=64),
 }
 
 

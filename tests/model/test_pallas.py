@@ -21,52 +21,9 @@ from zebra_jax.configs import base
 from zebra_jax.model import lm
 from zebra_jax.model.recurrence import pallas as pallas_recurrence
 from zebra_jax.model.recurrence import scan as recurrence
-from tests.helpers import pallas_layer_grad, triton_target
-
-T, B, G, IN = 3, 4, 4, 8  # window, batch, stripe width, layer input
-
-
-def _normal(rng, shape, scale=1.0):
-  return (scale * rng.standard_normal(shape)).astype(np.float32)
-
-
-def _args(stripes, kind, dtype, seed=0, batch=B, width=G):
-  """Layer arguments as ZebraLSTMLayer passes them (see recurrence.py).
-
-  NumPy draws them: jax.random would compile a kernel per shape. U_s scales
-  as 1/sqrt(G), so gates stay off saturation at every width."""
-  rng = np.random.default_rng(seed)
-  s, g = stripes, width
-  if kind == "dense":
-    inputs = _normal(rng, (T, batch, IN))
-    w_x = _normal(rng, (IN, s, 4 * g), 0.4)
-  else:  # grouped: stripe s reads its own IN/S inputs
-    inputs = _normal(rng, (s, T, batch, IN // s))
-    w_x = _normal(rng, (s, IN // s, 4 * g), 0.4)
-  bias = _normal(rng, (s, 4 * g), 0.2)
-  h0 = _normal(rng, (s, batch, g), 0.5)
-  c0 = _normal(rng, (s, batch, g), 0.5)
-  w_h = _normal(rng, (s, g, 4 * g), 0.8 / np.sqrt(g))
-  return (jnp.asarray(inputs, dtype), jnp.asarray(w_x, dtype),
-          jnp.asarray(bias), jnp.asarray(h0), jnp.asarray(c0),
-          jnp.asarray(w_h, dtype))
-
-
-def _value_and_grads(layer_fn, args, cotangents):
-  """(ys, h, c) and the gradients of every argument for the given
-  cotangents of ys, h and c."""
-  outs, vjp = jax.vjp(layer_fn, *args)
-  return outs, vjp(tuple(ct.astype(o.dtype)
-                         for ct, o in zip(cotangents, outs)))
-
-
-def _cotangents(args):
-  """Fixed random weights for ys [S, T, B, G], h and c [S, B, G]: no
-  gradient path is zero or symmetric."""
-  s, b, g = args[3].shape
-  rng = np.random.default_rng(7)
-  return tuple(jnp.asarray(_normal(rng, shape)) for shape in
-               ((s, T, b, g), (s, b, g), (s, b, g)))
+from tests.helpers import (check_against_scan, check_runs_scan,
+                           pallas_layer_grad, stripe_layer_args as _args,
+                           triton_target)
 
 
 def _pallas(launch, remat=False):
@@ -78,33 +35,9 @@ def _scan(remat=False):
   return lambda *a: recurrence.zebra_layer(*a, 1, remat)
 
 
-# Kernel against scan: max |error| / max(1, max |reference|) per array, as
-# measured over the cases below. float32 runs: <= 6.0e-7 (the kernel's
-# arithmetic is the scan's; a dot split in blocks sums in another order).
-# bfloat16 runs: <= 5.9e-6 on float32 arrays (d_h0) and <= 4.9e-5 on
-# bfloat16 arrays (d_w_h) beyond one bfloat16 rounding step (2**-8 relative,
-# where a float32 value straddles a rounding boundary): a float32 difference
-# in the last bit flips a bfloat16 operand (dz, h) that later sums carry.
-# Tolerances are 5x those.
-SCALED_ATOL = {jnp.dtype(jnp.float32): 3e-6, jnp.dtype(jnp.bfloat16): 2.5e-4}
-
-
 def _check(args, launch, remat=False):
-  """Kernel against scan; returns both results."""
-  cts = _cotangents(args)
-  got = jax.jit(lambda a, c: _value_and_grads(_pallas(launch, remat), a, c))(
-      args, cts)
-  want = jax.jit(lambda a, c: _value_and_grads(_scan(remat), a, c))(args, cts)
-  names = ["ys", "h", "c", "d_inputs", "d_w_x", "d_bias", "d_h0", "d_c0",
-           "d_w_h"]
-  scaled_atol = SCALED_ATOL[jnp.dtype(args[-1].dtype)]
-  for name, g, w in zip(names, jax.tree.leaves(got), jax.tree.leaves(want)):
-    assert g.shape == w.shape and g.dtype == w.dtype, name
-    rtol = 2.0**-8 if g.dtype == jnp.bfloat16 else 0.0
-    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-    atol = scaled_atol * max(1.0, float(np.abs(w).max()))
-    np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=name)
-  return got, want
+  """Kernel against scan (helpers.SCALED_ATOL); returns both results."""
+  return check_against_scan(_pallas(launch, remat), args, remat)
 
 
 def _launch(batch, width, dtype, strategy, k_chunk=None):
@@ -186,17 +119,9 @@ def test_plan_without_triton_backend(monkeypatch):
 
 
 def test_too_wide_falls_back_to_scan_with_one_warning(caplog):
-  args = _args(2, "dense", F32, seed=4)
-  with caplog.at_level(logging.WARNING):
-    got = pallas_recurrence.zebra_layer(*args, 1, False, interpret=True,
-                                        budget=64)
-  want = recurrence.zebra_layer(*args, 1, False)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-  lines = [r.getMessage() for r in caplog.records
-           if "running the scan instead" in r.getMessage()]
-  assert len(lines) == 1 and "register budget" in lines[0]
-  assert "\n" not in lines[0]
+  check_runs_scan(lambda *a: pallas_recurrence.zebra_layer(
+      *a, 1, False, interpret=True, budget=64), _args(2, "dense", F32, seed=4),
+                  caplog, "register budget")
 
 
 @pytest.mark.filterwarnings(
@@ -229,11 +154,13 @@ def test_lowers_for_gpu_triton(width, batch, remat, strategy, warps):
   assert re.findall(r"num_stages = (\d+) : i32", module) == ["1"] * 2
 
 
-@pytest.mark.parametrize("stripe_input", ["dense", "grouped"])
-def test_model_recurrence_pallas_trains_like_scan(stripe_input, caplog):
-  """model.recurrence=pallas reaches every layer of the LM: the loss and
-  every parameter gradient equal model.recurrence=scan's, and off GPUs one
-  warning line says the kernel runs in interpret mode."""
+@pytest.mark.parametrize("stripe_input,kernel", [
+    ("dense", "pallas"), ("grouped", "pallas"), ("dense", "pallas_stream")])
+def test_model_recurrence_pallas_trains_like_scan(stripe_input, kernel,
+                                                  caplog):
+  """model.recurrence=pallas (pallas_stream) reaches every layer of the LM:
+  the loss and every parameter gradient equal model.recurrence=scan's, and
+  off GPUs one warning line says the kernel runs in interpret mode."""
   def model_config(recurrence_kind):
     cfg = base.get_config().model
     cfg.update(vocab_size=16, embed_size=8, hidden_size=8, num_layers=2,
@@ -255,7 +182,7 @@ def test_model_recurrence_pallas_trains_like_scan(stripe_input, caplog):
 
   recurrence._warned.clear()  # pylint: disable=protected-access
   with caplog.at_level(logging.WARNING):
-    got = loss_and_grads("pallas")
+    got = loss_and_grads(kernel)
   want = loss_and_grads("scan")
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5,

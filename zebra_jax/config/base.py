@@ -126,7 +126,11 @@ FIELDS = dict(
         recurrence=F("auto", one_of(model_config.RECURRENCES), "auto: "
                      "native on CPUs in float32, the scan elsewhere | scan "
                      "(lax.scan) | pallas: one fused kernel per stripe on "
-                     "GPUs (interpret mode elsewhere: slow) | native: the "
+                     "GPUs (interpret mode elsewhere: slow) | "
+                     "pallas_stream: the scan's loop with each step one "
+                     "kernel tiled over the hidden units, for stripes too "
+                     "wide for pallas (GPUs; interpret mode elsewhere) | "
+                     "native: the "
                      "time loops as compiled C++ on CPUs, float32 (built on "
                      "first use; the scan elsewhere)"),
         cpu_bf16_head=F("off", one_of(model_config.CPU_BF16_HEADS), "the "

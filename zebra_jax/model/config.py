@@ -12,7 +12,8 @@ from typing import Any, Mapping
 DTYPES = ("float32", "bfloat16", "float16")   # compute dtypes; parameters stay float32
 HEADS = ("full", "adaptive")                  # softmax heads
 STRIPE_INPUTS = ("dense", "grouped")          # how a stripe reads its layer's input
-RECURRENCES = ("auto", "scan", "pallas", "native")  # the layer's time loop
+RECURRENCES = ("auto", "scan", "pallas", "pallas_stream",
+               "native")                      # the layer's time loop
 HEAD_LOGITS_DTYPES = ("float32", "compute")   # the adaptive loss's logits
 CPU_BF16_HEADS = ("off", "auto")              # the full head's matmuls on a CPU
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zebra_jax.model.recurrence import native, pallas, scan
+from zebra_jax.model.recurrence import native, pallas, pallas_stream, scan
 
 
 def _orthogonal_stripes(key, num_stripes, width):
@@ -46,7 +46,8 @@ class ZebraLSTMLayer(nnx.Module):
     # custom_vjp=False: JAX's autodiff of the scan (a reference for tests and
     # the benchmark; it ignores remat).
     self.custom_vjp = custom_vjp
-    # auto | scan | pallas | native (recurrence/: the same math); auto:
+    # auto | scan | pallas | pallas_stream | native (recurrence/: the same
+    # math); auto:
     # native where its loops run (CPUs, float32), else the scan
     self.kernel = kernel
     # PyTorch nn.LSTM's uniform init range, 1/sqrt(H). A grouped unit reads
@@ -98,6 +99,7 @@ class ZebraLSTMLayer(nnx.Module):
       if kernel == "auto":
         kernel = native.chosen(dt, inputs.shape)
       layer_fn = {"pallas": pallas.zebra_layer,
+                  "pallas_stream": pallas_stream.zebra_layer,
                   "native": native.zebra_layer}.get(kernel, scan.zebra_layer)
       ys, h, c = layer_fn(*args, self.unroll, self.remat)
     else:

@@ -44,7 +44,10 @@ def test_dry_run_writes_every_section(tmp_path):
   groups = [(d, s) for d in ("bfloat16", "float32") for s in stripes]
   heads = [(r["dtype"], r["stripes"]) for r in rows
            if r["impl"] == "zebra_scan"]
-  assert heads == groups
+  assert heads == groups + [("bfloat16", 1)]  # the last: the wide group
+  wide = [r for r in rows if r.get("group") == "1 at H=64"]
+  assert [r["name"] for r in wide] == ["zebra_scan_S1_h64",
+                                       "zebra_pallas_stream_S1_h64"]
   assert [(r["impl"], r["stripes"]) for r in rows[-8:]] == [
       (f"flashrnn_{b}", s) for s in stripes[::-1]
       for b in ("triton", "cuda") for _ in ("bfloat16", "float32")]
@@ -55,7 +58,8 @@ def test_dry_run_writes_every_section(tmp_path):
       assert "\n" not in r["error"]
   ratios = report["kernel"]["ratios"]["float32"]
   assert set(ratios) == {f"{k}_S{s}" for k in gpu_kernel.OURS
-                         for s in stripes}
+                         for s in stripes
+                         if s == 1 or k != "zebra_pallas_stream"}
 
   wt = report["wt103"]
   # compiled, then the candidates built and every build timed interleaved
@@ -167,6 +171,9 @@ def test_the_kernel_stage_goes_on_past_errors(tmp_path, monkeypatch):
       ("flashrnn_triton", "flashrnn not installed: why")])
   monkeypatch.setattr(gpu_kernel, "flashrnn_builder",
                       lambda *a: "flashrnn not installed: why")
+  monkeypatch.setattr(gpu_kernel, "wide_group", lambda shape: (
+      {**shape, "hidden": 64, "dtype": "bfloat16"}, "1 at H=64",
+      [("zebra_pallas_stream", lambda: fail, 1)]))
   results = gpu_results.Results(str(tmp_path))
   gpu_stages.stage_kernel(results, dry=True)
   kernel = json.loads((tmp_path / "gpu-results.json").read_text())["kernel"]
@@ -175,6 +182,7 @@ def test_the_kernel_stage_goes_on_past_errors(tmp_path, monkeypatch):
                    for s in (1, 4)
                    for k in ("zebra_pallas", "torch_cudnn_bf16",
                              "zebra_scan")] + [
+      ("zebra_pallas_stream_S1_h64", "bfloat16")] + [
       (f"flashrnn_{b}_S{s}", d) for s in (4, 1) for b in ("triton", "cuda")
       for d in ("bfloat16", "float32")]
   assert [r["error"] for r in kernel["rows"][:2]] == [

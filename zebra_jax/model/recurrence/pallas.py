@@ -340,7 +340,9 @@ def _weight_spec(shape):
   return pl.BlockSpec((pl.squeezed, *shape), lambda s, b: (s, 0, 0))
 
 
-def _compiler_params(launch, interpret):
+def compiler_params(launch, interpret):
+  """Triton's warps and stages for a compiled launch; None in interpret
+  mode."""
   if interpret:
     return None
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
@@ -377,7 +379,7 @@ def _forward(x_proj, h0, c0, w_h, launch, keep, interpret):
       in_specs=[_window_spec(t, rows, g4), _weight_spec((g, g4)),
                 _state_spec(rows, g), _state_spec(rows, g)],
       out_specs=out_specs, interpret=interpret,
-      compiler_params=_compiler_params(launch, interpret),
+      compiler_params=compiler_params(launch, interpret),
       name="zebra_stripe_forward",
   )(x_proj, w_h, h0.astype(f32), c0.astype(f32))
   return outs[0], outs[1], outs[2], tuple(outs[3:])
@@ -403,7 +405,7 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c, launch, interpret):
       out_specs=[_window_spec(t, rows, g4), _state_spec(rows, g),
                  _state_spec(rows, g)],
       interpret=interpret,
-      compiler_params=_compiler_params(launch, interpret),
+      compiler_params=compiler_params(launch, interpret),
       name="zebra_stripe_backward",
   )(d_ys, gates, cs, c0.astype(f32), jnp.swapaxes(w_h, 1, 2), d_h, d_c)
 
@@ -432,22 +434,38 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False, *,
   `launch_plan`'s (tests). Shapes that do not fit run the scan, with one
   warning line.
   """
-  platform = jax.devices()[0].platform
-  if interpret is None:
-    interpret = platform != "gpu"
-    if interpret:
-      scan.warn_once(
-          f"model.recurrence=pallas on {platform}: the kernel runs in Pallas "
-          "interpret mode (exact but slow); use model.recurrence=scan off "
-          "GPUs")
+  interpret = interpret_mode(interpret, "pallas")
   s, b, g = h0.shape
   if launch is None:
     launch = launch_plan(b, g, w_h.dtype, triton=not interpret, budget=budget)
-  if launch.rows is None:
-    scan.warn_once(
-        f"model.recurrence=pallas: {launch.why}; running the scan instead "
-        f"(S={s}, B={b}, G={g}, {jnp.dtype(w_h.dtype).name})")
-    return scan.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
-                                  remat)
-  return _fused_layer(launch, bool(interpret))(inputs, w_x, bias, h0, c0, w_h,
-                                               remat)
+  if refused(launch, "pallas", h0, w_h):
+    return scan.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll, remat)
+  return _fused_layer(launch, interpret)(inputs, w_x, bias, h0, c0, w_h,
+                                         remat)
+
+
+def interpret_mode(interpret, recurrence: str) -> bool:
+  """interpret, or for None: compiled on GPUs, interpret mode elsewhere,
+  where one warning line says it is slow (model.recurrence=`recurrence`)."""
+  if interpret is not None:
+    return bool(interpret)
+  platform = jax.devices()[0].platform
+  if platform == "gpu":
+    return False
+  scan.warn_once(
+      f"model.recurrence={recurrence} on {platform}: the kernels run in "
+      "Pallas interpret mode (exact but slow); use model.recurrence=scan off "
+      "GPUs")
+  return True
+
+
+def refused(launch, recurrence: str, h0, w_h) -> bool:
+  """Whether the plan refused this layer's shape (launch.rows is None):
+  then one warning line says why and that the scan runs instead."""
+  if launch.rows is not None:
+    return False
+  s, b, g = h0.shape
+  scan.warn_once(
+      f"model.recurrence={recurrence}: {launch.why}; running the scan "
+      f"instead (S={s}, B={b}, G={g}, {jnp.dtype(w_h.dtype).name})")
+  return True
