@@ -6,8 +6,8 @@ rows on the device. A request takes a free slot at any step and frees it
 when it finishes; every decode call advances every busy slot by
 `decode_block` tokens, or by `small_batch_blocks` times as many while at
 most `small_batch_rows` rows decode, no prompt fills and no request waits
-(a few rows' calls are mostly fixed cost; a request arriving meanwhile
-waits for at most that call). A request's sampling parameters (params.py) are
+(Engine._decode_block_for: where a few rows' call is mostly fixed cost,
+fewer calls; a request arriving meanwhile waits for at most that call). A request's sampling parameters (params.py) are
 per-row arrays, data to the compiled code, never compile-time constants.
 Row r's token i is drawn with `fold_in(key_r, i)`, key_r from the request's
 own seed and sample index, and a row's arithmetic never mixes with other
