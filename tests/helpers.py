@@ -1,9 +1,9 @@
 """What several test modules share: the repository's root, small corpora and
 configs, train steps across device counts, checkpoint damage, a stand-in for
 Triton's Python backend, a live zebra_jax server, the abstract GPU Pallas
-kernels lower for and a Pallas layer's gradient to lower.
-Session fixtures live in conftest.py; the NumPy model references in
-references.py."""
+kernels lower for, a Pallas layer's gradient to lower, and a fake LM whose
+text the serving engine's tests can follow. Session fixtures live in
+conftest.py; the NumPy model references in references.py."""
 
 import contextlib
 import glob
@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from zebra_jax import engine
 from zebra_jax.configs import demo, wt103
 from zebra_jax.inference import triton_local
 from zebra_jax.serving import serve
@@ -289,6 +290,48 @@ def http_call(port, method, path, body=None, headers=None):
     return response.status, dict(response.getheaders()), response.read()
   finally:
     conn.close()
+
+
+# ------------------------------------ a fake LM for the serving engine
+
+
+class Letters:
+  """a-z as tokens 0-25."""
+  spaces_in_tokens = True
+
+  def encode_prompt(self, text):
+    return [ord(c) - 97 for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(97 + int(i)) for i in ids)
+
+
+def counter_model():
+  """A fake LM whose next token is a hash of every token consumed:
+  h <- (3h + token + 1) mod 26, next token = h. Any step taken on a row's
+  state that is not its own token changes its text."""
+  def step_fn(params, carry, tokens):
+    (h,) = carry
+    h = (3 * h + tokens[:, None].astype(h.dtype) + 1) % 26
+    logits = params["scale"] * jax.nn.one_hot(h[:, 0].astype(int), 26)
+    return logits, (h,)
+
+  return engine.Model(
+      step_fn=step_fn, params={"scale": np.float32(10)},
+      init_carry=lambda b: (jax.numpy.zeros((b, 1), jax.numpy.float32),),
+      vocab_size=26, tokenizer=Letters())
+
+
+def counter_text(prompt, n):
+  """counter_model's greedy text of n tokens after `prompt`, worked out
+  without the engine."""
+  h, out = 0, []
+  for c in prompt:
+    h = (3 * h + ord(c) - 97 + 1) % 26
+  for _ in range(n):
+    out.append(h)
+    h = (3 * h + h + 1) % 26
+  return "".join(chr(97 + t) for t in out)
 
 
 # The native layer's arguments (inputs, w_x, bias, h0, c0, w_h): S=1, T=2,

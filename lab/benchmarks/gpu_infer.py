@@ -37,11 +37,18 @@ def engine_tokens_per_s(generator, prompt_ids, slots: int,
   for _ in range(rounds):
     tokens += one_round()
   sec = time.perf_counter() - start
-  return {"slots": slots, "decode_block": engine.block,
+  return {"slots": slots, "decode_block": decode_block(engine, slots),
           "requests": slots * rounds, "prompt_len": len(prompt_ids),
           "new_tokens": new_tokens, "tokens": tokens, "seconds": sec,
           "tokens_per_s": tokens / sec,
           "us_per_token_per_slot": 1e6 * sec * slots / tokens}
+
+
+def decode_block(engine, slots: int) -> int:
+  """Tokens per decode call with every one of `slots` rows decoding and
+  none waiting: the small batch's longer block up to small_batch_rows."""
+  return (engine.long_block if slots <= engine.small_batch_rows
+          else engine.block)
 
 
 class StepClock:
@@ -154,7 +161,7 @@ def serve_row(results, model: str, slots: int, make, prompt_ids, *,
                           rounds)
       results.append("infer", key, [{
           "name": name, "model": model, "slots": slots,
-          **clock.split(generator.engine.block)}])
+          **clock.split(decode_block(generator.engine, slots))}])
   except Exception as e:  # pylint: disable=broad-except
     results.append("infer", key, [{"name": name, "model": model,
                                    "slots": slots,

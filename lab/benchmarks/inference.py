@@ -74,7 +74,8 @@ def bench_batch(generator, prompt: np.ndarray, batch_size: int,
   from zebra_jax.inference import sample  # pylint: disable=g-import-not-at-top
   steps = _Steps()
   sizes = sample.engine_options(generator.loaded.cfg, slots=batch_size,
-                                prefill_rows=batch_size, decode_block=1)
+                                prefill_rows=batch_size, decode_block=1,
+                                small_batch_blocks=1)
   running = engine.Engine(generator.engine_model(), on_step=steps, **sizes)
   steps.engine = running
   options = engine.SamplingParams(max_new_tokens=new_tokens, temperature=1.0,

@@ -41,6 +41,7 @@ APPLIED = {
     "eval": RUNS | CORPUS | {"eval"},
     "sample": RUNS | {"sample", "serve.slots", "serve.queue",
                       "serve.prefill_chunk", "serve.prefill_rows",
+                      "serve.small_batch_blocks", "serve.small_batch_rows",
                       "serve.prefix_cache_bytes"},
     "score": RUNS | {"eval.seq_len"},
     "serve": RUNS | {"serve", "sample", "eval.seq_len"},

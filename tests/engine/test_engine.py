@@ -12,10 +12,13 @@ import pytest
 
 from zebra_jax import engine
 from zebra_jax.inference import loading, sample, score
-from tests import references
+from tests import helpers, references
 
 TEXT = "line 7: the quick brown fox jumps over the lazy dog. "
-PROGRAMS = 2 + len(engine.params.DECODE_VARIANTS) + 1
+# prefill (with and without prompt log-probabilities), the decode variants
+# at decode_block and at the small batch's longer block (serve's default
+# small_batch_blocks is 4), the prefix cache's restore
+PROGRAMS = 2 + 2 * len(engine.params.DECODE_VARIANTS) + 1
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +46,7 @@ class _Lowerings:
 
 def test_compiled_programs_are_the_startup_set(gen):
   e = gen.engine
-  # prefill (with and without prompt log-probabilities), the decode
-  # variants and the prefix cache's restore
+  assert e.decode_blocks() == (3, 12)
   assert e.stats()["compiled_programs"] == e.startup_programs == PROGRAMS
   lowerings = _Lowerings()
   jax.monitoring.register_event_duration_secs_listener(lowerings)
@@ -237,7 +239,9 @@ def test_stop_strings_streaming_and_finish_reasons(gen):
   streamed = e.submit("the ", engine.SamplingParams(max_new_tokens=30, seed=1),
                       on_text=lambda d, t: pieces.append(d))
   assert streamed.result(timeout=300) == text == "".join(pieces)
-  assert len(pieces) >= 5  # as it grew, 3 tokens per decode call
+  # As it grew: a first call of 3 tokens, then the small batch's calls of
+  # 12, the last call 3 again (no more than the row needs).
+  assert [len(p) for p in pieces] == [3, 12, 12, 3]
 
 
 def test_queue_full_and_cancel(gen):
@@ -288,47 +292,10 @@ def test_a_failing_callback_cancels_only_its_request(gen):
   assert len(fine.result(timeout=300)) == 20
 
 
-class _Letters:
-  """a-z as tokens 0-25."""
-  spaces_in_tokens = True
-
-  def encode_prompt(self, text):
-    return [ord(c) - 97 for c in text]
-
-  def decode(self, ids):
-    return "".join(chr(97 + int(i)) for i in ids)
-
-
-def _counter_model():
-  """A fake LM whose next token is a hash of every token consumed:
-  h <- (3h + token + 1) mod 26, next token = h. Any step taken on a row's
-  state that is not its own token changes its text."""
-  def step_fn(params, carry, tokens):
-    (h,) = carry
-    h = (3 * h + tokens[:, None].astype(h.dtype) + 1) % 26
-    logits = params["scale"] * jax.nn.one_hot(h[:, 0].astype(int), 26)
-    return logits, (h,)
-
-  return engine.Model(
-      step_fn=step_fn, params={"scale": np.float32(10)},
-      init_carry=lambda b: (jax.numpy.zeros((b, 1), jax.numpy.float32),),
-      vocab_size=26, tokenizer=_Letters())
-
-
-def _counter_text(prompt, n):
-  h, out = 0, []
-  for c in prompt:
-    h = (3 * h + ord(c) - 97 + 1) % 26
-  for _ in range(n):
-    out.append(h)
-    h = (3 * h + h + 1) % 26
-  return "".join(chr(97 + t) for t in out)
-
-
 def test_rows_filling_and_decoding_together_match_the_recurrence():
   """Against numpy: prompts of up to 7 chunks fill while other rows decode
   between their chunks, rows join and leave, greedy and sampled mixed."""
-  e = engine.Engine(_counter_model(), slots=4, queue=64, prefill_chunk=4,
+  e = engine.Engine(helpers.counter_model(), slots=4, queue=64, prefill_chunk=4,
                     prefill_rows=2, decode_block=2)
   try:
     rng = np.random.default_rng(0)
@@ -339,7 +306,7 @@ def test_rows_filling_and_decoding_together_match_the_recurrence():
                                         temperature=0.0))
             for i, p in enumerate(prompts)]
     for i, (p, r) in enumerate(zip(prompts, rows)):
-      assert r.result(timeout=300) == _counter_text(p, 5 + i)
+      assert r.result(timeout=300) == helpers.counter_text(p, 5 + i)
     assert not busy.done()
     busy.cancel()
     busy.result(timeout=300)

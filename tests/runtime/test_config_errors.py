@@ -31,7 +31,8 @@ POSITIVE_INTS = (
     "sample.num_samples", "sample.chunk", "serve.max_body_bytes",
     "serve.max_new_tokens", "serve.max_prompt_tokens", "serve.max_rows",
     "serve.max_score_tokens", "serve.slots", "serve.prefill_chunk",
-    "serve.prefill_rows", "serve.decode_block", "parallel.stripe_devices",
+    "serve.prefill_rows", "serve.decode_block", "serve.small_batch_blocks",
+    "serve.small_batch_rows", "parallel.stripe_devices",
     "export.triton_max_batch_size")
 NON_NEGATIVE_INTS = (
     "data.min_freq", "data.max_vocab_size", "model.vocab_size",

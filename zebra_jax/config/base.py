@@ -238,7 +238,8 @@ FIELDS = dict(
                "--config.sample.* override, \\n and \\t mean newline and tab"),
         stream=F(False, BOOL, "print tokens as they are generated"),
         chunk=F(32, POSITIVE_INT, "tokens per decode call of the engine "
-                "in --mode=sample (serve: serve.decode_block)"),
+                "in --mode=sample (serve: serve.decode_block), times "
+                "serve.small_batch_blocks for a small batch"),
     ),
     serve=dict(  # --mode=serve: what one request may ask for (else HTTP 400)
         max_body_bytes=F(1 << 20, POSITIVE_INT, "request body size"),
@@ -257,6 +258,13 @@ FIELDS = dict(
         decode_block=F(4, POSITIVE_INT, "tokens per decode call: fewer "
                        "dispatches against a request joining or stopping up "
                        "to this many steps late"),
+        small_batch_blocks=F(4, POSITIVE_INT, "decode blocks per call while "
+                             "at most serve.small_batch_rows rows decode and "
+                             "no prompt fills or request waits: fewer "
+                             "dispatches, the same tokens; 1 = off (2 "
+                             "programs fewer)"),
+        small_batch_rows=F(4, POSITIVE_INT, "the most rows decoding at "
+                           "which calls are serve.small_batch_blocks long"),
         prefix_cache_bytes=F(256 << 20, NON_NEGATIVE_INT, "host memory for "
                              "prompt prefixes' model states (LRU): a prompt "
                              "starts after its longest cached prefix, same "

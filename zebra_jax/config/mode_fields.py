@@ -44,7 +44,8 @@ CORPUS = ("data.source", "data.path", "data.hf_name", "data.hf_config",
           "data.valid_fraction", "data.test_fraction")
 # The serving engine's sizes, which --mode=sample shares with serve.
 _ENGINE = ("serve.slots", "serve.queue", "serve.prefill_chunk",
-           "serve.prefill_rows", "serve.prefix_cache_bytes")
+           "serve.prefill_rows", "serve.small_batch_blocks",
+           "serve.small_batch_rows", "serve.prefix_cache_bytes")
 
 READS = {
     "train": ("",),  # every field

@@ -4,13 +4,18 @@ An LSTM's whole per-sequence state is (h, c) per layer, the same few KB at
 token 1 and token 10,000, so continuous batching is a fixed array of `slots`
 rows on the device. A request takes a free slot at any step and frees it
 when it finishes; every decode call advances every busy slot by
-`decode_block` tokens. A request's sampling parameters (params.py) are
+`decode_block` tokens, or by `small_batch_blocks` times as many while at
+most `small_batch_rows` rows decode, no prompt fills and no request waits
+(Engine._decode_block_for: where a few rows' call is mostly fixed cost,
+fewer calls; a request arriving meanwhile waits for at most that call). A request's sampling parameters (params.py) are
 per-row arrays, data to the compiled code, never compile-time constants.
 Row r's token i is drawn with `fold_in(key_r, i)`, key_r from the request's
 own seed and sample index, and a row's arithmetic never mixes with other
 rows', so a request's text does not depend on who else is in the batch.
 Stop strings, stop tokens and max tokens are checked on the host after each
-call; a row may compute a few tokens past its end, which are dropped.
+call; a row may compute a few tokens past its end, which are dropped: it
+ends at the token where a call of one token would have ended it, so its
+tokens, log-probabilities and text do not depend on the call's length.
 
 Prompts enter by chunked prefill: `prefill_rows` prompts x `prefill_chunk`
 tokens per call, each row stepping the same one-token recurrence as decoding
@@ -33,9 +38,11 @@ does not use is the identity to the bit, so its tokens and
 log-probabilities are the same in every variant that covers its own
 groups: what its neighbours use never changes them. The engine therefore
 compiles exactly 5 programs (2 prefill, 2 decode, restore; 4 with the
-prefix cache off),
-all at start-up, whatever the traffic: stats()["compiled_programs"] counts
-their traces (jit cache misses). Every decode call computes all slots, busy or
+prefix cache off), and the 2 decode programs again at the longer block
+when small_batch_blocks > 1 (serve's default: 7 in all), all at start-up,
+whatever the traffic: stats()["compiled_programs"] counts their traces
+(jit cache misses). Both lengths scan the same one-token body, so a
+row's tokens are the same bits in either. Every decode call computes all slots, busy or
 not: a program for fewer rows rounds differently (on the CPU a logit's last
 bits differed between 8 and 64 rows), so a request's text would depend on
 how many ran beside it. On the tiny char model (hidden 32, 2 CPU cores) a

@@ -211,6 +211,15 @@ class Request:
         self.top_logprobs.append(_top(ids, lps, self.params.logprobs))
     return len(take)
 
+  def drop_after(self, count: int) -> None:
+    """Forgets the tokens from the count-th on: drawn in the call that
+    ended the row, after its end."""
+    del self.tokens[count:], self.token_logprobs[count:]
+    del self.top_logprobs[count:]
+    if self._offsets is not None:
+      del self._offsets.ends[count:]
+    self.stop_token = None
+
   def offsets(self, tokenizer) -> text_lib.Offsets:
     if self._offsets is None:
       self._offsets = text_lib.Offsets(tokenizer, self.prompt)
@@ -247,7 +256,9 @@ class Engine:
 
   def __init__(self, model: Model, *, slots: int = 64, queue: int = 256,
                prefill_chunk: int = 16, prefill_rows: int = 16,
-               decode_block: int = 4, max_prompt_tokens: int | None = None,
+               decode_block: int = 4, small_batch_blocks: int = 1,
+               small_batch_rows: int = 4,
+               max_prompt_tokens: int | None = None,
                max_failures: int = 3, on_fatal: Callable | None = None,
                on_step: Callable | None = None, name: str = "engine",
                prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
@@ -255,6 +266,8 @@ class Engine:
                          ("prefill_chunk", prefill_chunk),
                          ("prefill_rows", prefill_rows),
                          ("decode_block", decode_block),
+                         ("small_batch_blocks", small_batch_blocks),
+                         ("small_batch_rows", small_batch_rows),
                          ("prefix_cache_bytes", prefix_cache_bytes)):
       least = 0 if label in ("queue", "prefix_cache_bytes") else 1
       if not (isinstance(value, int) and value >= least):
@@ -263,14 +276,18 @@ class Engine:
     self.slots, self.queue_limit = slots, queue
     self.chunk, self.prefill_rows = prefill_chunk, min(prefill_rows, slots)
     self.block, self.max_prompt_tokens = decode_block, max_prompt_tokens
+    # Few rows decoding, none filling or waiting: longer calls, fewer
+    # dispatches (each call's cost is mostly fixed overhead).
+    self.long_block = decode_block * small_batch_blocks
+    self.small_batch_rows = small_batch_rows
     self.max_failures, self.on_fatal, self.on_step = (max_failures, on_fatal,
                                                       on_step)
     self._traces = 0  # each trace is a new program: a jit cache miss
 
-    def decode(params, state, active, features):
+    def decode(params, state, active, features, block):
       self._traces += 1
       return programs.decode(params, state, active, step_fn=model.step_fn,
-                             block=decode_block, features=features)
+                             block=block, features=features)
 
     def prefill(params, state, *args, with_logprobs):
       self._traces += 1
@@ -282,7 +299,7 @@ class Engine:
       self._traces += 1
       return programs.restore(state, *args)
 
-    self._decode = jax.jit(decode, donate_argnums=1, static_argnums=3)
+    self._decode = jax.jit(decode, donate_argnums=1, static_argnums=(3, 4))
     self._prefill = jax.jit(prefill, donate_argnums=1,
                             static_argnames="with_logprobs")
     # 0 bytes: no cache, and no restore program.
@@ -302,6 +319,7 @@ class Engine:
     self._closed = False
     self.failure: BaseException | None = None
     self._steps = self._tokens = self._admitted = self._restarts = 0
+    self._long_steps = 0
     self._prompt_tokens = self._prefill_tokens = self._prefill_calls = 0
     self._finish_times: collections.deque = collections.deque(maxlen=64)
     self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -375,12 +393,18 @@ class Engine:
         self._state, _, _ = self._prefill(
             self.model.params, self._state, *self._prefill_args([]),
             with_logprobs=with_logprobs)
-      for features in params_lib.DECODE_VARIANTS:
+      for features, block in itertools.product(params_lib.DECODE_VARIANTS,
+                                               self.decode_blocks()):
         self._state, tokens, _ = self._decode(self.model.params, self._state,
-                                              idle, features)
+                                              idle, features, block)
       if self._cache is not None:
         self._state = self._restore(self._state, *self._restore_args([]))
       jax.block_until_ready((tokens, self._state))
+
+  def decode_blocks(self) -> tuple[int, ...]:
+    """The decode calls' lengths in tokens: decode_block, and the small
+    batch's longer one when small_batch_blocks > 1."""
+    return tuple(sorted({self.block, self.long_block}))
 
   def compiled_programs(self) -> int:
     """Programs the engine has traced, each compiled once (or read from the
@@ -497,7 +521,8 @@ class Engine:
             "queued_requests": waiting,
             "compiled_programs": self.compiled_programs(),
             "startup_programs": self.startup_programs,
-            "steps": self._steps, "tokens": self._tokens,
+            "steps": self._steps, "small_batch_steps": self._long_steps,
+            "tokens": self._tokens,
             "prompt_tokens": self._prompt_tokens,
             "prefill_tokens": self._prefill_tokens,
             "prefill_calls": self._prefill_calls,
@@ -634,7 +659,7 @@ class Engine:
     done = [r for r in rows if r.phase is Phase.DONE]
     decoding = [r for r in rows if r.phase is Phase.DECODING]
     if decoding:
-      self._decode_batch(decoding)
+      self._decode_batch(decoding, self._decode_block_for(rows, decoding))
       done += [r for r in decoding if r.phase is Phase.DONE]
     if done:
       now = time.monotonic()
@@ -733,26 +758,45 @@ class Engine:
           carry=jax.tree.map(lambda a: np.array(a[i]), carry),
           logits=np.array(logits[i]), tokens=count, logprobs=mine))
 
-  def _decode_batch(self, decoding: list[Request]) -> None:
+  def _decode_block_for(self, rows: list[Request],
+                        decoding: list[Request]) -> int:
+    """The long block while at most small_batch_rows rows decode, each
+    with tokens drawn already and at least the long block still to draw,
+    no row fills its prompt and no request waits: a request arriving
+    meanwhile waits for at most this one call. Else decode_block: prompts
+    and queued requests move at the usual pace, a row's first tokens
+    come as soon as before, and no call draws past a row's max tokens
+    more than decode_block does."""
+    if (len(decoding) > self.small_batch_rows or self._pending
+        or any(r.phase is Phase.PREFILLING for r in rows)
+        or any(not r.tokens or r.params.max_new_tokens - len(r.tokens)
+               < self.long_block for r in decoding)):
+      return self.block
+    return self.long_block
+
+  def _decode_batch(self, decoding: list[Request], block: int) -> None:
     active = np.zeros(self.slots, bool)
     active[[r.slot for r in decoding]] = True
     features = params_lib.variant_for(functools.reduce(
         operator.or_, (r.features for r in decoding)))
-    self._state, tokens, logprobs = self._decode(self.model.params,
-                                                 self._state, active, features)
+    self._state, tokens, logprobs = self._decode(
+        self.model.params, self._state, active, features, block)
     tokens = np.asarray(tokens)                         # [S, block]
     want = features.logprobs
     logprobs = jax.device_get(logprobs) if want else None
     self._steps += 1
+    self._long_steps += block != self.block
     for req in decoding:
       mine = (tuple(x[req.slot] for x in logprobs)
               if want and req.params.logprobs is not None else None)
-      self._tokens += req.generated(tokens[req.slot], mine)
-      if not self._safe(self._advance, req):
+      before = len(req.tokens)
+      new = req.generated(tokens[req.slot], mine)
+      if not self._safe(self._advance, req, new):
         req.cancel()
+      self._tokens += len(req.tokens) - before
 
-  def _advance(self, req: Request) -> None:
-    """Stop strings, stop tokens, the end, and streamed text after new
+  def _advance(self, req: Request, new: int) -> None:
+    """Stop strings, stop tokens, the end, and streamed text after `new`
     tokens."""
     p = req.params
     stopped = req.stop_token is not None
@@ -770,6 +814,8 @@ class Engine:
     if p.stop:
       cut, found = text_lib.cut_at_stop(text, p.stop, start)
       if found:
+        first = self._first_stop(req, new, start)
+        cut = cut if first is None else first
         kept = req.offsets(self.tokenizer).touching(len(cut))
         req.finish("stop", cut, kept)
         return
@@ -780,3 +826,19 @@ class Engine:
     released = (req.offsets(self.tokenizer).covered(len(safe)) if track
                 else 0)
     req.emit(safe, released)
+
+  def _first_stop(self, req: Request, new: int, start: int) -> str | None:
+    """The text before a stop string at the first of the `new` tokens
+    whose text holds one, the row cut there: where a call of one token
+    would have ended it (a call draws on past that token, and a longer
+    stop string beginning earlier may complete only after it). None if no
+    shorter text holds one."""
+    p = req.params
+    for count in range(max(len(req.tokens) - new + 1, p.min_tokens),
+                       len(req.tokens) + 1):
+      cut, found = text_lib.cut_at_stop(text_lib.continuation(
+          self.tokenizer, req.prompt, req.tokens[:count]), p.stop, start)
+      if found:
+        req.drop_after(count)
+        return cut
+    return None

@@ -58,7 +58,8 @@ def _consume_prompt(params, tokens, carry, *, graphdef, mesh=None):
 
 
 ENGINE_FIELDS = ("slots", "queue", "prefill_chunk", "prefill_rows",
-                 "decode_block", "prefix_cache_bytes")
+                 "decode_block", "small_batch_blocks", "small_batch_rows",
+                 "prefix_cache_bytes")
 
 
 def engine_options(cfg, **overrides) -> dict:
@@ -66,6 +67,7 @@ def engine_options(cfg, **overrides) -> dict:
   serve = cfg.get("serve", {})
   defaults = {"slots": 64, "queue": 256, "prefill_chunk": 16,
               "prefill_rows": 16, "decode_block": 4,
+              "small_batch_blocks": 4, "small_batch_rows": 4,
               "prefix_cache_bytes": engines.DEFAULT_PREFIX_CACHE_BYTES}
   out = {k: int(serve.get(k, v)) for k, v in defaults.items()}
   out.update(overrides)

@@ -95,7 +95,8 @@ def test_dry_run_writes_every_section(tmp_path):
       for n in gpu_stages.DRY_INFER_SLOTS]
   assert all(r["tokens"] == r["requests"] * r["new_tokens"] > 0
              for r in infer)
-  assert {r["decode_block"] for r in infer} == {4}
+  # 1 and 2 slots: the small batch's calls, 4 blocks of 4
+  assert {r["decode_block"] for r in infer} == {16}
   for r in infer:
     assert r["us_per_token_per_slot"] == pytest.approx(
         1e6 * r["slots"] / r["tokens_per_s"])
