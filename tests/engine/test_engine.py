@@ -16,9 +16,9 @@ from tests import helpers, references
 
 TEXT = "line 7: the quick brown fox jumps over the lazy dog. "
 # prefill (with and without prompt log-probabilities), the decode variants
-# at decode_block and at the small batch's longer block (serve's default
-# small_batch_blocks is 4), the prefix cache's restore
-PROGRAMS = 2 + 2 * len(engine.params.DECODE_VARIANTS) + 1
+# at one token, at decode_block and at the small batch's longer block
+# (serve's default small_batch_blocks is 4), the prefix cache's restore
+PROGRAMS = 2 + 3 * len(engine.params.DECODE_VARIANTS) + 1
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ class _Lowerings:
 
 def test_compiled_programs_are_the_startup_set(gen):
   e = gen.engine
-  assert e.decode_blocks() == (3, 12)
+  assert e.decode_blocks() == (1, 3, 12)
   assert e.stats()["compiled_programs"] == e.startup_programs == PROGRAMS
   lowerings = _Lowerings()
   jax.monitoring.register_event_duration_secs_listener(lowerings)

@@ -146,7 +146,10 @@ def test_a_request_arriving_mid_run_waits_one_call(model, one_token):
                                repetition_penalty=1.2)
   try:
     started = threading.Event()
-    first = e.submit(PROMPT, busy, on_text=lambda d, t: started.set())
+    # Submitted once a long call has run (a streamed piece of several
+    # tokens), whatever the machine's pace.
+    first = e.submit(PROMPT, busy,
+                     on_text=lambda d, t: len(t) > 1 and started.set())
     assert started.wait(300)
     second = e.submit(LATE_PROMPT, late)
     arrived.set()
@@ -190,3 +193,23 @@ def test_a_stop_string_ends_the_row_at_the_token_that_completes_it():
   assert got[0] == got[1]
   assert got[0][0][0] == text[:at] and got[0][0][1] == [
       ord(c) - 97 for c in text[:at + 1]]
+
+
+def test_rows_that_lack_one_token_decode_one(model, one_token):
+  """Scoring (max_tokens=1) and a row's last token run a 1-token call, not
+  a decode_block one; the tokens are the 1-token engine's."""
+  four = _engine(model, decode_block=4, small_batch_blocks=1)
+  calls = []
+  decode = four._decode
+  four._decode = lambda *args: calls.append(args[-1]) or decode(*args)
+  try:
+    assert four.decode_blocks() == (1, 4)
+    for params in (engine.SamplingParams(max_new_tokens=1, logprobs=2, seed=6),
+                   engine.SamplingParams(max_new_tokens=5, temperature=0.9,
+                                         seed=7)):
+      calls.clear()
+      rows = [engine.Row(PROMPT, params)]
+      assert _streamed(four, rows) == _streamed(one_token, rows)
+      assert calls == ([1] if params.max_new_tokens == 1 else [4, 1])
+  finally:
+    four.close()

@@ -37,13 +37,14 @@ once with and once without prompt log-probabilities. For a row, a group it
 does not use is the identity to the bit, so its tokens and
 log-probabilities are the same in every variant that covers its own
 groups: what its neighbours use never changes them. The engine therefore
-compiles exactly 5 programs (2 prefill, 2 decode, restore; 4 with the
-prefix cache off), and the 2 decode programs again at the longer block
-when small_batch_blocks > 1 (serve's default: 7 in all), all at start-up,
-whatever the traffic: stats()["compiled_programs"] counts their traces
-(jit cache misses). Both lengths scan the same one-token body, so a
-row's tokens are the same bits in either. Every decode call computes all slots, busy or
-not: a program for fewer rows rounds differently (on the CPU a logit's last
+compiles exactly 7 programs (2 prefill; 2 decode at `decode_block` tokens
+and 2 at one token, for rows that lack one at most, as scoring's do;
+restore; 6 with the prefix cache off), and the 2 decode programs again at
+the longer block when small_batch_blocks > 1 (serve's default: 9 in all),
+all at start-up, whatever the traffic: stats()["compiled_programs"] counts
+their traces (jit cache misses). Every length scans the same one-token
+body, so a row's tokens are the same bits in any. Every decode call
+computes all slots, busy or not: a program for fewer rows rounds differently (on the CPU a logit's last
 bits differed between 8 and 64 rows), so a request's text would depend on
 how many ran beside it. On the tiny char model (hidden 32, 2 CPU cores) a
 decode call of 4 tokens cost about the same whether 1 slot was busy or 64,

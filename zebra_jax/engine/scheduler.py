@@ -402,9 +402,9 @@ class Engine:
       jax.block_until_ready((tokens, self._state))
 
   def decode_blocks(self) -> tuple[int, ...]:
-    """The decode calls' lengths in tokens: decode_block, and the small
-    batch's longer one when small_batch_blocks > 1."""
-    return tuple(sorted({self.block, self.long_block}))
+    """The decode calls' lengths in tokens: one, decode_block, and the
+    small batch's longer one when small_batch_blocks > 1."""
+    return tuple(sorted({1, self.block, self.long_block}))
 
   def compiled_programs(self) -> int:
     """Programs the engine has traced, each compiled once (or read from the
@@ -763,10 +763,15 @@ class Engine:
     """The long block while at most small_batch_rows rows decode, each
     with tokens drawn already and at least the long block still to draw,
     no row fills its prompt and no request waits: a request arriving
-    meanwhile waits for at most this one call. Else decode_block: prompts
+    meanwhile waits for at most this one call. One token while no row
+    lacks more (scoring's max_tokens=1, a request's last token): a call's
+    cost on a CPU is its tokens' compute over every slot. Else
+    decode_block: prompts
     and queued requests move at the usual pace, a row's first tokens
     come as soon as before, and no call draws past a row's max tokens
     more than decode_block does."""
+    if all(r.params.max_new_tokens - len(r.tokens) <= 1 for r in decoding):
+      return 1  # each row lacks one token at most (a scoring request's)
     if (len(decoding) > self.small_batch_rows or self._pending
         or any(r.phase is Phase.PREFILLING for r in rows)
         or any(not r.tokens or r.params.max_new_tokens - len(r.tokens)
@@ -785,7 +790,7 @@ class Engine:
     want = features.logprobs
     logprobs = jax.device_get(logprobs) if want else None
     self._steps += 1
-    self._long_steps += block != self.block
+    self._long_steps += block > self.block
     for req in decoding:
       mine = (tuple(x[req.slot] for x in logprobs)
               if want and req.params.logprobs is not None else None)
