@@ -45,7 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lab.benchmarks import cudnn_jax, cudnn_torch, device_timing, flashrnn_rows
+from lab.benchmarks import (cudnn_jax, cudnn_torch, device_timing,
+                            flashrnn_rows, mosaic_rows)
 from lab.benchmarks.flops import step_flops
 from lab.benchmarks.gpu_results import first_error_line
 from lab.benchmarks.steps import core_runner
@@ -85,6 +86,7 @@ def candidates(shape, dtype: str, stripes: int) -> list[tuple]:
               f"the kernel does not fit this shape: {why}", stripes))
   if not grouped:
     out.append(stream_candidate(sized))
+  out += mosaic_rows.candidates(sized, stripes, grouped)
   # jax refuses bf16 for its cuDNN LSTM: the bf16 S=1 group asks anyway
   # (its row says why not) and times TF32 beside it; fp32 times both.
   jax_precisions = ("bf16", "tf32") if prec == "bf16" else ("fp32", "tf32")
@@ -310,7 +312,8 @@ def ratios(rows: list[dict]) -> dict:
   the dense rows interleaved with it) that ran."""
   ok = [r for r in rows if "tokens_per_s" in r]
   group = lambda r: r.get("group", r["stripes"])
-  ours = [r for r in ok if r["impl"] in OURS]
-  base = [r for r in ok if r["impl"] not in OURS]
+  mine = OURS + (mosaic_rows.IMPL,)
+  ours = [r for r in ok if r["impl"] in mine]
+  base = [r for r in ok if r["impl"] not in mine]
   return {r["name"]: {b["name"]: r["tokens_per_s"] / b["tokens_per_s"]
                       for b in base if group(b) == group(r)} for r in ours}

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zebra_jax.model.recurrence import native, pallas, pallas_stream, scan
+from zebra_jax.model.recurrence import (native, pallas, pallas_mosaic,
+                                         pallas_stream, scan)
 
 
 def _orthogonal_stripes(key, num_stripes, width):
@@ -48,7 +49,8 @@ class ZebraLSTMLayer(nnx.Module):
     self.custom_vjp = custom_vjp
     # auto | scan | pallas | pallas_stream | native (recurrence/: the same
     # math); auto:
-    # native where its loops run (CPUs, float32), else the scan
+    # native where its loops run (CPUs, float32), else the scan;
+    # pallas_mosaic: the GPU report's candidate, not a config choice
     self.kernel = kernel
     # PyTorch nn.LSTM's uniform init range, 1/sqrt(H). A grouped unit reads
     # S times fewer inputs and recurrent units, so 1/sqrt(H/S) keeps its
@@ -100,6 +102,7 @@ class ZebraLSTMLayer(nnx.Module):
         kernel = native.chosen(dt, inputs.shape)
       layer_fn = {"pallas": pallas.zebra_layer,
                   "pallas_stream": pallas_stream.zebra_layer,
+                  "pallas_mosaic": pallas_mosaic.zebra_layer,
                   "native": native.zebra_layer}.get(kernel, scan.zebra_layer)
       ys, h, c = layer_fn(*args, self.unroll, self.remat)
     else:

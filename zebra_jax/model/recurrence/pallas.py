@@ -72,7 +72,9 @@ an error, `plan()` returns None with the reason and the layer runs the scan,
 with one warning line.
 
 The Mosaic GPU port (`plgpu` = jax.experimental.pallas.mosaic_gpu; one
-Pallas thread is a warpgroup of 128 CUDA threads) needs:
+Pallas thread is a warpgroup of 128 CUDA threads); `pallas_mosaic.py` is
+its forward window at G <= 128 bf16, paired with this module's backward
+kernel. It needs:
   - U_s in shared memory, copied once per window by TMA
     (plgpu.copy_gmem_to_smem, then plgpu.barrier_wait): 128 KiB fits at G=128
     bf16 (227 KiB per block); G=256's 512 KiB does not, so it streams U_s
@@ -126,7 +128,7 @@ def triton_missing() -> str:
     triton = None
   if not hasattr(triton, "CompilerParams"):
     return (f"jax {jax.__version__} has no Pallas Triton backend (the kernel "
-            "has no Mosaic GPU version yet)")
+            "has a Mosaic GPU forward only)")
   try:
     from jax._src import deprecations  # pylint: disable=g-import-not-at-top
     if deprecations.is_accelerated("jax-pallas-triton"):

@@ -238,6 +238,18 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
     cs, h_prev, gates = saved
     gates = gates + tie
   cs = cs + tie
+  dz, dh0, dc0 = reverse_window(d_ys, gates, cs, c0, w_h, d_h_last, d_c_last,
+                                unroll)
+  return window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0)
+
+
+def reverse_window(d_ys, gates, cs, c0, w_h, d_h, d_c, unroll=1):
+  """The backward pass's reverse loop: the activated gates [S, T, B, 4G] and
+  c_t [S, T, B, G] of the window, and the cotangents of its outputs and
+  final (h, c) -> dz [S, T, B, 4G] f32, dh0, dc0 [S, B, G] f32. The
+  signature of `kernel_layer`'s backward: any forward kernel pairs with it.
+  """
+  dt = w_h.dtype
   # Everything that does not depend on the carried (dh, dc) is computed here,
   # for the whole window at once: large, vectorised, multi-threaded passes.
   # The reverse loop is then only multiply-adds and one matmul per step.
@@ -263,9 +275,9 @@ def _zebra_layer_bwd(unroll, remat, residuals, cotangents):
     return (dh_prev, dc * f_t), dz
 
   (dh0, dc0), dz = _scan_time(
-      step, (d_h_last.astype(jnp.float32), d_c_last.astype(jnp.float32)),
+      step, (d_h.astype(jnp.float32), d_c.astype(jnp.float32)),
       (d_ys, dc_dh, dz_dcdh, f), reverse=True, unroll=unroll)
-  return window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0)
+  return dz, dh0, dc0
 
 
 def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0):
