@@ -300,13 +300,16 @@ def summary(report: dict) -> list[str]:
     lines.append("- profile: " + (
         f"error: {profile['error']}" if profile.get("error") else
         f"{profile['trace_archive']}, {profile.get('dump_archive', '-')}"))
+  stages = []
   for stage, st in report.get("stages", {}).items():
     status = st.get("status", "-")
     rows = "" if "rows" in status else f"{st.get('rows', 0)} rows, "
-    lines.append(f"- stage {stage}: {status}, {rows}"
-                 f"{_fmt(st.get('seconds'))} s of "
-                 f"{st.get('budget_s', '-')} s"
-                 + (f" ({st['device']})" if st.get("device") else ""))
+    stages.append(f"{stage} {status}, {rows}"
+                  f"{_fmt(st.get('seconds'))} s of "
+                  f"{st.get('budget_s', '-')} s"
+                  + (f" ({st['device']})" if st.get("device") else ""))
+  if stages:  # one line: the kernel rows keep the summary's room
+    lines.append("- stages: " + "; ".join(stages))
   return lines
 
 
