@@ -1,8 +1,8 @@
 """The tied full head alone at the word_language_model shape (700 rows of
 200 units, 10,000 words): value and gradients of the mean cross-entropy
 (`lm.ZebraLM.token_sums` as the train step calls it), XLA's float32 head,
-model.cpu_bf16_head=auto and model.cpu_fused_head=auto, in interleaved
-rounds so that a shared machine's load moves every row alike.
+model.cpu_bf16_head=auto, model.cpu_fused_head=on (float32) and both, in
+interleaved rounds so that a shared machine's load moves every row alike.
 
   python -m lab.fused_head_bench --rounds=7 --steps=10
 """
@@ -23,12 +23,15 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--steps", type=int, default=10, help="calls a round")
   args = parser.parse_args()
-  from lab.benchmarks.steps import head_runner  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from lab.benchmarks.steps import head_runner
   rows = {"xla float32": {}}
   if not cpu_bf16_head.unavailable():
     rows["bf16 head"] = {"cpu_bf16_head": "auto"}
   if not cpu_fused_head.unavailable():
-    rows["fused head"] = {"cpu_fused_head": "auto"}
+    rows["fused head"] = {"cpu_fused_head": "on"}
+    if "bf16 head" in rows:
+      rows["fused bf16"] = {"cpu_fused_head": "auto", "cpu_bf16_head": "auto"}
   runners = {name: head_runner(SHAPE, **kw) for name, kw in rows.items()}
   for run in runners.values():
     run()  # warm: the first call's allocations

@@ -137,11 +137,14 @@ FIELDS = dict(
                         "elsewhere"),
         cpu_fused_head=F("off", one_of(model_config.CPU_FUSED_HEADS),
                          "the tied full head's training loss on a CPU: off "
-                         "(XLA: the [rows, vocab] logits written) | auto: "
+                         "(XLA: the [rows, vocab] logits written) | on: "
                          "logits, softmax cross-entropy and gradients by "
-                         "chunks of rows in one native call, float32, "
-                         "where the head is tied, model.dtype is float32 "
-                         "and the native library loads; XLA elsewhere"),
+                         "chunks of rows in one native call (bf16 products "
+                         "where cpu_bf16_head runs, else float32), where "
+                         "the head is tied, model.dtype is float32 and the "
+                         "native library loads; XLA elsewhere | auto: on "
+                         "only with the bf16 products (float32's call is no "
+                         "faster than XLA's head)"),
     ),
     optim=dict(
         name=F("adam", one_of(("adam", "adamw", "sgd", "lamb")),

@@ -15,7 +15,7 @@ STRIPE_INPUTS = ("dense", "grouped")          # how a stripe reads its layer's i
 RECURRENCES = ("auto", "scan", "pallas", "native")  # the layer's time loop
 HEAD_LOGITS_DTYPES = ("float32", "compute")   # the adaptive loss's logits
 CPU_BF16_HEADS = ("off", "auto")              # the full head's matmuls on a CPU
-CPU_FUSED_HEADS = ("off", "auto")             # the tied head's loss on a CPU
+CPU_FUSED_HEADS = ("off", "auto", "on")       # the tied head's loss on a CPU
 
 
 @dataclasses.dataclass(frozen=True)

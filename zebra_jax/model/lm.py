@@ -100,8 +100,7 @@ class ZebraLM(nnx.Module):
     self.tied = bool(cfg.tie_embeddings and same_width)
     self.bf16_head = cpu_bf16_head.chosen(cfg.cpu_bf16_head)
     # The fused loss reads the embedding as the head's matrix: tied only.
-    self.fused_head = self.tied and cpu_fused_head.chosen(
-        cfg.cpu_fused_head, dt)
+    self.fused_head = cfg.cpu_fused_head if self.tied else "off"
     if not self.tied:
       bound = 1.0 / cfg.hidden_size ** 0.5
       self.head_w = nnx.Param(jax.random.uniform(
@@ -212,8 +211,8 @@ class ZebraLM(nnx.Module):
     The adaptive head scores targets with the chunked `nll`, never building
     [B*T, V]; its accuracy needs a full-vocabulary `predict`. The full head
     has the logits, but its accuracy is still one more pass over them;
-    without accuracy, the tied head under model.cpu_fused_head=auto scores
-    them in one native call that never writes them (`cpu_fused_head`).
+    without accuracy, the tied head under model.cpu_fused_head scores them
+    in one native call that never writes them (`cpu_fused_head`).
     Under both, with_accuracy=False leaves "correct" out.
     """
     return self._on_rows(
@@ -222,14 +221,16 @@ class ZebraLM(nnx.Module):
         hidden, targets, total=True)
 
   def _token_sums(self, hidden, targets, with_accuracy):
-    if self.head == "full" and self.fused_head and not with_accuracy:
+    if self.head == "full" and not with_accuracy:
       b, t, h = hidden.shape
-      with jax.named_scope("head"):
-        loss_sum = cpu_fused_head.loss_sum(
-            hidden.reshape(b * t, h), self.embed[...], self.head_b[...],
-            targets.reshape(b * t))
-      return {"loss_sum": loss_sum,
-              "count": jnp.asarray(targets.size, jnp.float32)}
+      bf16 = self.bf16_head and cpu_bf16_head.runs_for(b * t)
+      if cpu_fused_head.chosen(self.fused_head, self.dtype, bf16):
+        with jax.named_scope("head"):
+          loss_sum = cpu_fused_head.loss_sum(
+              hidden.reshape(b * t, h), self.embed[...], self.head_b[...],
+              targets.reshape(b * t), bf16)
+        return {"loss_sum": loss_sum,
+                "count": jnp.asarray(targets.size, jnp.float32)}
     if self.head == "full":
       logits = self._logits(hidden)
       with jax.named_scope("loss"):

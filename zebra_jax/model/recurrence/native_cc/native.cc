@@ -379,7 +379,8 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
 
 // The tied head's softmax cross-entropy by row chunks (fused_xent.h):
 // h [N, H], e [V, H], b [V], targets [N] -> loss [N]; with_grads: d_h,
-// d_e, d_b of the losses' sum, else those three empty.
+// d_e, d_b of the losses' sum, else those three empty; bf16: the products
+// on the AVX512_BF16 units.
 ffi::Error FusedXentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                          ffi::Buffer<ffi::F32> e, ffi::Buffer<ffi::F32> b,
                          ffi::Buffer<ffi::S32> targets,
@@ -387,8 +388,10 @@ ffi::Error FusedXentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                          ffi::ResultBuffer<ffi::F32> d_h,
                          ffi::ResultBuffer<ffi::F32> d_e,
                          ffi::ResultBuffer<ffi::F32> d_b, bool with_grads,
-                         int64_t chunk_rows, int64_t threads) {
+                         bool bf16, int64_t chunk_rows, int64_t threads) {
   const std::string name = "zebra_fused_xent: ";
+  if (bf16 && !kBf16Matmul)
+    return Failed(name + "this library was built without AVX512_BF16");
   if (h.dimensions().size() != 2 || e.dimensions().size() != 2)
     return Failed(name + "h and e must be matrices");
   const int64_t n = h.dimensions()[0], width = h.dimensions()[1];
@@ -423,7 +426,7 @@ ffi::Error FusedXentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
     io.d_b = d_b->typed_data();
   }
   return Guarded("zebra_fused_xent", [&] {
-    FusedXent(io, int(chunk_rows), Clipped(threads), &pool);
+    FusedXent(io, int(chunk_rows), bf16, Clipped(threads), &pool);
   });
 }
 
@@ -643,5 +646,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraFusedXent, FusedXentImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d_e
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d_b
                                   .Attr<bool>("with_grads")
+                                  .Attr<bool>("bf16")
                                   .Attr<int64_t>("chunk_rows")
                                   .Attr<int64_t>("threads"));
