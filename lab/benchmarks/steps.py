@@ -175,7 +175,8 @@ def word_runner(shape, stripes, *, grouped=False, head="full",
   return _train_runner(cfg, shape, random_tokens(shape))
 
 
-def head_runner(shape, head="full", cpu_bf16_head="off"):
+def head_runner(shape, head="full", cpu_bf16_head="off",
+                cpu_fused_head="off"):
   """The product's head alone (lm.ZebraLM.token_sums, as the train step
   calls it): the mean cross-entropy's gradient with respect to the head's
   parameters and to fixed hidden states [batch, window, hidden], no
@@ -183,8 +184,9 @@ def head_runner(shape, head="full", cpu_bf16_head="off"):
   "adaptive" (tied to the adaptive input). The loss's value is computed
   too, as the train step and torch's row compute it: under `jax.grad`
   alone XLA drops the work only the value needs (the adaptive tails'
-  forward loops). cpu_bf16_head: model.cpu_bf16_head."""
-  cfg = model_config(shape, 1, head=head, cpu_bf16_head=cpu_bf16_head)
+  forward loops). cpu_bf16_head, cpu_fused_head: those model fields."""
+  cfg = model_config(shape, 1, head=head, cpu_bf16_head=cpu_bf16_head,
+                     cpu_fused_head=cpu_fused_head)
   graphdef, params = random_model(cfg)
   b, t, h = shape["batch"], shape["seq_len"], shape["hidden"]
   hidden = jax.random.uniform(jax.random.key(1), (b, t, h), jnp.float32,

@@ -139,6 +139,16 @@ FIELDS = dict(
                         "bf16 units where it has them (AVX512_BF16) and "
                         "the native library is built for them; float32 "
                         "elsewhere"),
+        cpu_fused_head=F("off", one_of(model_config.CPU_FUSED_HEADS),
+                         "the tied full head's training loss on a CPU: off "
+                         "(XLA: the [rows, vocab] logits written) | on: "
+                         "logits, softmax cross-entropy and gradients by "
+                         "chunks of rows in one native call (bf16 products "
+                         "where cpu_bf16_head runs, else float32), where "
+                         "the head is tied, model.dtype is float32 and the "
+                         "native library loads; XLA elsewhere | auto: on "
+                         "only with the bf16 products (float32's call is no "
+                         "faster than XLA's head)"),
     ),
     optim=dict(
         name=F("adam", one_of(("adam", "adamw", "sgd", "lamb")),

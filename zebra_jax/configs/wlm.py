@@ -16,6 +16,12 @@ What differs, and why:
              not improve; zebra_jax has no plateau rule, so lr stays 20
              (warmup 0, min_lr_ratio 1: a constant schedule)
   init       zebra_jax's own initialisers, not nn.LSTM's uniform(+-1/sqrt(H))
+  head       on a CPU, the tied head's training loss in one native call
+             (model.cpu_fused_head=auto: no [700, 10k] logits written) with
+             bf16 products and float32 sums where the CPU has AVX512_BF16
+             (model.cpu_bf16_head=auto; float32 elsewhere): its loss within
+             1e-3 of float32's, the step faster (lab/results-log.md,
+             2026-11-28); XLA's float32 head on a GPU or without the library
 
 Variants: "" is the example's classic LSTM (dense, 1 stripe); grouped8 is
 8 stripes of 25 units, each reading its own 1/8 of the layer input (every
@@ -51,6 +57,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       dropout_output=0.2,
       tie_embeddings=True,
       head="full",
+      cpu_fused_head="auto",
+      cpu_bf16_head="auto",
   )
   c.optim.update(name="sgd", learning_rate=20.0, momentum=0.0, warmup_steps=0,
                  min_lr_ratio=1.0, clip_norm=0.25)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zebra_jax.model import adaptive_softmax as asm, metrics
-from zebra_jax.model import cpu_bf16_head, mixed_precision, stripe_parallel
+from zebra_jax.model import cpu_bf16_head, cpu_fused_head, mixed_precision
+from zebra_jax.model import stripe_parallel
 from zebra_jax.model.config import DTYPES, ModelConfig
 from zebra_jax.model.layer import ZebraLSTMLayer, stripe_shuffle
 
@@ -98,6 +99,8 @@ class ZebraLM(nnx.Module):
       return
     self.tied = bool(cfg.tie_embeddings and same_width)
     self.bf16_head = cpu_bf16_head.chosen(cfg.cpu_bf16_head)
+    # The fused loss reads the embedding as the head's matrix: tied only.
+    self.fused_head = cfg.cpu_fused_head if self.tied else "off"
     if not self.tied:
       bound = 1.0 / cfg.hidden_size ** 0.5
       self.head_w = nnx.Param(jax.random.uniform(
@@ -207,7 +210,9 @@ class ZebraLM(nnx.Module):
 
     The adaptive head scores targets with the chunked `nll`, never building
     [B*T, V]; its accuracy needs a full-vocabulary `predict`. The full head
-    has the logits, but its accuracy is still one more pass over them.
+    has the logits, but its accuracy is still one more pass over them;
+    without accuracy, the tied head under model.cpu_fused_head scores them
+    in one native call that never writes them (`cpu_fused_head`).
     Under both, with_accuracy=False leaves "correct" out.
     """
     return self._on_rows(
@@ -216,6 +221,16 @@ class ZebraLM(nnx.Module):
         hidden, targets, total=True)
 
   def _token_sums(self, hidden, targets, with_accuracy):
+    if self.head == "full" and not with_accuracy:
+      b, t, h = hidden.shape
+      bf16 = self.bf16_head and cpu_bf16_head.runs_for(b * t)
+      if cpu_fused_head.chosen(self.fused_head, self.dtype, bf16):
+        with jax.named_scope("head"):
+          loss_sum = cpu_fused_head.loss_sum(
+              hidden.reshape(b * t, h), self.embed[...], self.head_b[...],
+              targets.reshape(b * t), bf16)
+        return {"loss_sum": loss_sum,
+                "count": jnp.asarray(targets.size, jnp.float32)}
     if self.head == "full":
       logits = self._logits(hidden)
       with jax.named_scope("loss"):

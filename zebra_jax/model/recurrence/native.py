@@ -49,6 +49,7 @@ _FORWARD, _BACKWARD = "zebra_native_forward", "zebra_native_backward"
 _BACKWARD_GRADS = "zebra_native_backward_grads"
 _FORWARD_PROJECTED = "zebra_native_forward_projected"
 BF16_MATMUL = "zebra_bf16_matmul"  # the head's (model/cpu_bf16_head.py)
+FUSED_XENT = "zebra_fused_xent"  # the tied head's loss (model/cpu_fused_head.py)
 
 
 @functools.cache
@@ -73,7 +74,8 @@ def _load(target: str, prebuilt: str | None, cxx: str | None
                 _BACKWARD: library.ZebraBackward,
                 _BACKWARD_GRADS: library.ZebraBackwardGrads,
                 _FORWARD_PROJECTED: library.ZebraForwardProjected,
-                BF16_MATMUL: library.ZebraBf16Matmul}
+                BF16_MATMUL: library.ZebraBf16Matmul,
+                FUSED_XENT: library.ZebraFusedXent}
   except (OSError, AttributeError) as e:
     return f"loading {path} failed: {e}", ""
   # One set of FFI targets per library: tests load several (-march) side

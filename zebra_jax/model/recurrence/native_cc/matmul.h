@@ -20,13 +20,16 @@
 
 namespace {
 
-// One product of a sum: A[rows, k] W[k, columns], row strides lda and ldw.
+// One product of a sum: A[rows, k] W[k, columns], row strides lda and ldw;
+// A's element (r, k) at a[r * lda + k * a_step] (a_step > 1: A read
+// transposed, as the fused head's d_h reads its chunk of d_logits).
 struct Term {
   int k;
   const float* a;
   Index lda;
   const float* w;
   Index ldw;
+  Index a_step = 1;
 };
 
 // C[R, V*kLanes] = X + the terms' A W (X null: 0), in registers: a sum of
@@ -47,7 +50,7 @@ inline void Block(const std::array<Term, N>& terms, const float* x,
         ZEBRA_IN_REGISTER(wk[v]);
       }
       for (int r = 0; r < R; ++r) {
-        const Vec ak = Splat(t.a[r * t.lda + k]);
+        const Vec ak = Splat(t.a[r * t.lda + k * t.a_step]);
         for (int v = 0; v < V; ++v) acc[r][v] += ak * wk[v];
       }
     }
@@ -186,7 +189,7 @@ void Matmul(int rows, int n, const std::array<Product, N>& products,
     for (size_t i = 0; i < N; ++i) {
       const Term& p = products[i].term;
       t[i] = Term{p.k, p.a, p.lda, products[i].panels + Index(j) * p.k,
-                  kPanel};
+                  kPanel, p.a_step};
     }
     return t;
   };

@@ -25,6 +25,7 @@
 //   weight_grads.h  a window's d_w_h, d_w_x, d_bias (StripeGrads)
 //   lstm.h          the cell, Forward and Backward
 //   bf16_matmul.h   a bf16 matmul on AVX512_BF16 units (the tied head's)
+//   fused_xent.h    the tied head's loss and gradients by row chunks
 // native_build.py's digest of the source covers every file here.
 
 #include <algorithm>
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "bf16_matmul.h"
+#include "fused_xent.h"
 #include "lstm.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -375,6 +377,59 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
 #endif
 }
 
+// The tied head's softmax cross-entropy by row chunks (fused_xent.h):
+// h [N, H], e [V, H], b [V], targets [N] -> loss [N]; with_grads: d_h,
+// d_e, d_b of the losses' sum, else those three empty; bf16: the products
+// on the AVX512_BF16 units.
+ffi::Error FusedXentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
+                         ffi::Buffer<ffi::F32> e, ffi::Buffer<ffi::F32> b,
+                         ffi::Buffer<ffi::S32> targets,
+                         ffi::ResultBuffer<ffi::F32> loss,
+                         ffi::ResultBuffer<ffi::F32> d_h,
+                         ffi::ResultBuffer<ffi::F32> d_e,
+                         ffi::ResultBuffer<ffi::F32> d_b, bool with_grads,
+                         bool bf16, int64_t chunk_rows, int64_t threads) {
+  const std::string name = "zebra_fused_xent: ";
+  if (bf16 && !kBf16Matmul)
+    return Failed(name + "this library was built without AVX512_BF16");
+  if (h.dimensions().size() != 2 || e.dimensions().size() != 2)
+    return Failed(name + "h and e must be matrices");
+  const int64_t n = h.dimensions()[0], width = h.dimensions()[1];
+  const int64_t v = e.dimensions()[0];
+  if (n > INT_MAX || v > INT_MAX || width > INT_MAX)
+    return Failed(name + "a dimension out of range");
+  if (chunk_rows <= 0 || chunk_rows % kPanel || chunk_rows > 4096)
+    return Failed(name + "chunk_rows must be a multiple of " +
+                  std::to_string(kPanel) + " in [" + std::to_string(kPanel) +
+                  ", 4096]");
+  std::vector<std::string> checks = {
+      Mismatch("e", e, {v, width}), Mismatch("b", b, {v}),
+      Mismatch("targets", targets, {n}), Mismatch("loss", *loss, {n})};
+  if (with_grads)
+    checks.insert(checks.end(), {Mismatch("d_h", *d_h, {n, width}),
+                                 Mismatch("d_e", *d_e, {v, width}),
+                                 Mismatch("d_b", *d_b, {v})});
+  const std::string why = FirstMismatch("", checks);
+  if (!why.empty()) return Failed(name + why);
+  XentBuffers io;
+  io.n = n;
+  io.v = v;
+  io.h = width;
+  io.hidden = h.typed_data();
+  io.e = e.typed_data();
+  io.b = b.typed_data();
+  io.targets = targets.typed_data();
+  io.loss = loss->typed_data();
+  if (with_grads) {
+    io.d_h = d_h->typed_data();
+    io.d_e = d_e->typed_data();
+    io.d_b = d_b->typed_data();
+  }
+  return Guarded("zebra_fused_xent", [&] {
+    FusedXent(io, int(chunk_rows), bf16, Clipped(threads), &pool);
+  });
+}
+
 }  // namespace
 
 // The vector instructions this library was compiled for: what
@@ -577,4 +632,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBf16Matmul, Bf16MatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // c
                                   .Attr<bool>("a_transposed")
                                   .Attr<bool>("b_transposed")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraFusedXent, FusedXentImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // h
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // e
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // targets
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // loss
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d_h
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d_e
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d_b
+                                  .Attr<bool>("with_grads")
+                                  .Attr<bool>("bf16")
+                                  .Attr<int64_t>("chunk_rows")
                                   .Attr<int64_t>("threads"));

@@ -1,0 +1,107 @@
+"""The tied full head's softmax cross-entropy on a CPU in one native call.
+
+Why: XLA runs the tied head's loss as three matmuls (logits = h Eᵀ + b,
+d_h = d_logits E, d_E = d_logitsᵀ h) around passes over the [rows, vocab]
+float32 logits and their gradient, each written to memory and read back.
+`recurrence/native_cc/fused_xent.h` computes the loss and all three
+gradients by chunks of rows whose logits stay in a core's cache: the
+matmuls' float32 products, the log-sum-exp, softmax - onehot and d_b, with
+no [rows, vocab] array anywhere.
+
+With `bf16`, the three products run on the CPU's bf16 units as
+`cpu_bf16_head`'s do (operands rounded to bf16, float32 sums; the
+softmax in float32): what model.cpu_bf16_head=auto asks for where both are
+on and that head would run.
+
+The loss it gives is a sum over rows, so its gradients are computed in the
+forward call and the backward only scales them by the sum's cotangent (a
+training step's 1 / tokens). Called without a gradient, the kernel computes
+the losses alone (one matmul).
+
+`model.cpu_fused_head`: "off" (default) keeps XLA's head
+(`softmax_xent.cross_entropy` on the logits); "on" runs this call for the
+training loss where the head is tied (embedding as the output matrix),
+computes in float32, runs on a CPU and the native library loads; "auto"
+only where its products run in bf16 as well (model.cpu_bf16_head=auto on a
+CPU that has the units): with float32 products the call measured no faster
+than XLA's head at the word_language_model shape (lab/results-log.md,
+2026-11-28), with bf16 ones 1.86x. XLA's head elsewhere, and for every pass
+that needs the logits themselves (accuracy, log-probabilities, sampling).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zebra_jax.model.recurrence import native
+
+SETTINGS = ("off", "auto", "on")
+# Rows a chunk: its transposed logits [vocab, rows] (2.5 MB at 10,000 words)
+# near a core's L2, and a multiple of every build's register panel (32).
+CHUNK_ROWS = 64
+
+
+def unavailable(dtype=jnp.float32) -> str:
+  """Why the fused call cannot run a head computing in `dtype` here (""
+  when it can)."""
+  return native.unavailable(dtype)
+
+
+def chosen(setting: str, dtype=jnp.float32, bf16: bool = False) -> bool:
+  """Whether model.cpu_fused_head=setting runs the fused call here for a
+  tied head whose products run in bf16 (`bf16`: cpu_bf16_head's choice for
+  these rows) or float32."""
+  if setting not in SETTINGS:
+    raise ValueError(f"cpu_fused_head: {setting!r} is not one of {SETTINGS}")
+  if setting == "off" or (setting == "auto" and not bf16):
+    return False
+  return not unavailable(dtype)
+
+
+def _call(hidden, embed, bias, targets, with_grads: bool, bf16=False):
+  """The library's call: (losses [N], and d_h, d_embed, d_bias of their sum
+  with_grads, else three empty arrays); bf16: the products in bf16."""
+  n, h = hidden.shape
+  v = embed.shape[0]
+  f32 = jnp.float32
+  if with_grads:
+    grads = (jax.ShapeDtypeStruct((n, h), f32),
+             jax.ShapeDtypeStruct((v, h), f32), jax.ShapeDtypeStruct((v,), f32))
+  else:
+    grads = (jax.ShapeDtypeStruct((0,), f32),) * 3
+  products = 3 if with_grads else 1
+  return jax.ffi.ffi_call(
+      native.FUSED_XENT + native.target_suffix(),
+      (jax.ShapeDtypeStruct((n,), f32),) + grads,
+      vmap_method="sequential")(
+          hidden.astype(f32), embed.astype(f32), bias.astype(f32),
+          targets.astype(jnp.int32), with_grads=np.bool_(with_grads),
+          bf16=np.bool_(bf16),
+          chunk_rows=np.int64(CHUNK_ROWS),
+          threads=np.int64(native.threads(2 * n * v * h * products)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def loss_sum(hidden, embed, bias, targets, bf16=False):
+  """Σ over rows of -log softmax(hidden embedᵀ + bias)[target]: hidden
+  [N, H], embed [V, H], bias [V], targets [N] int -> a float32 scalar (a
+  target outside [0, V) gives NaN). bf16: the products on the bf16 units
+  (`cpu_bf16_head.chosen` first)."""
+  return _call(hidden, embed, bias, targets, False, bf16)[0].sum()
+
+
+def _forward(hidden, embed, bias, targets, bf16):
+  losses, d_h, d_e, d_b = _call(hidden, embed, bias, targets, True, bf16)
+  return losses.sum(), (d_h, d_e, d_b)
+
+
+def _backward(bf16, grads, g):
+  del bf16
+  """The forward call's gradients times the sum's cotangent (float32: the
+  call's inputs, as `chosen` requires)."""
+  return tuple(g * d for d in grads) + (None,)
+
+
+loss_sum.defvjp(_forward, _backward)
