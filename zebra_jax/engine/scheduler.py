@@ -654,13 +654,15 @@ class Engine:
       filling = filling[:self.prefill_rows]
     else:
       filling = self._resume_from_cache(filling)
-    if filling:
-      self._prefill_batch(filling)
+    settle = self._prefill_batch(filling) if filling else None
+    decoding = [r for r in rows if r.phase is Phase.DECODING
+                and r.params.max_new_tokens > 0]
+    if decoding:  # settles the prefill once the decode call is under way
+      self._decode_batch(decoding, self._decode_block_for(rows, decoding),
+                         settle)
+    elif settle is not None:
+      settle()
     done = [r for r in rows if r.phase is Phase.DONE]
-    decoding = [r for r in rows if r.phase is Phase.DECODING]
-    if decoding:
-      self._decode_batch(decoding, self._decode_block_for(rows, decoding))
-      done += [r for r in decoding if r.phase is Phase.DONE]
     if done:
       now = time.monotonic()
       with self._cond:
@@ -672,9 +674,13 @@ class Engine:
       self._safe(self.on_step, time.perf_counter() - start)
     return True
 
-  def _prefill_batch(self, filling: list[Request]) -> None:
-    """One prefill call; with the cache, what each row ends at is cached
-    before any of them can finish (a request that follows finds it)."""
+  def _prefill_batch(self, filling: list[Request]) -> Callable[[], None]:
+    """One prefill call. Returns what settles it: with the cache, storing
+    what each row ended at (which waits for the call), then finishing the
+    rows that only score their prompt. The step runs it once the decode
+    call is dispatched, so the wait overlaps that call as it does without
+    the cache, and before any row can finish: a request that follows
+    finds the states cached."""
     args = self._prefill_args(filling)
     keys = [r.prefix_keys[r.fed // self.chunk] if r.prefix_keys else None
             for r in filling]
@@ -683,17 +689,27 @@ class Engine:
         self.model.params, self._state, *args, with_logprobs=want)
     self._prefill_calls += 1
     logprobs = jax.device_get(logprobs) if want else None
-    if self._cache is not None:
-      self._store(filling, keys, args[1], logprobs, rows)
     for i, req in enumerate(filling):
       mine = (tuple(x[i] for x in logprobs)
               if want and req.wants_prompt_logprobs else None)
       self._prefill_tokens += int(args[1][i])
-      self._consume(req, int(args[1][i]), mine)
+      self._consume(req, int(args[1][i]), mine, finish=False)
 
-  def _consume(self, req: Request, count: int, logprobs) -> None:
+    def settle():
+      if self._cache is not None:
+        self._store(filling, keys, args[1], logprobs, rows)
+      for req in filling:
+        self._finish_scoring(req)
+    return settle
+
+  def _consume(self, req: Request, count: int, logprobs,
+               finish: bool = True) -> None:
     req.consumed(count, logprobs)
     self._prompt_tokens += count
+    if finish:
+      self._finish_scoring(req)
+
+  def _finish_scoring(self, req: Request) -> None:
     if req.phase is Phase.DECODING and req.params.max_new_tokens == 0:
       self._safe(req.finish, "length", "", 0)  # the prompt alone: scoring
 
@@ -779,13 +795,16 @@ class Engine:
       return self.block
     return self.long_block
 
-  def _decode_batch(self, decoding: list[Request], block: int) -> None:
+  def _decode_batch(self, decoding: list[Request], block: int,
+                    settle: Callable[[], None] | None = None) -> None:
     active = np.zeros(self.slots, bool)
     active[[r.slot for r in decoding]] = True
     features = params_lib.variant_for(functools.reduce(
         operator.or_, (r.features for r in decoding)))
     self._state, tokens, logprobs = self._decode(
         self.model.params, self._state, active, features, block)
+    if settle is not None:
+      settle()
     tokens = np.asarray(tokens)                         # [S, block]
     want = features.logprobs
     logprobs = jax.device_get(logprobs) if want else None
