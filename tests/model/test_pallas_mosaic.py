@@ -19,6 +19,9 @@ from zebra_jax.model.recurrence import scan
 from tests.helpers import SCALED_ATOL, check_against_scan, stripe_layer_args
 
 BF16 = jnp.bfloat16
+needs_interpreter = pytest.mark.skipif(
+    not pallas_mosaic.has_interpreter(),
+    reason=f"jax {jax.__version__} has no Mosaic GPU interpreter")
 
 
 def _window(stripes, steps, batch, width, seed=0):
@@ -60,6 +63,7 @@ def test_plan():
     ("states", 128, 16),  # the GPU report's stripe width
     (None, 64, 16),
 ])
+@needs_interpreter
 def test_forward_matches_scan_in_interpret_mode(keep, width, batch):
   window = _window(2, 3, batch, width, seed=width)
   got = jax.jit(lambda *a: pallas_mosaic.forward(*a, keep, interpret=True))(
@@ -80,6 +84,7 @@ def test_forward_matches_scan_in_interpret_mode(keep, width, batch):
                                err_msg=name)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("backward,remat", [("triton", False),
                                             ("scan", True)])
 def test_layer_gradients_match_scan(backward, remat):

@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from lab.benchmarks import gpu_kernel, mosaic_rows
+from zebra_jax.model.recurrence import pallas_mosaic
 
 SHAPE = dict(hidden=128, layers=1, batch=16, seq_len=3, dtype="bfloat16")
 
@@ -24,6 +25,8 @@ def test_the_row_is_in_bf16_groups_of_several_stripes_only(capsys):
         "GPUs only (the CPU tests run it in interpret mode)\n")
 
 
+@pytest.mark.skipif(not pallas_mosaic.has_interpreter(),
+                    reason="this jax has no Mosaic GPU interpreter")
 def test_the_check_passes_the_kernel_in_interpret_mode():
   """S=2, G=64: every array within the tolerance of the scan's."""
   errors = mosaic_rows.forward_errors(SHAPE, 2, interpret=True)

@@ -217,6 +217,16 @@ def _batch_minor(a):
   return jnp.swapaxes(a, -1, -2)
 
 
+def has_interpreter() -> bool:
+  """Whether this jax carries Mosaic GPU's interpreter (jax 0.10.2 and
+  0.11.2 do; it is not public API, so a later jax may move it)."""
+  try:
+    interpret_params()
+    return True
+  except (ImportError, AttributeError):
+    return False
+
+
 def interpret_params():
   """Pallas' Mosaic GPU interpret mode (it simulates shared memory, TMA,
   barriers and wgmma on the CPU): the argument `plgpu.kernel` takes for it.
