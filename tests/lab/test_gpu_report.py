@@ -59,8 +59,8 @@ def test_a_stage_killed_midway_keeps_its_rows(tmp_path):
   assert status["rows"] == 1 + len(report["smoke"].get("rows", []))
   page = (tmp_path / "gpu-results.md").read_text()
   assert "- Pallas GPU backend: triton" in page
-  assert "stage smoke: stopped by SIGKILL" in page
-  assert "stage smoke: stopped by SIGKILL" in stdout  # the printed summary
+  assert "- stages: smoke stopped by SIGKILL" in page
+  assert "- stages: smoke stopped by SIGKILL" in stdout  # the printed summary
 
   # A stage past its budget: its process group is killed, the report says so.
   # 0.3 s is less than any stage's child takes to import jax.
