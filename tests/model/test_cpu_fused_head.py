@@ -301,3 +301,17 @@ def test_off_is_xlas_head():
   _assert_xla_program("off")
   with pytest.raises(ValueError, match="cpu_fused_head"):
     cpu_fused_head.chosen("always")
+
+
+def test_on_where_the_call_cannot_run_says_so_once(monkeypatch, caplog):
+  monkeypatch.setattr(cpu_fused_head, "unavailable",
+                      lambda dtype=None: "no native library here")
+  cpu_fused_head._say_unavailable.cache_clear()  # pylint: disable=protected-access
+  with caplog.at_level("WARNING"):
+    assert not cpu_fused_head.chosen("on")
+    assert not cpu_fused_head.chosen("on")
+    assert not cpu_fused_head.chosen("auto", bf16=True)
+  lines = [r.getMessage() for r in caplog.records
+           if "cpu_fused_head" in r.getMessage()]
+  assert lines == ["model.cpu_fused_head=on: XLA's head runs instead: "
+                   "no native library here"]

@@ -30,6 +30,7 @@ that needs the logits themselves (accuracy, log-probabilities, sampling).
 """
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,16 @@ def chosen(setting: str, dtype=jnp.float32, bf16: bool = False) -> bool:
     raise ValueError(f"cpu_fused_head: {setting!r} is not one of {SETTINGS}")
   if setting == "off" or (setting == "auto" and not bf16):
     return False
-  return not unavailable(dtype)
+  why = unavailable(dtype)
+  if why and setting == "on":
+    _say_unavailable(why)
+  return not why
+
+
+@functools.lru_cache(maxsize=None)
+def _say_unavailable(why: str) -> None:
+  """One line a reason: model.cpu_fused_head=on asked for what cannot run."""
+  logging.warning("model.cpu_fused_head=on: XLA's head runs instead: %s", why)
 
 
 def _call(hidden, embed, bias, targets, with_grads: bool, bf16=False):
