@@ -180,6 +180,30 @@ def test_one_thread_count_gives_the_same_bits(this_cpus_build, monkeypatch):
 
 
 @needs_compiler
+@needs_units
+@pytest.mark.parametrize("n", [151, 3])
+def test_bf16_d_embed_is_the_same_bits_for_any_thread_count(
+    this_cpus_build, monkeypatch, n):
+  """With bf16 products d_embed's product runs over every row in order
+  whatever the thread count (the threads split the vocabulary): the loss,
+  d_h and d_embed the same bits for 1, 2 and 3 threads (an odd row count:
+  parts start at even rows, one may be empty); d_bias (the parts' sums
+  added in order) within float32 sums across counts."""
+  args = _inputs(n, 40, 70)
+
+  def run(threads):
+    monkeypatch.setattr(native_recurrence, "threads", lambda flops: threads)
+    call = cpu_fused_head._call  # pylint: disable=protected-access
+    return [np.asarray(a)
+            for a in jax.jit(lambda *a: call(*a, True, True))(*args)]
+  one, two, three = run(1), run(2), run(3)
+  for other in (two, three):
+    for a, b in zip(one[:3], other[:3]):
+      np.testing.assert_array_equal(a, b)
+    assert np.all(np.abs(one[3] - other[3]) <= _bounds(*args)["d_b"])
+
+
+@needs_compiler
 def test_a_target_outside_the_vocabulary_gives_nan(this_cpus_build):
   hidden, embed, bias, _ = _inputs(3, 8, 10)
   targets = jnp.asarray([1, 10, -1], jnp.int32)

@@ -96,6 +96,37 @@ void PackRows(const Operand& a, int64_t m0, int64_t m1, int64_t k,
     }
     return;
   }
+  // Whole tiles of 16 rows x 16 pairs: each pair's two rows of x (16 of
+  // the tile's rows a vector) converted together, the tile then written
+  // row by row; the edges one value at a time.
+  const int64_t whole_rows = m0 + (m1 - m0) / 16 * 16;
+  const int64_t whole_pairs = k / 2 / 16 * 16;  // pairs with both halves
+  alignas(64) uint32_t tile[16][16];
+  for (int64_t i0 = m0; i0 < whole_rows; i0 += 16) {
+    for (int64_t q0 = 0; q0 < whole_pairs; q0 += 16) {
+      for (int j = 0; j < 16; ++j) {
+        const float* lo = a.x + 2 * (q0 + j) * a.ld + i0;
+        const __m512i pair = _mm512_or_si512(
+            _mm512_cvtepu16_epi32(
+                __m256i(_mm512_cvtneps_pbh(_mm512_loadu_ps(lo)))),
+            _mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(__m256i(
+                    _mm512_cvtneps_pbh(_mm512_loadu_ps(lo + a.ld)))),
+                16));
+        _mm512_store_si512(tile[j], pair);
+      }
+      for (int l = 0; l < 16; ++l)
+        for (int j = 0; j < 16; ++j)
+          out[(i0 + l) * pairs + q0 + j] = tile[j][l];
+    }
+    for (int64_t i = i0; i < i0 + 16; ++i)
+      for (int64_t q = whole_pairs; q < pairs; ++q) {
+        const uint32_t lo = Bf16(a.At(i, 2 * q));
+        const uint32_t hi = 2 * q + 1 < k ? Bf16(a.At(i, 2 * q + 1)) : 0;
+        out[i * pairs + q] = lo | (hi << 16);
+      }
+  }
+  m0 = whole_rows;
   constexpr int64_t kTile = 32;
   for (int64_t i0 = m0; i0 < m1; i0 += kTile)
     for (int64_t q0 = 0; q0 < pairs; q0 += kTile)

@@ -10,15 +10,18 @@
 //
 // With bf16 (builds with AVX512_BF16 only), the three products run on the
 // bf16 units as bf16_matmul.h's (operands rounded to bf16, d_logits too,
-// float32 sums; the softmax and d_b in float32), and d_E's product waits
-// for a thread's last chunk: its d_logits kept in bf16 pairs (half the
-// float32 bytes), one pass over d_E where float32 makes one a chunk.
+// float32 sums; the softmax and d_b in float32). d_logits is finished
+// (scaled, the onehot taken off) as it is rounded and packed, one pass
+// over the chunk, into d_h's panels and into one [V, N] buffer for all
+// rows; d_E's product waits for every chunk and runs once, the threads
+// splitting the vocabulary, each element summed over all N rows in order.
 //
-// Threads split the rows: each runs whole chunks of its own rows, in order,
-// into its own d_E and d_b (summed over its rows in row order); the partials
-// are then added in thread order. Any run with the same thread count gives
-// the same bits; another count adds d_E's and d_b's rows in other groups
-// (the loss and d_h are the same bits whatever the count).
+// Threads split the rows: each runs whole chunks of its own rows, in order
+// (with bf16, from an even row). float32: each into its own d_E and d_b,
+// added in thread order at the end; bf16: d_b alone, so. Any run with the
+// same thread count gives the same bits; another count adds d_b's rows
+// (float32: and d_E's) in other groups. The loss and d_h, and bf16's d_E,
+// are the same bits whatever the count.
 //
 // Part of native.cc's one translation unit: an unnamed namespace, as there.
 
@@ -88,7 +91,7 @@ inline int64_t Padded(int64_t width) {
 // (with d_b as column H) and a chunk's logits, [V, chunk].
 struct XentPart {
   int64_t first, last;
-  float* d_e;
+  float* d_e;     // float32: [V, hp], d_b as column H; bf16: d_b [V] alone
   float* logits;
 };
 
@@ -100,13 +103,16 @@ struct XentPacked {
   const float* e_panels = nullptr;
   const uint32_t* e_rows = nullptr;  // [V, pairs of H]
   const uint32_t* e_cols = nullptr;  // [H, pairs of V]
+  uint16_t* d_logits = nullptr;      // bf16: [V, N rounded up to even]
+  int64_t d_logits_stride = 0;       // its row's bf16 values
 };
 
 // One thread's buffers for its chunks: hᵀ (float32 logits), h's rows with
-// a 1 after them (d_E's right side), a chunk's d_h, and bf16's packings.
+// a 1 after them (d_E's right side), a chunk's d_h, its lanes' softmax
+// scales, and bf16's packings.
 struct XentRows {
-  std::vector<float> rows_t, rows, d_rows;
-  std::vector<uint32_t> left, right;
+  std::vector<float> rows_t, rows, d_rows, scales;
+  std::vector<uint32_t> right;
 };
 
 // logitsᵀ [V, chunk] = E hᵀ in float32, a block of E's rows at a time
@@ -129,9 +135,11 @@ void Logits(const XentBuffers& io, int chunk, int64_t r0, int m,
 
 // The chunk's softmax down the lanes, kLanes rows at a time: the bias
 // added, the losses written, and with gradients the logits replaced by
-// d_logits = softmax - onehot (0 in the lanes past m).
+// d_logits = softmax - onehot (0 in the lanes past m); given `scales`, by
+// the exponentials only, each lane's 1 / sum in scales (PackLogitsGradBf16
+// finishes d_logits as it packs them).
 void Softmax(const XentBuffers& io, int chunk, int64_t r0, int m,
-             float* logits) {
+             float* logits, float* scales = nullptr) {
   const int64_t v_size = io.v;
   const bool grads = io.d_h != nullptr;
   for (int g = 0; g < chunk; g += kLanes) {
@@ -162,6 +170,10 @@ void Softmax(const XentBuffers& io, int chunk, int64_t r0, int m,
       scale[i] = 1.0f / total[i];  // lanes past m: 0, no gradient
     }
     if (!grads) continue;
+    if (scales != nullptr) {  // the caller scales as it packs (bf16)
+      Store(scales + g, scale);
+      continue;
+    }
     for (int64_t v = 0; v < v_size; ++v) {
       float* at = logits + v * chunk + g;
       Store(at, Load(at) * scale);
@@ -243,13 +255,73 @@ void LogitsBf16(const XentBuffers& io, const XentPacked& packed, int chunk,
               chunk, false);
 }
 
-// d_hᵀ [H, chunk] = Eᵀ d_logitsᵀ, then d_h's rows (stride hp) from it.
+// d_logits = exponentials x scale - onehot, from Softmax's exponentials,
+// rounded to bf16 once and written where both products read them, one pass
+// over the chunk: d_h's right side (s.right: panels of 16 rows, V in
+// pairs, as PackPanels lays them out) and the chunk's rows at their place
+// among all N (packed.d_logits, [V, N]) for d_E's product once every chunk
+// is done; and the part's d_b += their float32 sums, as XLA's bias
+// gradient beside cpu_bf16_head's products.
+void PackLogitsGradBf16(const XentBuffers& io, const XentPacked& packed,
+                        int chunk, int64_t r0, int m, const float* exps,
+                        const float* scales, XentRows& s, bool first,
+                        float* d_b) {
+  const int64_t v_size = io.v, v_pairs = (v_size + 1) / 2;
+  const int groups = chunk / 16;
+  std::vector<int32_t> targets(static_cast<size_t>(chunk));  // -1 past m
+  std::vector<__mmask16> masks(static_cast<size_t>(groups));
+  for (int i = 0; i < chunk; ++i) targets[i] = i < m ? io.targets[r0 + i] : -1;
+  for (int p = 0; p < groups; ++p) {
+    const int left = std::max(0, std::min(16, m - p * 16));
+    masks[p] = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+  }
+  const int64_t stride = packed.d_logits_stride;
+  uint16_t* rows = packed.d_logits + r0;
+  uint32_t* panels = s.right.data();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t q = 0; q < v_pairs; ++q) {
+    __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int p = 0; p < groups; ++p) {
+      const __m512 scale = _mm512_loadu_ps(scales + p * 16);
+      __m512i halves[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int half = 0; half < 2; ++half) {
+        const int64_t v = 2 * q + half;
+        if (v >= v_size) break;
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(exps + v * chunk + p * 16),
+                                 scale);
+        const __mmask16 hit = _mm512_cmpeq_epi32_mask(
+            _mm512_loadu_si512(targets.data() + p * 16),
+            _mm512_set1_epi32(int32_t(v)));
+        x = _mm512_mask_sub_ps(x, hit, x, one);
+        sums[half] = _mm512_add_ps(sums[half], x);
+        const __m256i rounded = __m256i(_mm512_cvtneps_pbh(x));
+        halves[half] = _mm512_cvtepu16_epi32(rounded);
+        if (masks[p])
+          _mm256_mask_storeu_epi16(rows + v * stride + p * 16, masks[p],
+                                   rounded);
+      }
+      _mm512_storeu_si512(
+          panels + (p * v_pairs + q) * 16,
+          _mm512_or_si512(halves[0], _mm512_slli_epi32(halves[1], 16)));
+    }
+    for (int half = 0; half < 2; ++half) {
+      const int64_t v = 2 * q + half;
+      if (v >= v_size) break;
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, sums[half]);
+      float sum = first ? 0.0f : d_b[v];
+      for (int i = 0; i < 16; ++i) sum += lanes[i];
+      d_b[v] = sum;
+      if (m % 2) rows[v * stride + m] = 0;  // N odd: its pair's other half
+    }
+  }
+}
+
+// d_hᵀ [H, chunk] = Eᵀ d_logitsᵀ from PackLogitsGradBf16's panels, then
+// d_h's rows (stride hp) from it.
 void LogitsGradBf16(const XentBuffers& io, const XentPacked& packed,
-                    int64_t hp, int chunk, int m, const float* d_logits,
-                    XentRows& s) {
+                    int64_t hp, int chunk, int m, XentRows& s) {
   const int64_t pairs = (io.v + 1) / 2;
-  PackPanels(Operand{d_logits, chunk, true}, 0, chunk / 16, io.v, m,
-             s.right.data());
   float* d_t = s.rows_t.data();  // [H, chunk]
   Bf16Product(io.h, chunk, pairs, packed.e_cols, s.right.data(), d_t, chunk,
               false);
@@ -258,41 +330,18 @@ void LogitsGradBf16(const XentBuffers& io, const XentPacked& packed,
       s.d_rows[i * hp + k] = d_t[k * chunk + i];
 }
 
-// A chunk's d_logits in bf16 pairs at its rows' place among the part's
-// (s.left, [V, pairs], rows from part_row), and d_b (d_E's column H) +=
-// their float32 sums, as XLA's bias gradient beside cpu_bf16_head's
-// products. d_E's own product waits for the part's last chunk
-// (EmbedGradBf16): one pass over d_E, not one a chunk.
-void KeepLogitsGradBf16(const XentBuffers& io, int64_t hp, int chunk,
-                        int64_t part_row, int m, int64_t pairs,
-                        const float* d_logits, XentRows& s, bool first,
-                        float* d_e) {
-  for (int64_t v = 0; v < io.v; ++v) {
-    const float* row = d_logits + v * chunk;
-    uint16_t* out =
-        reinterpret_cast<uint16_t*>(s.left.data() + v * pairs) + part_row;
-    Vec lanes = Vec{};  // the lanes past m hold 0
-    for (int j = 0; j < m; j += 16) {  // m values: the next chunk's follow
-      const __mmask16 mask =
-          m - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (m - j)) - 1);
-      _mm256_mask_storeu_epi16(
-          out + j, mask, __m256i(_mm512_cvtneps_pbh(_mm512_loadu_ps(row + j))));
-    }
-    if (m % 2) out[m] = 0;  // the part's last row: its pair's other half
-    for (int g = 0; g < chunk; g += kLanes) lanes += Load(row + g);
-    float sum = first ? 0.0f : d_e[v * hp + io.h];
-    for (int i = 0; i < kLanes; ++i) sum += lanes[i];
-    d_e[v * hp + io.h] = sum;
-  }
-}
-
-// The part's d_E [V, H] = d_logitsᵀ h in bf16, K its rows (float32 sums).
-void EmbedGradBf16(const XentBuffers& io, int64_t hp, const XentPart& part,
-                   int64_t pairs, XentRows& s) {
-  PackPanels(Operand{io.hidden + part.first * io.h, io.h, true}, 0,
-             (io.h + 15) / 16, part.last - part.first, io.h, s.right.data());
-  Bf16Product(io.v, io.h, pairs, s.left.data(), s.right.data(), part.d_e,
-              hp, false);
+// d_E's rows [v0, v1) = d_logitsᵀ h in bf16, K all N rows in order
+// (float32 sums): the same bits whatever the thread count. h is packed
+// whole by each thread (N x H values: little beside the product).
+void EmbedGradBf16(const XentBuffers& io, const XentPacked& packed,
+                   int64_t v0, int64_t v1, XentRows& s) {
+  const int64_t pairs = packed.d_logits_stride / 2;
+  s.right.resize(size_t((io.h + 15) / 16 * 16 * pairs));
+  PackPanels(Operand{io.hidden, io.h, true}, 0, (io.h + 15) / 16, io.n,
+             io.h, s.right.data());
+  Bf16Product(v1 - v0, io.h, pairs,
+              reinterpret_cast<const uint32_t*>(packed.d_logits) + v0 * pairs,
+              s.right.data(), io.d_e + v0 * io.h, io.h, false);
 }
 #endif
 
@@ -309,23 +358,24 @@ void XentChunk(const XentBuffers& io, const XentPacked& packed, int64_t hp,
   else
 #endif
     Logits(io, chunk, r0, m, s, logits);
+#ifdef ZEBRA_BF16_MATMUL
+  if (packed.bf16 && io.d_h != nullptr) {
+    Softmax(io, chunk, r0, m, logits, s.scales.data());
+    PackLogitsGradBf16(io, packed, chunk, r0, m, logits, s.scales.data(), s,
+                       first, part.d_e);
+    LogitsGradBf16(io, packed, hp, chunk, m, s);
+    for (int i = 0; i < m; ++i)
+      std::copy(s.d_rows.begin() + i * hp, s.d_rows.begin() + i * hp + io.h,
+                io.d_h + (r0 + i) * io.h);
+    return;
+  }
+#endif
   Softmax(io, chunk, r0, m, logits);
   if (io.d_h == nullptr) return;
-#ifdef ZEBRA_BF16_MATMUL
-  if (packed.bf16)
-    LogitsGradBf16(io, packed, hp, chunk, m, logits, s);
-  else
-#endif
-    LogitsGrad(io, packed.e_panels, hp, chunk, m, logits, s);
+  LogitsGrad(io, packed.e_panels, hp, chunk, m, logits, s);
   for (int i = 0; i < m; ++i)
     std::copy(s.d_rows.begin() + i * hp, s.d_rows.begin() + i * hp + io.h,
               io.d_h + (r0 + i) * io.h);
-#ifdef ZEBRA_BF16_MATMUL
-  if (packed.bf16)
-    return KeepLogitsGradBf16(io, hp, chunk, r0 - part.first, m,
-                              (part.last - part.first + 1) / 2, logits, s,
-                              first, part.d_e);
-#endif
   // d_E's right side: h's rows with a 1 after them (d_b's column).
   for (int i = 0; i < m; ++i) {
     std::copy(io.hidden + (r0 + i) * io.h, io.hidden + (r0 + i + 1) * io.h,
@@ -400,35 +450,62 @@ void FusedXent(const XentBuffers& io, int chunk, bool bf16, int threads,
     });
     packed.e_panels = e_panels.data();
   }
-  const int64_t per_part = (grads ? v_size * hp : 0) + v_size * chunk;
+  // bf16 with gradients: each part's d_b alone ([V]), d_logits in one
+  // buffer for all rows, parts starting at even rows (whole pairs).
+  const bool shared_d_e = bf16 && grads;
+  const int64_t d_e_size = !grads ? 0 : shared_d_e ? v_size : v_size * hp;
+  const int64_t per_part = d_e_size + v_size * chunk;
   auto& work = XentScratch<float>(0, size_t(count * per_part));
+  if (shared_d_e) {
+    packed.d_logits_stride = (io.n + 1) / 2 * 2;
+    packed.d_logits = XentScratch<uint16_t>(
+        0, size_t(v_size * packed.d_logits_stride)).data();
+  }
   std::vector<XentPart> parts;
   for (const auto& share : ranges(io.n, count))
     for (const Range& r : share) {
       float* base = work.data() + parts.size() * per_part;
-      parts.push_back(
-          {r.first, r.last, base, base + (grads ? v_size * hp : 0)});
+      const auto even = [&](int64_t row) {
+        return shared_d_e && row < io.n ? row / 2 * 2 : row;
+      };
+      parts.push_back({even(r.first), even(r.last), base, base + d_e_size});
     }
   Run(Spread(parts, int(count)), pool, [&](const XentPart& part) {
-    XentRows s;
+    // Kept by each thread between calls, as XentScratch: fresh buffers
+    // would be faulted in page by page on every call.
+    thread_local XentRows s;
     s.rows_t.resize(size_t(h_size * chunk));
     s.rows.assign(grads ? size_t(chunk * hp) : 0, 0.0f);
     s.d_rows.resize(grads ? size_t(chunk * hp) : 0);
-    const int64_t pairs = (part.last - part.first + 1) / 2;
-    if (bf16) {
-      s.left.assign(grads ? size_t(v_size * pairs) : 0, 0u);
-      s.right.resize(std::max({chunk * pairs_h, grads ? chunk * pairs_v : 0,
-                               grads ? (h_size + 15) / 16 * 16 * pairs : 0}));
-    }
+    s.scales.resize(size_t(chunk));
+    if (bf16)
+      s.right.resize(size_t(std::max(chunk * pairs_h,
+                                     grads ? chunk * pairs_v : 0)));
     for (int64_t r0 = part.first; r0 < part.last; r0 += chunk) {
       const int m = int(std::min<int64_t>(chunk, part.last - r0));
       XentChunk(io, packed, hp, chunk, r0, m, part, r0 == part.first, s);
     }
-#ifdef ZEBRA_BF16_MATMUL
-    if (bf16 && grads) EmbedGradBf16(io, hp, part, pairs, s);
-#endif
   });
   if (!grads) return;
+#ifdef ZEBRA_BF16_MATMUL
+  if (shared_d_e) {  // d_E by vocabulary rows over all N rows; d_b in order
+    Run(ranges(v_size, count), pool, [&](const Range& r) {
+      thread_local XentRows s;
+      EmbedGradBf16(io, packed, r.first, r.last, s);
+      for (int64_t v = r.first; v < r.last; ++v) {
+        float sum = 0.0f;
+        bool any = false;
+        for (const XentPart& part : parts) {
+          if (part.first == part.last) continue;
+          sum = any ? sum + part.d_e[v] : part.d_e[v];
+          any = true;
+        }
+        io.d_b[v] = sum;
+      }
+    });
+    return;
+  }
+#endif
   Run(ranges(v_size, count), pool, [&](const Range& r) {
     for (int64_t v = r.first; v < r.last; ++v) {
       float* d_e = io.d_e + v * h_size;
