@@ -29,6 +29,10 @@ best matmul measured in this run, XLA's planned bytes per step):
               model.cpu_bf16_head=auto: the head's matmuls in bf16 on the
               CPU's AVX512_BF16 units (model/cpu_bf16_head.py; only where
               they run)
+  *_fused_bf16  head_tied and the LM's native rows with both
+              model.cpu_fused_head=auto and cpu_bf16_head=auto: the head's
+              loss and gradients in one native call, its products in bf16
+              (model/cpu_fused_head.py; only where they run)
   head_adaptive  the same for the word-level shape's adaptive head, beside
               nn.AdaptiveLogSoftmaxWithLoss
   torch_*_{n}t  nn.LSTM (+ nn.Embedding and a tied head, or
@@ -126,12 +130,20 @@ def row_specs(shape) -> dict:
              **{f"lm_S{s}{suffix(g)}_native_cpu_bf16": (
                  p(lm_runner, shape, s, grouped=g, kernel="native",
                    cpu_bf16_head="auto"), b * t,
+                 lm_flops(s, g)) for s, g in native_rows if bf16},
+             **{f"lm_S{s}{suffix(g)}_native_fused_bf16": (
+                 p(lm_runner, shape, s, grouped=g, kernel="native",
+                   cpu_bf16_head="auto", cpu_fused_head="auto"), b * t,
                  lm_flops(s, g)) for s, g in native_rows if bf16}},
       "head": {"head_tied": (p(head_runner, shape), b * t,
                              head_step_flops(shape, "full")),
                **({"head_tied_cpu_bf16": (
                    p(head_runner, shape, cpu_bf16_head="auto"), b * t,
-                   head_step_flops(shape, "full"))} if bf16 else {})},
+                   head_step_flops(shape, "full")),
+                   "head_tied_fused_bf16": (
+                       p(head_runner, shape, cpu_bf16_head="auto",
+                         cpu_fused_head="auto"), b * t,
+                       head_step_flops(shape, "full"))} if bf16 else {})},
       "eval": {**{f"eval_S{s}{suffix(g)}": (p(eval_runner, shape, s, g),
                                             b * t, lm_flops(s, g, train=False))
                   for s, g in lm_rows},

@@ -202,12 +202,13 @@ def head_runner(shape, head="full", cpu_bf16_head="off",
 
 
 def lm_runner(shape, stripes, *, seq_len=None, remat=False, grouped=False,
-              kernel="scan", cpu_bf16_head="off"):
+              kernel="scan", cpu_bf16_head="off", cpu_fused_head="off"):
   """The product's train step: embedding, layers, tied head, mean CE, Adam.
-  kernel: the layers' recurrence (model.recurrence); cpu_bf16_head:
-  model.cpu_bf16_head."""
+  kernel: the layers' recurrence (model.recurrence); cpu_bf16_head,
+  cpu_fused_head: those model fields."""
   cfg = model_config(shape, stripes, grouped, remat=remat, recurrence=kernel,
-                     cpu_bf16_head=cpu_bf16_head)
+                     cpu_bf16_head=cpu_bf16_head,
+                     cpu_fused_head=cpu_fused_head)
   return _train_runner(cfg, shape, random_tokens(shape, seq_len))
 
 
