@@ -23,6 +23,7 @@ from flax import nnx
 from zebra_jax.model import adaptive_softmax as asm, metrics
 from zebra_jax.model import cpu_bf16_head, cpu_fused_head, mixed_precision
 from zebra_jax.model import stripe_parallel
+from zebra_jax.model.dropout import dropout
 from zebra_jax.model.config import DTYPES, ModelConfig
 from zebra_jax.model.layer import ZebraLSTMLayer, stripe_shuffle
 
@@ -35,14 +36,6 @@ def compute_dtype(name: str) -> jnp.dtype:
   if name not in DTYPES:
     raise ValueError(f"compute dtype {name!r} is not one of {DTYPES}")
   return getattr(jnp, name)
-
-
-def dropout(x, rate: float, rng):
-  """Inverted dropout; a no-op when rng is None (evaluation) or rate is 0."""
-  if rng is None or rate == 0.0:
-    return x
-  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
-  return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 class ZebraLM(nnx.Module):
