@@ -170,12 +170,23 @@ void PackPanels(const Operand& b, int64_t p0, int64_t p1, int64_t k,
     }
 }
 
+// What a product's last pass over K may do as it stores C: add bias[i] to
+// row i, and keep each column's running max (Select(x > max, x, max), so
+// NaN is passed over as a scan of the stored values would), both indexed
+// from the block's first row and column.
+struct Bf16Epilogue {
+  const float* bias;  // [rows]
+  float* col_max;     // [columns, rounded up to 16]
+};
+
 // C rows [0, R) x V panels from panel p: pairs [q0, q1) of K added to C
-// (first: to zero), columns past N masked off.
+// (first: to zero), columns past N masked off; `epilogue` (if any) applied
+// as they are stored.
 template <int R, int V>
 inline void Bf16Block(const uint32_t* a, int64_t pairs, const uint32_t* b,
                       int64_t q0, int64_t q1, bool first, float* c,
-                      int64_t ldc, int64_t col0, int64_t n) {
+                      int64_t ldc, int64_t col0, int64_t n,
+                      const Bf16Epilogue* epilogue = nullptr) {
   __m512 acc[R][V];
   __mmask16 mask[V];
   for (int v = 0; v < V; ++v) {
@@ -199,6 +210,19 @@ inline void Bf16Block(const uint32_t* a, int64_t pairs, const uint32_t* b,
                                      __m512bh(w[v]));
     }
   }
+  if (epilogue != nullptr) {
+    for (int v = 0; v < V; ++v) {
+      float* at = epilogue->col_max + col0 + 16 * v;
+      __m512 top = _mm512_loadu_ps(at);
+      for (int r = 0; r < R; ++r) {
+        acc[r][v] = _mm512_add_ps(acc[r][v],
+                                  _mm512_set1_ps(epilogue->bias[r]));
+        top = _mm512_mask_mov_ps(
+            top, _mm512_cmp_ps_mask(acc[r][v], top, _CMP_GT_OQ), acc[r][v]);
+      }
+      _mm512_storeu_ps(at, top);
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v)
       _mm512_mask_storeu_ps(c + r * ldc + 16 * v, mask[v], acc[r][v]);
@@ -208,15 +232,25 @@ inline void Bf16Block(const uint32_t* a, int64_t pairs, const uint32_t* b,
 template <int V, int R = kBf16Rows>
 inline void Bf16Rows(int64_t rows, const uint32_t* a, int64_t pairs,
                      const uint32_t* b, int64_t q0, int64_t q1, bool first,
-                     float* c, int64_t ldc, int64_t col0, int64_t n) {
+                     float* c, int64_t ldc, int64_t col0, int64_t n,
+                     const Bf16Epilogue* epilogue = nullptr) {
   int64_t r = 0;
-  for (; r + R <= rows; r += R)
+  for (; r + R <= rows; r += R) {
+    const Bf16Epilogue here =
+        epilogue ? Bf16Epilogue{epilogue->bias + r, epilogue->col_max}
+                 : Bf16Epilogue{};
     Bf16Block<R, V>(a + r * pairs, pairs, b, q0, q1, first, c + r * ldc,
-                    ldc, col0, n);
+                    ldc, col0, n, epilogue ? &here : nullptr);
+  }
   if constexpr (R > 1) {
-    if (r < rows)
+    if (r < rows) {
+      const Bf16Epilogue rest =
+          epilogue ? Bf16Epilogue{epilogue->bias + r, epilogue->col_max}
+                   : Bf16Epilogue{};
       Bf16Rows<V, R - 1>(rows - r, a + r * pairs, pairs, b, q0, q1, first,
-                         c + r * ldc, ldc, col0, n);
+                         c + r * ldc, ldc, col0, n,
+                         epilogue ? &rest : nullptr);
+    }
   }
 }
 

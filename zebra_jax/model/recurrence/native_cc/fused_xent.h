@@ -111,7 +111,7 @@ struct XentPacked {
 // a 1 after them (d_E's right side), a chunk's d_h, its lanes' softmax
 // scales, and bf16's packings.
 struct XentRows {
-  std::vector<float> rows_t, rows, d_rows, scales;
+  std::vector<float> rows_t, rows, d_rows, scales, tops;
   std::vector<uint32_t> right;
 };
 
@@ -137,18 +137,24 @@ void Logits(const XentBuffers& io, int chunk, int64_t r0, int m,
 // added, the losses written, and with gradients the logits replaced by
 // d_logits = softmax - onehot (0 in the lanes past m); given `scales`, by
 // the exponentials only, each lane's 1 / sum in scales (PackLogitsGradBf16
-// finishes d_logits as it packs them).
+// finishes d_logits as it packs them); given `tops`, the logits already
+// hold the bias and tops their max (LogitsBf16).
 void Softmax(const XentBuffers& io, int chunk, int64_t r0, int m,
-             float* logits, float* scales = nullptr) {
+             float* logits, float* scales = nullptr,
+             const float* tops = nullptr) {
   const int64_t v_size = io.v;
   const bool grads = io.d_h != nullptr;
   for (int g = 0; g < chunk; g += kLanes) {
     Vec top = Vec{} - std::numeric_limits<float>::infinity();
-    for (int64_t v = 0; v < v_size; ++v) {
-      float* at = logits + v * chunk + g;
-      const Vec x = Load(at) + io.b[v];
-      Store(at, x);
-      top = Select(x > top, x, top);
+    if (tops != nullptr) {  // the product added the bias and kept the max
+      top = Load(tops + g);
+    } else {
+      for (int64_t v = 0; v < v_size; ++v) {
+        float* at = logits + v * chunk + g;
+        const Vec x = Load(at) + io.b[v];
+        Store(at, x);
+        top = Select(x > top, x, top);
+      }
     }
     float picked[kLanes];
     for (int i = 0; i < kLanes; ++i) {
@@ -224,22 +230,28 @@ void EmbedGrad(const XentBuffers& io, int64_t hp, int chunk, int m,
 // A's rows in blocks of kXentRowsBlock across every panel, K in blocks of
 // kBf16PairsBlock.
 void Bf16Product(int64_t rows, int64_t n, int64_t pairs, const uint32_t* a,
-                 const uint32_t* b, float* c, int64_t ldc, bool accumulate) {
+                 const uint32_t* b, float* c, int64_t ldc, bool accumulate,
+                 const Bf16Epilogue* epilogue = nullptr) {
   const int64_t panels = (n + 15) / 16;
   for (int64_t q0 = 0; q0 < pairs; q0 += kBf16PairsBlock) {
     const int64_t q1 = std::min(pairs, q0 + kBf16PairsBlock);
     const bool first = q0 == 0 && !accumulate;
+    const bool last = q1 == pairs;
     for (int64_t r0 = 0; r0 < rows; r0 += kXentRowsBlock) {
       const int64_t here = std::min<int64_t>(kXentRowsBlock, rows - r0);
       const uint32_t* ar = a + r0 * pairs;
       float* cr = c + r0 * ldc;
+      const Bf16Epilogue rows_here =
+          epilogue ? Bf16Epilogue{epilogue->bias + r0, epilogue->col_max}
+                   : Bf16Epilogue{};
+      const Bf16Epilogue* on_store = epilogue && last ? &rows_here : nullptr;
       int64_t p = 0;
       for (; p + 2 <= panels; p += 2)
         Bf16Rows<2>(here, ar, pairs, b + p * pairs * 16, q0, q1, first,
-                    cr + p * 16, ldc, p * 16, n);
+                    cr + p * 16, ldc, p * 16, n, on_store);
       if (p < panels)
         Bf16Rows<1>(here, ar, pairs, b + p * pairs * 16, q0, q1, first,
-                    cr + p * 16, ldc, p * 16, n);
+                    cr + p * 16, ldc, p * 16, n, on_store);
     }
   }
 }
@@ -251,8 +263,11 @@ void LogitsBf16(const XentBuffers& io, const XentPacked& packed, int chunk,
   const int64_t pairs = (io.h + 1) / 2;
   PackPanels(Operand{io.hidden + r0 * io.h, io.h, false}, 0, chunk / 16,
              io.h, m, s.right.data());
+  std::fill(s.tops.begin(), s.tops.end(),
+            -std::numeric_limits<float>::infinity());
+  const Bf16Epilogue bias_and_max{io.b, s.tops.data()};
   Bf16Product(io.v, chunk, pairs, packed.e_rows, s.right.data(), logits,
-              chunk, false);
+              chunk, false, &bias_and_max);
 }
 
 // d_logits = exponentials x scale - onehot, from Softmax's exponentials,
@@ -360,7 +375,7 @@ void XentChunk(const XentBuffers& io, const XentPacked& packed, int64_t hp,
     Logits(io, chunk, r0, m, s, logits);
 #ifdef ZEBRA_BF16_MATMUL
   if (packed.bf16 && io.d_h != nullptr) {
-    Softmax(io, chunk, r0, m, logits, s.scales.data());
+    Softmax(io, chunk, r0, m, logits, s.scales.data(), s.tops.data());
     PackLogitsGradBf16(io, packed, chunk, r0, m, logits, s.scales.data(), s,
                        first, part.d_e);
     LogitsGradBf16(io, packed, hp, chunk, m, s);
@@ -370,7 +385,8 @@ void XentChunk(const XentBuffers& io, const XentPacked& packed, int64_t hp,
     return;
   }
 #endif
-  Softmax(io, chunk, r0, m, logits);
+  Softmax(io, chunk, r0, m, logits, nullptr,
+          packed.bf16 ? s.tops.data() : nullptr);
   if (io.d_h == nullptr) return;
   LogitsGrad(io, packed.e_panels, hp, chunk, m, logits, s);
   for (int i = 0; i < m; ++i)
@@ -478,6 +494,7 @@ void FusedXent(const XentBuffers& io, int chunk, bool bf16, int threads,
     s.rows.assign(grads ? size_t(chunk * hp) : 0, 0.0f);
     s.d_rows.resize(grads ? size_t(chunk * hp) : 0);
     s.scales.resize(size_t(chunk));
+    s.tops.resize(size_t(chunk));
     if (bf16)
       s.right.resize(size_t(std::max(chunk * pairs_h,
                                      grads ? chunk * pairs_v : 0)));
