@@ -176,16 +176,12 @@ class Request:
     if logprobs is not None:
       # Enough alternatives for prompt_logprobs and for echo's logprobs.
       top = max(self.params.prompt_logprobs, self.params.logprobs or 0)
-      for t in range(count):
-        if self.fed + t == 0:
-          self.prompt_logprobs.append(None)
-          self.prompt_top.append(None)
-          self.prompt_ranks.append(None)
-        else:
-          lp, ids, lps, rank = (x[t] for x in logprobs)
-          self.prompt_logprobs.append(float(lp))
-          self.prompt_top.append(_top(ids, lps, top))
-          self.prompt_ranks.append(int(rank))
+      lps, tops, ranks = _as_lists(logprobs, count, top)
+      if self.fed == 0 and count:  # the first token has no context
+        lps[0] = tops[0] = ranks[0] = None
+      self.prompt_logprobs += lps
+      self.prompt_top += tops
+      self.prompt_ranks += ranks
     self.fed += count
     if self.fed == len(self.ids):
       self.phase = Phase.DECODING
@@ -205,10 +201,9 @@ class Request:
         take, self.stop_token = take[:hit], int(take[hit])
     self.tokens.extend(int(t) for t in take)
     if logprobs is not None:
-      for t in range(len(take)):
-        lp, ids, lps = (x[t] for x in logprobs)
-        self.token_logprobs.append(float(lp))
-        self.top_logprobs.append(_top(ids, lps, self.params.logprobs))
+      lps, tops = _as_lists(logprobs, len(take), self.params.logprobs)
+      self.token_logprobs += lps
+      self.top_logprobs += tops
     return len(take)
 
   def drop_after(self, count: int) -> None:
@@ -247,8 +242,14 @@ class Request:
       self.on_done(reason)
 
 
-def _top(ids, lps, n) -> list:
-  return [(int(i), float(v)) for i, v in zip(ids[:n], lps[:n])]
+def _as_lists(logprobs, count: int, top: int) -> list:
+  """The first `count` tokens' (logprob, top ids, top logprobs[, rank])
+  arrays as Python lists, the tops as [(id, logprob)] of `top` each: whole
+  arrays at once (tolist), the very numbers per-element float() and int()
+  give, at a fraction of the cost per token."""
+  lps, ids, top_lps, *rest = (x[:count, :top].tolist() if x.ndim == 2
+                               else x[:count].tolist() for x in logprobs)
+  return [lps, [list(zip(i, v)) for i, v in zip(ids, top_lps)], *rest]
 
 
 class Engine:
@@ -726,7 +727,8 @@ class Engine:
       if len(batch) == self.prefill_rows:
         break
       entry = self._lookup(req)
-      if entry is not None:
+      # A row the cache finished (scoring: max_tokens=0) needs no state.
+      if entry is not None and req.phase is not Phase.DONE:
         restored.append((req, entry))
       if req.phase is not Phase.PREFILLING:
         continue
