@@ -36,16 +36,17 @@ def chunk_keys(ids: np.ndarray, chunk: int) -> list[bytes]:
 @dataclasses.dataclass
 class Entry:
   """The state after a prefix, and its last chunk's prompt logprobs."""
-  carry: Any              # one row's carry, host arrays
+  carry: tuple            # one row's carry: its leaves, host arrays
   logits: np.ndarray      # float32 [V]: the next token's
   tokens: int             # tokens in the prefix's last chunk
   logprobs: tuple | None  # that chunk's (logprob, top ids, top logprobs,
                           # rank), when the row that computed it asked
+  # Counted once: put and eviction read it for every entry they move.
+  nbytes: int = dataclasses.field(init=False, repr=False)
 
-  @property
-  def nbytes(self) -> int:
+  def __post_init__(self):
     arrays = jax.tree.leaves((self.carry, self.logits, self.logprobs))
-    return sum(a.nbytes for a in arrays)
+    self.nbytes = sum(a.nbytes for a in arrays)
 
 
 class PrefixCache:
@@ -74,10 +75,15 @@ class PrefixCache:
       return entry
 
   def has(self, key: bytes, with_logprobs: bool) -> bool:
+    return not self.missing([key], [with_logprobs])
+
+  def missing(self, keys: list, with_logprobs: list) -> list[int]:
+    """The indices of the keys not held (or held without logprobs where
+    asked): one lock for a prefill call's rows."""
     with self._lock:
-      entry = self._entries.get(key)
-      return entry is not None and (entry.logprobs is not None
-                                    or not with_logprobs)
+      entries = [self._entries.get(key) for key in keys]
+    return [i for i, (entry, wants) in enumerate(zip(entries, with_logprobs))
+            if entry is None or (wants and entry.logprobs is None)]
 
   def put(self, key: bytes, entry: Entry) -> None:
     """Holds `entry` (replacing one without logprobs), evicting the least

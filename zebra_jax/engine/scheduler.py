@@ -308,7 +308,7 @@ class Engine:
                    if prefix_cache_bytes else None)
     self._restore = jax.jit(restore, donate_argnums=0)
     self._new_params = None  # set_params's, taken at the next step
-    self._blank_carry = None  # restore's host carry template
+    self._blank_carry = None  # _carry_template's
     self._state = self._device_state()
     self._warm_up()
     self.startup_programs = self.compiled_programs()
@@ -367,18 +367,22 @@ class Engine:
     row = params_lib.packed_batch([req.packed for req in batch], p)
     return slots, key, index, row
 
+  def _carry_template(self):
+    """A prefill call's carry as host zeros: the leaves' shapes and dtypes
+    (traced once, not per call)."""
+    if self._blank_carry is None:
+      self._blank_carry = programs.initial_state(
+          self.model.init_carry, self.prefill_rows, 1).carry
+    return self._blank_carry
+
   def _restore_args(self, batch: list[tuple[Request, Any]]):
     """Host arrays for one restore call: (request, cache entry) pairs."""
     p, vocab = self.prefill_rows, self.model.vocab_size
-    if self._blank_carry is None:  # its shapes traced once, not per call
-      self._blank_carry = programs.initial_state(self.model.init_carry, p,
-                                                 1).carry
-    carry = jax.tree.map(np.zeros_like, self._blank_carry)
+    carry = jax.tree.map(np.zeros_like, self._carry_template())
     logits = np.zeros((p, vocab), np.float32)
     seen = np.zeros((p, vocab), bool)
     for i, (req, entry) in enumerate(batch):
-      for dst, src in zip(jax.tree.leaves(carry),
-                          jax.tree.leaves(entry.carry)):
+      for dst, src in zip(jax.tree.leaves(carry), entry.carry):
         dst[i] = src
       logits[i] = entry.logits
       seen[i, req.ids[:req.fed]] = True
@@ -763,18 +767,21 @@ class Engine:
   def _store(self, filling: list[Request], keys, counts, logprobs,
              rows) -> None:
     """Caches the state each row of the last prefill call ended at."""
-    new = [i for i, (req, key) in enumerate(zip(filling, keys))
-           if not self._cache.has(key, req.wants_prompt_logprobs)]
+    new = self._cache.missing(keys, [r.wants_prompt_logprobs
+                                     for r in filling])
     if not new:
       return
-    carry, logits = jax.device_get(rows)
+    # The call's states in one array; each entry copies its row (its own
+    # memory: an evicted entry frees what it counted), the carry as its
+    # leaves, which is all the restore reads.
+    rows = np.asarray(rows)
     for i in new:
       req, count = filling[i], int(counts[i])
-      mine = (tuple(np.array(x[i, :count]) for x in logprobs)
+      mine = (tuple(x[i, :count].copy() for x in logprobs)
               if req.wants_prompt_logprobs else None)
+      carry, logits = programs.unpack_row(rows[i], self._carry_template())
       self._cache.put(keys[i], prefix_cache.Entry(
-          carry=jax.tree.map(lambda a: np.array(a[i]), carry),
-          logits=np.array(logits[i]), tokens=count, logprobs=mine))
+          carry=carry, logits=logits, tokens=count, logprobs=mine))
 
   def _decode_block_for(self, rows: list[Request],
                         decoding: list[Request]) -> int:

@@ -7,6 +7,7 @@ filters), the numbers --mode=score computes. A stream's events share one
 prebuilt head: only the choice (and usage) is encoded per event.
 """
 
+import itertools
 import json
 import re
 import time
@@ -82,6 +83,11 @@ class Answers:
       return f"token_id:{token_id}"
     return self.tokenizer.token_text(token_id)
 
+  def _token_names(self, ids) -> dict:
+    """{id: _token(id)} for the distinct `ids`: an echoed prompt of
+    hundreds of tokens names each distinct token once."""
+    return {i: self._token(i) for i in set(ids)}
+
   def _echo_text(self, row) -> str:
     return row.prompt if self.req.echo else ""
 
@@ -90,7 +96,7 @@ class Answers:
     when echo)."""
     n, ids, lps, tops, offsets = self.req.logprobs, [], [], [], []
     if echo:
-      ids += list(row.ids)
+      ids += row.ids.tolist()
       lps += row.prompt_logprobs
       tops += row.prompt_top
       offsets += prompt_starts(self.tokenizer, row.ids, row.prompt)
@@ -109,13 +115,16 @@ class Answers:
   def _completion_logprobs(self, tokens, logprobs, tops, n, offsets) -> dict:
     """OpenAI's completions `logprobs` object; tops[i]: [(id, logprob)]
     (None for a prompt's first token), the chosen token added to them."""
-    words = [self._token(t) for t in tokens]
+    alternatives = [top[:n] for top in tops if top is not None]
+    names = self._token_names(itertools.chain(
+        tokens, (i for top in alternatives for i, _ in top)))
+    words = [names[t] for t in tokens]
     top_dicts = []
     for word, lp, top in zip(words, logprobs, tops):
       if top is None:
         top_dicts.append(None)
         continue
-      entry = {self._token(i): v for i, v in top[:n]}
+      entry = {names[i]: v for i, v in top[:n]}
       entry.setdefault(word, lp)
       top_dicts.append(entry)
     return {"tokens": words, "token_logprobs": list(logprobs),
