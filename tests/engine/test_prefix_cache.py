@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from zebra_jax import engine
-from zebra_jax.engine import prefix_cache
+from zebra_jax.engine import prefix_cache, programs
 from zebra_jax.inference import loading, sample
 
 TEXT = "line 7: the quick brown fox jumps over the lazy dog. " * 3
@@ -199,3 +199,42 @@ def test_a_small_bound_holds_under_traffic(model, cold):
       assert 0 < stats["prefix_cache_bytes"] <= 3000
   finally:
     small.close()
+
+
+def test_a_prompt_scored_from_the_cache_alone_is_not_restored(model, cold):
+  """max_tokens=0 with every chunk cached (lm-eval's repeated context):
+  the row ends at the lookup, equal to a cold start, with no restore call
+  (its state would never be read)."""
+  warm = _engine(model, 1 << 24)
+  try:
+    restores, restore = [], warm._restore  # pylint: disable=protected-access
+
+    def counted(*args):
+      restores.append(args)
+      return restore(*args)
+    warm._restore = counted  # pylint: disable=protected-access
+    scoring = engine.SamplingParams(max_new_tokens=0, prompt_logprobs=2)
+    expected = _outcome(cold.submit("", scoring, ids=_ids(40)))
+    assert _outcome(warm.submit("", scoring, ids=_ids(40))) == expected
+    assert _outcome(warm.submit("", scoring, ids=_ids(40))) == expected
+    assert not restores
+    assert _outcome(warm.submit("", scoring, ids=_ids(44))) == _outcome(
+        cold.submit("", scoring, ids=_ids(44)))
+    assert len(restores) == 1  # 40 tokens restored, the last 4 computed
+  finally:
+    warm.close()
+
+
+def test_packed_rows_unpack_to_the_carry_and_logits_bit_for_bit():
+  """A prefill call's states come back packed in one array (one fetch):
+  each row unpacks to its own copies of the very bits."""
+  carry = ((np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32),
+            np.arange(6, dtype=np.float32).reshape(3, 2)),)
+  logits = np.random.default_rng(1).normal(size=(3, 7)).astype(np.float32)
+  packed = np.asarray(programs.pack_rows(carry, logits))
+  for i in range(3):
+    leaves, row_logits = programs.unpack_row(packed[i], carry)
+    assert [leaf.tobytes() for leaf in leaves] == [
+        leaf[i].tobytes() for leaf in jax.tree.leaves(carry)]
+    assert row_logits.tobytes() == logits[i].tobytes()
+    assert not any(np.shares_memory(a, packed) for a in (*leaves, row_logits))
