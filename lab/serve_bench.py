@@ -443,7 +443,8 @@ def soak(url, key, text, clients, seconds, max_tokens, procs, pid,
 # lm-eval  lm-evaluation-harness's `local-completions` on the multiple-choice
 #          task of docs/examples/lm_eval (4 choices after one passage of 360
 #          characters), 0-shot and 2-shot (the same 2 examples before every
-#          passage): wall time, accuracy, every choice's log-likelihood.
+#          passage): wall time, accuracy, every choice's log-likelihood
+#          (after one untimed document: lm-eval's first run's set-up).
 # chat     10 turns of a streamed chat behind a 2,000-character system
 #          prompt, and the same turns behind a 20-character one, 3 times
 #          each, alternated: the median time to the first text of turns
@@ -469,10 +470,10 @@ def _passages() -> list[str]:
 _TASKS = []  # lm-eval's task index, read once (it takes seconds)
 
 
-def lm_eval_run(url: str, shots: int) -> dict:
+def lm_eval_run(url: str, shots: int, limit: int | None = None) -> dict:
   """The multiple-choice task through local-completions, as its users run
   it (the server's own tokenizer through /tokenize): its wall time once
-  lm-eval has read its task index."""
+  lm-eval has read its task index; `limit`: its first documents only."""
   import lm_eval  # pylint: disable=g-import-not-at-top
   from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
   if not _TASKS:
@@ -487,7 +488,7 @@ def lm_eval_run(url: str, shots: int) -> dict:
                     "tokenizer_backend=remote,tokenized_requests=True,"
                     "max_length=4096"),
         tasks=[TASK], num_fewshot=shots, task_manager=_TASKS[0],
-        log_samples=True)
+        log_samples=True, limit=limit)
     seconds = time.perf_counter() - start
   finally:
     os.chdir(here)
@@ -550,6 +551,10 @@ def prefix_scenario(f, overrides: list[str], server_cpus, client_cpus) -> dict:
         "--config.serve.prefix_cache_bytes=0"])):
       servers[label] = Server(f.workdir, overrides + extra,
                                           cpus=server_cpus)
+    # lm-eval's first run in a process costs ~1.5 s more than the next
+    # (what it sets up once): spent here, on one document and the
+    # cache-off server, not in the first timed run (the cache's).
+    lm_eval_run(servers["no_cache"].url, 0, limit=1)
     for label, server in servers.items():
       report[label] = prefix_measure(server.url, key)
       load.append(os.getloadavg())
