@@ -52,7 +52,8 @@ def keep_mask(rng, keep: float, shape) -> jax.Array:
   size = int(np.prod(shape))
   half = (size + 1) // 2
   counters = lax.iota(jnp.uint32, half)
-  bits = jnp.concatenate(threefry2x32(*words, counters, counters * 0))
+  bits = jnp.concatenate(threefry2x32(*words, counters,
+                                      jnp.zeros_like(counters)))
   threshold = np.uint32(min(round(keep * 2.0 ** 32), 2 ** 32 - 1))
   return (bits[:size] < threshold).reshape(shape)
 

@@ -179,6 +179,14 @@ struct Bf16Epilogue {
   float* col_max;     // [columns, rounded up to 16]
 };
 
+// `e` for the rows from row r on, written to `out` (none stays none).
+inline const Bf16Epilogue* RowsFrom(const Bf16Epilogue* e, int64_t r,
+                                    Bf16Epilogue& out) {
+  if (e == nullptr) return nullptr;
+  out = {e->bias + r, e->col_max};
+  return &out;
+}
+
 // C rows [0, R) x V panels from panel p: pairs [q0, q1) of K added to C
 // (first: to zero), columns past N masked off; `epilogue` (if any) applied
 // as they are stored.
@@ -235,22 +243,15 @@ inline void Bf16Rows(int64_t rows, const uint32_t* a, int64_t pairs,
                      float* c, int64_t ldc, int64_t col0, int64_t n,
                      const Bf16Epilogue* epilogue = nullptr) {
   int64_t r = 0;
-  for (; r + R <= rows; r += R) {
-    const Bf16Epilogue here =
-        epilogue ? Bf16Epilogue{epilogue->bias + r, epilogue->col_max}
-                 : Bf16Epilogue{};
+  Bf16Epilogue here;
+  for (; r + R <= rows; r += R)
     Bf16Block<R, V>(a + r * pairs, pairs, b, q0, q1, first, c + r * ldc,
-                    ldc, col0, n, epilogue ? &here : nullptr);
-  }
+                    ldc, col0, n, RowsFrom(epilogue, r, here));
   if constexpr (R > 1) {
-    if (r < rows) {
-      const Bf16Epilogue rest =
-          epilogue ? Bf16Epilogue{epilogue->bias + r, epilogue->col_max}
-                   : Bf16Epilogue{};
+    if (r < rows)
       Bf16Rows<V, R - 1>(rows - r, a + r * pairs, pairs, b, q0, q1, first,
                          c + r * ldc, ldc, col0, n,
-                         epilogue ? &rest : nullptr);
-    }
+                         RowsFrom(epilogue, r, here));
   }
 }
 

@@ -91,7 +91,8 @@ inline int64_t Padded(int64_t width) {
 // (with d_b as column H) and a chunk's logits, [V, chunk].
 struct XentPart {
   int64_t first, last;
-  float* d_e;     // float32: [V, hp], d_b as column H; bf16: d_b [V] alone
+  float* d_e;  // float32: [V, hp], d_b as its column H; bf16: none
+  float* d_b;  // bf16: [V] (its d_E is all rows'); float32: none
   float* logits;
 };
 
@@ -241,10 +242,9 @@ void Bf16Product(int64_t rows, int64_t n, int64_t pairs, const uint32_t* a,
       const int64_t here = std::min<int64_t>(kXentRowsBlock, rows - r0);
       const uint32_t* ar = a + r0 * pairs;
       float* cr = c + r0 * ldc;
-      const Bf16Epilogue rows_here =
-          epilogue ? Bf16Epilogue{epilogue->bias + r0, epilogue->col_max}
-                   : Bf16Epilogue{};
-      const Bf16Epilogue* on_store = epilogue && last ? &rows_here : nullptr;
+      Bf16Epilogue rows_here;
+      const Bf16Epilogue* on_store =
+          last ? RowsFrom(epilogue, r0, rows_here) : nullptr;
       int64_t p = 0;
       for (; p + 2 <= panels; p += 2)
         Bf16Rows<2>(here, ar, pairs, b + p * pairs * 16, q0, q1, first,
@@ -377,7 +377,7 @@ void XentChunk(const XentBuffers& io, const XentPacked& packed, int64_t hp,
   if (packed.bf16 && io.d_h != nullptr) {
     Softmax(io, chunk, r0, m, logits, s.scales.data(), s.tops.data());
     PackLogitsGradBf16(io, packed, chunk, r0, m, logits, s.scales.data(), s,
-                       first, part.d_e);
+                       first, part.d_b);
     LogitsGradBf16(io, packed, hp, chunk, m, s);
     for (int i = 0; i < m; ++i)
       std::copy(s.d_rows.begin() + i * hp, s.d_rows.begin() + i * hp + io.h,
@@ -469,8 +469,8 @@ void FusedXent(const XentBuffers& io, int chunk, bool bf16, int threads,
   // bf16 with gradients: each part's d_b alone ([V]), d_logits in one
   // buffer for all rows, parts starting at even rows (whole pairs).
   const bool shared_d_e = bf16 && grads;
-  const int64_t d_e_size = !grads ? 0 : shared_d_e ? v_size : v_size * hp;
-  const int64_t per_part = d_e_size + v_size * chunk;
+  const int64_t grads_size = !grads ? 0 : shared_d_e ? v_size : v_size * hp;
+  const int64_t per_part = grads_size + v_size * chunk;
   auto& work = XentScratch<float>(0, size_t(count * per_part));
   if (shared_d_e) {
     packed.d_logits_stride = (io.n + 1) / 2 * 2;
@@ -484,7 +484,10 @@ void FusedXent(const XentBuffers& io, int chunk, bool bf16, int threads,
       const auto even = [&](int64_t row) {
         return shared_d_e && row < io.n ? row / 2 * 2 : row;
       };
-      parts.push_back({even(r.first), even(r.last), base, base + d_e_size});
+      float* d_e = grads && !shared_d_e ? base : nullptr;
+      float* d_b = shared_d_e ? base : nullptr;
+      parts.push_back({even(r.first), even(r.last), d_e, d_b,
+                       base + grads_size});
     }
   Run(Spread(parts, int(count)), pool, [&](const XentPart& part) {
     // Kept by each thread between calls, as XentScratch: fresh buffers
@@ -514,7 +517,7 @@ void FusedXent(const XentBuffers& io, int chunk, bool bf16, int threads,
         bool any = false;
         for (const XentPart& part : parts) {
           if (part.first == part.last) continue;
-          sum = any ? sum + part.d_e[v] : part.d_e[v];
+          sum = any ? sum + part.d_b[v] : part.d_b[v];
           any = true;
         }
         io.d_b[v] = sum;
