@@ -62,7 +62,7 @@ struct Operand {
 
 constexpr int kBf16Rows = 8;      // rows of C a register block holds
 constexpr int kBf16Vectors = 2;   // 16-column vectors a block holds
-constexpr int kBf16PairsBlock = 256;  // pairs of K per pass over C (L2)
+constexpr int kBf16PairsBlock = 512;  // pairs of K per pass over C (L2)
 constexpr int kBf16RowChunk = 64;     // rows whose A block stays in L2
 
 // 16 floats -> 16 bf16 (nearest even) in the low halves of 16 uint32 (a
@@ -189,9 +189,11 @@ inline const Bf16Epilogue* RowsFrom(const Bf16Epilogue* e, int64_t r,
 
 // C rows [0, R) x V panels from panel p: pairs [q0, q1) of K added to C
 // (first: to zero), columns past N masked off; `epilogue` (if any) applied
-// as they are stored.
+// as they are stored. A's rows lie lda pairs apart; B's panels hold
+// `pairs` pairs each.
 template <int R, int V>
-inline void Bf16Block(const uint32_t* a, int64_t pairs, const uint32_t* b,
+inline void Bf16Block(const uint32_t* a, int64_t lda, int64_t pairs,
+                      const uint32_t* b,
                       int64_t q0, int64_t q1, bool first, float* c,
                       int64_t ldc, int64_t col0, int64_t n,
                       const Bf16Epilogue* epilogue = nullptr) {
@@ -212,7 +214,7 @@ inline void Bf16Block(const uint32_t* a, int64_t pairs, const uint32_t* b,
     for (int v = 0; v < V; ++v)
       w[v] = _mm512_loadu_si512(b + (v * pairs + q) * 16);
     for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_set1_epi32(int(a[r * pairs + q]));
+      const __m512i x = _mm512_set1_epi32(int(a[r * lda + q]));
       for (int v = 0; v < V; ++v)
         acc[r][v] = _mm512_dpbf16_ps(acc[r][v], __m512bh(x),
                                      __m512bh(w[v]));
@@ -238,18 +240,18 @@ inline void Bf16Block(const uint32_t* a, int64_t pairs, const uint32_t* b,
 
 // Bf16Block over `rows` rows: kBf16Rows at a time, then one smaller block.
 template <int V, int R = kBf16Rows>
-inline void Bf16Rows(int64_t rows, const uint32_t* a, int64_t pairs,
-                     const uint32_t* b, int64_t q0, int64_t q1, bool first,
+inline void Bf16Rows(int64_t rows, const uint32_t* a, int64_t lda,
+                     int64_t pairs, const uint32_t* b, int64_t q0, int64_t q1, bool first,
                      float* c, int64_t ldc, int64_t col0, int64_t n,
                      const Bf16Epilogue* epilogue = nullptr) {
   int64_t r = 0;
   Bf16Epilogue here;
   for (; r + R <= rows; r += R)
-    Bf16Block<R, V>(a + r * pairs, pairs, b, q0, q1, first, c + r * ldc,
+    Bf16Block<R, V>(a + r * lda, lda, pairs, b, q0, q1, first, c + r * ldc,
                     ldc, col0, n, RowsFrom(epilogue, r, here));
   if constexpr (R > 1) {
     if (r < rows)
-      Bf16Rows<V, R - 1>(rows - r, a + r * pairs, pairs, b, q0, q1, first,
+      Bf16Rows<V, R - 1>(rows - r, a + r * lda, lda, pairs, b, q0, q1, first,
                          c + r * ldc, ldc, col0, n,
                          RowsFrom(epilogue, r, here));
   }
@@ -288,11 +290,11 @@ void Bf16Matmul(int64_t m, int64_t n, int64_t k, const Operand& a,
         const uint32_t* ai = packed_a.data() + i0 * pairs;
         int64_t p = 0;
         for (; p + kBf16Vectors <= panels; p += kBf16Vectors)
-          Bf16Rows<kBf16Vectors>(rows, ai, pairs,
+          Bf16Rows<kBf16Vectors>(rows, ai, pairs, pairs,
                                  packed_b.data() + p * pairs * 16, q0, q1,
                                  q0 == 0, c + i0 * n + p * 16, n, p * 16, n);
         for (; p < panels; ++p)
-          Bf16Rows<1>(rows, ai, pairs, packed_b.data() + p * pairs * 16, q0,
+          Bf16Rows<1>(rows, ai, pairs, pairs, packed_b.data() + p * pairs * 16, q0,
                       q1, q0 == 0, c + i0 * n + p * 16, n, p * 16, n);
       }
     }

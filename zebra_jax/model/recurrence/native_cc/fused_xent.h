@@ -17,11 +17,11 @@
 // splitting the vocabulary, each element summed over all N rows in order.
 //
 // Threads split the rows: each runs whole chunks of its own rows, in order
-// (with bf16, from an even row). float32: each into its own d_E and d_b,
-// added in thread order at the end; bf16: d_b alone, so. Any run with the
-// same thread count gives the same bits; another count adds d_b's rows
-// (float32: and d_E's) in other groups. The loss and d_h, and bf16's d_E,
-// are the same bits whatever the count.
+// (with bf16, from a row starting a cache line of d_logits). float32: each
+// into its own d_E and d_b, added in thread order at the end; bf16: d_b
+// alone, so. Any run with the same thread count gives the same bits;
+// another count adds d_b's rows (float32: and d_E's) in other groups. The
+// loss and d_h, and bf16's d_E, are the same bits whatever the count.
 //
 // Part of native.cc's one translation unit: an unnamed namespace, as there.
 
@@ -79,6 +79,7 @@ struct XentBuffers {
 };
 
 constexpr int kXentRowsBlock = 128;  // E's rows a register pass covers (L1)
+constexpr int kXentLine = 32;        // bf16 values in a 64-byte cache line
 constexpr int kXentDepth = 512;      // E's rows per pass of d_h's sums (L2)
 
 // A width rounded up to whole panels of kPanel columns (the products write
@@ -227,12 +228,13 @@ void EmbedGrad(const XentBuffers& io, int64_t hp, int chunk, int m,
 
 #ifdef ZEBRA_BF16_MATMUL
 // C [rows, n] (row stride ldc) = A B, or += (accumulate), in bf16 with
-// float32 sums: A packed by rows (`pairs` a row), B by 16-column panels;
-// A's rows in blocks of kXentRowsBlock across every panel, K in blocks of
-// kBf16PairsBlock.
+// float32 sums: A packed by rows (`pairs` a row, rows lda pairs apart: 0,
+// `pairs`), B by 16-column panels; A's rows in blocks of kXentRowsBlock
+// across every panel, K in blocks of kBf16PairsBlock.
 void Bf16Product(int64_t rows, int64_t n, int64_t pairs, const uint32_t* a,
                  const uint32_t* b, float* c, int64_t ldc, bool accumulate,
-                 const Bf16Epilogue* epilogue = nullptr) {
+                 const Bf16Epilogue* epilogue = nullptr, int64_t lda = 0) {
+  if (lda == 0) lda = pairs;
   const int64_t panels = (n + 15) / 16;
   for (int64_t q0 = 0; q0 < pairs; q0 += kBf16PairsBlock) {
     const int64_t q1 = std::min(pairs, q0 + kBf16PairsBlock);
@@ -240,17 +242,17 @@ void Bf16Product(int64_t rows, int64_t n, int64_t pairs, const uint32_t* a,
     const bool last = q1 == pairs;
     for (int64_t r0 = 0; r0 < rows; r0 += kXentRowsBlock) {
       const int64_t here = std::min<int64_t>(kXentRowsBlock, rows - r0);
-      const uint32_t* ar = a + r0 * pairs;
+      const uint32_t* ar = a + r0 * lda;
       float* cr = c + r0 * ldc;
       Bf16Epilogue rows_here;
       const Bf16Epilogue* on_store =
           last ? RowsFrom(epilogue, r0, rows_here) : nullptr;
       int64_t p = 0;
       for (; p + 2 <= panels; p += 2)
-        Bf16Rows<2>(here, ar, pairs, b + p * pairs * 16, q0, q1, first,
+        Bf16Rows<2>(here, ar, lda, pairs, b + p * pairs * 16, q0, q1, first,
                     cr + p * 16, ldc, p * 16, n, on_store);
       if (p < panels)
-        Bf16Rows<1>(here, ar, pairs, b + p * pairs * 16, q0, q1, first,
+        Bf16Rows<1>(here, ar, lda, pairs, b + p * pairs * 16, q0, q1, first,
                     cr + p * 16, ldc, p * 16, n, on_store);
     }
   }
@@ -350,13 +352,13 @@ void LogitsGradBf16(const XentBuffers& io, const XentPacked& packed,
 // whole by each thread (N x H values: little beside the product).
 void EmbedGradBf16(const XentBuffers& io, const XentPacked& packed,
                    int64_t v0, int64_t v1, XentRows& s) {
-  const int64_t pairs = packed.d_logits_stride / 2;
+  const int64_t pairs = (io.n + 1) / 2, lda = packed.d_logits_stride / 2;
   s.right.resize(size_t((io.h + 15) / 16 * 16 * pairs));
   PackPanels(Operand{io.hidden, io.h, true}, 0, (io.h + 15) / 16, io.n,
              io.h, s.right.data());
   Bf16Product(v1 - v0, io.h, pairs,
-              reinterpret_cast<const uint32_t*>(packed.d_logits) + v0 * pairs,
-              s.right.data(), io.d_e + v0 * io.h, io.h, false);
+              reinterpret_cast<const uint32_t*>(packed.d_logits) + v0 * lda,
+              s.right.data(), io.d_e + v0 * io.h, io.h, false, nullptr, lda);
 }
 #endif
 
@@ -467,26 +469,31 @@ void FusedXent(const XentBuffers& io, int chunk, bool bf16, int threads,
     packed.e_panels = e_panels.data();
   }
   // bf16 with gradients: each part's d_b alone ([V]), d_logits in one
-  // buffer for all rows, parts starting at even rows (whole pairs).
+  // buffer for all rows, its rows whole cache lines (kXentLine values) and
+  // parts starting at a line: a chunk of 32 rows writes a whole line of
+  // each vocabulary row, where rows straddling lines cost the packing pass
+  // twice its time.
   const bool shared_d_e = bf16 && grads;
   const int64_t grads_size = !grads ? 0 : shared_d_e ? v_size : v_size * hp;
   const int64_t per_part = grads_size + v_size * chunk;
   auto& work = XentScratch<float>(0, size_t(count * per_part));
   if (shared_d_e) {
-    packed.d_logits_stride = (io.n + 1) / 2 * 2;
-    packed.d_logits = XentScratch<uint16_t>(
-        0, size_t(v_size * packed.d_logits_stride)).data();
+    packed.d_logits_stride = (io.n + kXentLine - 1) / kXentLine * kXentLine;
+    uint16_t* buffer = XentScratch<uint16_t>(
+        0, size_t(v_size * packed.d_logits_stride + kXentLine)).data();
+    const uintptr_t at = reinterpret_cast<uintptr_t>(buffer);
+    packed.d_logits = buffer + ((64 - at % 64) % 64) / sizeof(uint16_t);
   }
   std::vector<XentPart> parts;
   for (const auto& share : ranges(io.n, count))
     for (const Range& r : share) {
       float* base = work.data() + parts.size() * per_part;
-      const auto even = [&](int64_t row) {
-        return shared_d_e && row < io.n ? row / 2 * 2 : row;
+      const auto line_start = [&](int64_t row) {
+        return shared_d_e && row < io.n ? row / kXentLine * kXentLine : row;
       };
       float* d_e = grads && !shared_d_e ? base : nullptr;
       float* d_b = shared_d_e ? base : nullptr;
-      parts.push_back({even(r.first), even(r.last), d_e, d_b,
+      parts.push_back({line_start(r.first), line_start(r.last), d_e, d_b,
                        base + grads_size});
     }
   Run(Spread(parts, int(count)), pool, [&](const XentPart& part) {
