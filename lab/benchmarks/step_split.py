@@ -11,7 +11,7 @@ batches. Three measurements, one after the other:
           compiled HLO's op_name) and kind (traces.op_kind)
 Parts: recurrence = the layers' time loops (native custom calls, or the
 scan's ops); projections = the layers' other matmuls (the input projection
-and its gradients); layers other = the layers' elementwise ops outside the
+and its gradients; XLA's dots, or the native bf16 matmul's calls); layers other = the layers' elementwise ops outside the
 loops (dropout, stripe shuffles); head = logits, softmax, loss and their
 gradients; embedding; optimizer = clipping and the update. A CPU runs
 independent ops on several threads at once: each instant of the trace is
@@ -34,9 +34,11 @@ PARTS = ("head", "recurrence", "projections", "layers other", "embedding",
          "optimizer", "other ops", "data", "host")
 
 
-def op_part(hlo_op: str, scope: str) -> str | None:
-  """The part an op's time belongs to; None for loop ops spanning others."""
-  kind = traces.op_kind(hlo_op)
+def op_part(hlo_op: str, scope: str, matmul_calls=frozenset()) -> str | None:
+  """The part an op's time belongs to; None for loop ops spanning others.
+  matmul_calls: the custom calls that are matmuls, not time loops
+  (`traces.bf16_matmul_calls`)."""
+  kind = "matmul" if hlo_op in matmul_calls else traces.op_kind(hlo_op)
   if kind is None:
     return None
   category = traces.scope_category(scope)
@@ -56,12 +58,13 @@ def device_parts(trace_dir: str, hlo_text: str, names: list[str]) -> dict:
   events = profiling.trace_op_events(trace_dir) or []
   spans = traced_spans(trace_dir, names)
   scopes = traces.hlo_op_scopes(hlo_text)
+  matmul_calls = traces.bf16_matmul_calls(hlo_text)
   intervals = []
   for e in events:
     op = e.get("args", {}).get("hlo_op")
     if not op or not any(a <= e["ts"] <= b for a, b in spans):
       continue
-    part = op_part(op, scopes.get(op, ""))
+    part = op_part(op, scopes.get(op, ""), matmul_calls)
     if part:
       intervals.append((e["ts"] / 1e6, (e["ts"] + e.get("dur", 0)) / 1e6,
                         part))

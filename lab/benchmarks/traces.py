@@ -6,6 +6,7 @@ import re
 
 import jax
 
+from zebra_jax.model.recurrence import native
 from zebra_jax.runtime import profiling
 
 def trace_rows(trace_dir, runners) -> dict:
@@ -85,6 +86,15 @@ def scope_category(op_name: str) -> str:
   if "embedding" in words:
     return "embedding"
   return "other"
+
+
+def bf16_matmul_calls(hlo_text: str) -> frozenset:
+  """The HLO instructions that call the native library's bf16 matmul
+  (model.cpu_bf16_head, model.cpu_bf16_projections): custom calls that
+  are matmuls, where `op_kind` takes a custom call for a time loop."""
+  return frozenset(re.findall(
+      r"%?([\w.\-]+) = [^\n]*?custom_call_target=\"" + native.BF16_MATMUL,
+      hlo_text))
 
 
 def hlo_op_scopes(hlo_text: str) -> dict:

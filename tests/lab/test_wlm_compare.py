@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lab.benchmarks import equal_time, step_split, word_corpus, word_lm
+from lab.benchmarks import equal_time, step_split, traces, word_corpus, word_lm
 from tests.helpers import REPO
 
 
@@ -49,6 +49,17 @@ def test_ops_are_given_to_the_parts_by_scope_and_kind():
       "head")
   assert step_split.op_part("fusion.9", "jit(f)/optimizer/mul") == "optimizer"
   assert step_split.op_part("while.1", "jit(f)/zebra_lstm_0/while") is None
+  # The native bf16 matmul's calls are matmuls, not time loops.
+  hlo = ('%ffi_call.31 = f32[700,800]{1,0} custom-call(%a, %b), '
+         'custom_call_target="zebra_bf16_matmul_0123456789ab"\n'
+         '%ffi_call.2 = f32[1]{0} custom-call(%c), '
+         'custom_call_target="zebra_native_forward_0123456789ab"\n')
+  calls = traces.bf16_matmul_calls(hlo)
+  assert calls == {"ffi_call.31"}
+  assert step_split.op_part("ffi_call.31", "jit(f)/zebra_lstm_0/x",
+                            calls) == "projections"
+  assert step_split.op_part("ffi_call.2", "jit(f)/zebra_lstm_0/x",
+                            calls) == "recurrence"
 
 
 @pytest.mark.slow

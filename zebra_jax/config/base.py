@@ -139,6 +139,15 @@ FIELDS = dict(
                         "bf16 units where it has them (AVX512_BF16) and "
                         "the native library is built for them; float32 "
                         "elsewhere"),
+        cpu_bf16_projections=F("off", one_of(
+            model_config.CPU_BF16_PROJECTIONS), "a layer's window matmuls "
+            "outside its time loop (input projection, the inputs' and "
+            "weights' gradients) on a CPU: off (float32) | auto: bf16 "
+            "operands, float32 sums, where cpu_bf16_head's would run and "
+            "the layer runs the native recurrence with stripes too large "
+            "for its in-loop products, on windows of 64 rows or more; "
+            "float32 elsewhere (other recurrences, small stripes, "
+            "sampling steps, no bf16 units)"),
         cpu_fused_head=F("off", one_of(model_config.CPU_FUSED_HEADS),
                          "the tied full head's training loss on a CPU: off "
                          "(XLA: the [rows, vocab] logits written) | on: "

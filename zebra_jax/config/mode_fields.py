@@ -34,7 +34,8 @@ FIXED = ("model.vocab_size", "model.embed_size", "model.hidden_size",
 # How a trained model runs: the compute dtype, the recurrence's code and the
 # devices' layout; the same parameters give the same numbers up to rounding.
 COMPUTE = ("model.dtype", "model.adaptive_chunk_rows", "model.recurrence",
-           "model.cpu_bf16_head", "model.cpu_fused_head", "model.unroll",
+           "model.cpu_bf16_head", "model.cpu_bf16_projections",
+           "model.cpu_fused_head", "model.unroll",
            "model.head_logits_dtype",
            "model.head_fused_xent", "model.adaptive_tile", "parallel")
 # Which text --mode=eval scores (read with the trained tokenizer).

@@ -16,6 +16,7 @@ RECURRENCES = ("auto", "scan", "pallas", "pallas_stream",
                "native")                      # the layer's time loop
 HEAD_LOGITS_DTYPES = ("float32", "compute")   # the adaptive loss's logits
 CPU_BF16_HEADS = ("off", "auto")              # the full head's matmuls on a CPU
+CPU_BF16_PROJECTIONS = ("off", "auto")        # a layer's window matmuls on a CPU
 CPU_FUSED_HEADS = ("off", "auto", "on")       # the tied head's loss on a CPU
 
 
@@ -45,6 +46,7 @@ class ModelConfig:
   remat: bool
   recurrence: str
   cpu_bf16_head: str
+  cpu_bf16_projections: str
   cpu_fused_head: str
 
   @classmethod

@@ -13,13 +13,15 @@ GPU's bf16 steps do.
 same program as before the option; "auto" runs them in bf16 where the
 native library is built with AVX512_BF16 and this CPU has it, and in float32
 elsewhere (another CPU, another -march build, no library, a GPU).
+`model.cpu_bf16_projections` asks the same of a layer's window products
+(`recurrence/scan.py`) and is decided here too: the same units, the same
+library.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zebra_jax.model.recurrence import native, native_check
 
@@ -42,18 +44,19 @@ def unavailable() -> str:
   return ""
 
 
-def chosen(setting: str) -> bool:
-  """Whether model.cpu_bf16_head=setting runs the bf16 products here."""
+def chosen(setting: str, field: str = "cpu_bf16_head") -> bool:
+  """Whether model.<field>=setting (cpu_bf16_head, or
+  cpu_bf16_projections) runs the bf16 products here."""
   if setting not in SETTINGS:
-    raise ValueError(f"cpu_bf16_head: {setting!r} is not one of {SETTINGS}")
+    raise ValueError(f"{field}: {setting!r} is not one of {SETTINGS}")
   return setting == "auto" and not unavailable()
 
 
 # Rows of hidden states at or above which a call runs the bf16 products:
 # each call rounds and packs the head's whole matrix, a pass over it that a
 # window's rows repay and a sampling step's few rows (which read the matrix
-# once anyway) do not.
-MIN_ROWS = 64
+# once anyway) do not (native.BF16_MIN_ROWS, the layers' rule too).
+MIN_ROWS = native.BF16_MIN_ROWS
 
 
 def runs_for(rows: int) -> bool:
@@ -62,26 +65,11 @@ def runs_for(rows: int) -> bool:
   return rows >= MIN_ROWS
 
 
-def _product(a, b, a_transposed: bool, b_transposed: bool):
-  """op(a) op(b) [m, n] float32 through the library's bf16 matmul."""
-  m = a.shape[1 if a_transposed else 0]
-  n = b.shape[0 if b_transposed else 1]
-  k = a.shape[0 if a_transposed else 1]
-  threads = native.threads(2 * m * n * k)
-  return jax.ffi.ffi_call(
-      native.BF16_MATMUL + native.target_suffix(),
-      jax.ShapeDtypeStruct((m, n), jnp.float32),
-      vmap_method="sequential")(
-          a.astype(jnp.float32), b.astype(jnp.float32),
-          a_transposed=np.bool_(a_transposed),
-          b_transposed=np.bool_(b_transposed), threads=np.int64(threads))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def logits(x, w, tied: bool):
   """x [N, H] times the head's matrix: w [V, H] (tied: the embedding,
   contracted on H as it is stored) or [H, V]; [N, V] float32."""
-  return _product(x, w, False, tied)
+  return native.bf16_product(x, w, False, tied)
 
 
 def _forward(x, w, tied):
@@ -90,10 +78,10 @@ def _forward(x, w, tied):
 
 def _backward(tied, residuals, g):
   x, w = residuals
-  d_x = _product(g, w, False, not tied)  # g [N, V] · w as [V, H]
+  d_x = native.bf16_product(g, w, False, not tied)  # g [N, V], w as [V, H]
   # d_w: xᵀ g [H, V] (tied: transposed back to [V, H]): the kernel packs g
   # by rows, its fast way, rather than transposing it.
-  d_w = _product(x, g, True, False)
+  d_w = native.bf16_product(x, g, True, False)
   if tied:
     d_w = d_w.T
   return d_x.astype(x.dtype), d_w.astype(w.dtype)

@@ -36,7 +36,8 @@ class ZebraLSTMLayer(nnx.Module):
   def __init__(self, in_features: int, hidden_size: int, num_stripes: int, *,
                rngs: nnx.Rngs, dtype=jnp.float32, unroll: int = 1,
                remat: bool = False, custom_vjp: bool = True,
-               grouped: bool = False, kernel: str = "scan"):
+               grouped: bool = False, kernel: str = "scan",
+               bf16_projections: bool = False):
     s, width = num_stripes, hidden_size // num_stripes
     if grouped and in_features % s:
       raise ValueError(f"a grouped layer needs in_features={in_features} "
@@ -52,6 +53,10 @@ class ZebraLSTMLayer(nnx.Module):
     # native where its loops run (CPUs, float32), else the scan;
     # pallas_mosaic: the GPU report's candidate, not a config choice
     self.kernel = kernel
+    # The window's products outside the time loops in bf16 with float32
+    # sums, where the native kernel runs them (model.cpu_bf16_projections,
+    # resolved by the caller); float32 under every other kernel.
+    self.bf16_projections = bf16_projections
     # PyTorch nn.LSTM's uniform init range, 1/sqrt(H). A grouped unit reads
     # S times fewer inputs and recurrent units, so 1/sqrt(H/S) keeps its
     # pre-activation's variance (and S = 1 grouped draws the dense weights).
@@ -100,11 +105,15 @@ class ZebraLSTMLayer(nnx.Module):
       kernel = self.kernel
       if kernel == "auto":
         kernel = native.chosen(dt, inputs.shape)
-      layer_fn = {"pallas": pallas.zebra_layer,
-                  "pallas_stream": pallas_stream.zebra_layer,
-                  "pallas_mosaic": pallas_mosaic.zebra_layer,
-                  "native": native.zebra_layer}.get(kernel, scan.zebra_layer)
-      ys, h, c = layer_fn(*args, self.unroll, self.remat)
+      if kernel == "native":
+        ys, h, c = native.zebra_layer(*args, self.unroll, self.remat,
+                                      self.bf16_projections)
+      else:
+        layer_fn = {"pallas": pallas.zebra_layer,
+                    "pallas_stream": pallas_stream.zebra_layer,
+                    "pallas_mosaic": pallas_mosaic.zebra_layer
+                    }.get(kernel, scan.zebra_layer)
+        ys, h, c = layer_fn(*args, self.unroll, self.remat)
     else:
       ys, h, c = scan.zebra_layer_autodiff(*args, self.unroll)
     outputs = ys.transpose(2, 1, 0, 3).reshape(b, t, s * width)  # [B, T, H]

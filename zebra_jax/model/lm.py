@@ -69,6 +69,8 @@ class ZebraLM(nnx.Module):
           -0.1, 0.1))
     sizes = [cfg.embed_size] + [cfg.hidden_size] * cfg.num_layers
     s = cfg.num_stripes
+    bf16_projections = cpu_bf16_head.chosen(cfg.cpu_bf16_projections,
+                                            "cpu_bf16_projections")
     # grouped: every layer reads its input in stripes, the first one too when
     # embed_size divides by S (else it reads the embedding densely); the
     # layers after the first read the previous one's outputs shuffled.
@@ -78,7 +80,8 @@ class ZebraLM(nnx.Module):
         ZebraLSTMLayer(sizes[i], cfg.hidden_size, s, rngs=rngs,
                        dtype=dt, unroll=cfg.unroll, remat=cfg.remat,
                        grouped=grouped and sizes[i] % s == 0,
-                       kernel=cfg.recurrence)
+                       kernel=cfg.recurrence,
+                       bf16_projections=bf16_projections)
         for i in range(cfg.num_layers)])
     if self.head == "adaptive":
       self.tied = hasattr(self, "adaptive_input")

@@ -48,7 +48,7 @@ from zebra_jax.model.recurrence import native_build, native_check, scan
 _FORWARD, _BACKWARD = "zebra_native_forward", "zebra_native_backward"
 _BACKWARD_GRADS = "zebra_native_backward_grads"
 _FORWARD_PROJECTED = "zebra_native_forward_projected"
-BF16_MATMUL = "zebra_bf16_matmul"  # the head's (model/cpu_bf16_head.py)
+BF16_MATMUL = "zebra_bf16_matmul"  # bf16_product's
 FUSED_XENT = "zebra_fused_xent"  # the tied head's loss (model/cpu_fused_head.py)
 
 
@@ -168,6 +168,32 @@ def threads(flops: int) -> int:
     cores = os.cpu_count() or 1
   return max(1, min(cores // jax.local_device_count(),
                     flops // MIN_FLOPS_PER_THREAD))
+
+
+# Rows at or above which a bf16 product is worth its call (model.
+# cpu_bf16_head's rows of hidden states, model.cpu_bf16_projections' T x B
+# of a window): each call rounds and packs its weights whole, which a
+# window's rows repay and a sampling step's few rows do not.
+BF16_MIN_ROWS = 64
+
+
+def bf16_product(a, b, a_transposed: bool, b_transposed: bool):
+  """op(a) op(b) [m, n] float32 of two matrices through the library's bf16
+  matmul (native_cc/bf16_matmul.h: operands rounded to bf16, float32
+  sums), each operand read in place, transposed or not. The products of
+  model.cpu_bf16_head and model.cpu_bf16_projections, where
+  `cpu_bf16_head.unavailable()` says they can run."""
+  m = a.shape[1 if a_transposed else 0]
+  n = b.shape[0 if b_transposed else 1]
+  k = a.shape[0 if a_transposed else 1]
+  return jax.ffi.ffi_call(
+      BF16_MATMUL + target_suffix(),
+      jax.ShapeDtypeStruct((m, n), jnp.float32),
+      vmap_method="sequential")(
+          a.astype(jnp.float32), b.astype(jnp.float32),
+          a_transposed=np.bool_(a_transposed),
+          b_transposed=np.bool_(b_transposed),
+          threads=np.int64(threads(2 * m * n * k)))
 
 
 # FLOPs of one time step's recurrent matmul per thread at or above which a
@@ -325,19 +351,32 @@ def _projected_forward(inputs, w_x, bias, h0, c0, w_h, keep):
 
 
 _native_layer = scan.kernel_layer(_forward, _backward, _projected_forward,
-                                  _backward_gradients)
+                                  _backward_gradients, bf16_product)
 
 
-def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False):
+def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False,
+                bf16_projections=False):
   """`scan.zebra_layer` with its time loops in C++: same arguments and
-  results. Where the kernels cannot run, the scan runs, with one warning."""
+  results. Where the kernels cannot run, the scan runs, with one warning.
+
+  bf16_projections: the window's products outside the time loops (the input
+  projection, the inputs' and weights' gradients) with bf16 operands and
+  float32 sums (`bf16_product`; model.cpu_bf16_projections, the caller's
+  choice, made where `cpu_bf16_head.unavailable()` is ""), for large
+  stripes only (small ones keep float32 products, their weight gradients
+  and a grouped layer's projection run inside the loops) and windows of at
+  least BF16_MIN_ROWS rows.
+  """
   why = unavailable(w_h.dtype, inputs.shape)
   if why:
     scan.warn_once(
         f"model.recurrence=native: {why}; running the scan instead")
     return scan.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
                                   remat)
-  return _native_layer(inputs, w_x, bias, h0, c0, w_h, remat)
+  rows = inputs.shape[-3] * inputs.shape[-2]  # T x B, dense or grouped
+  bf16 = (bf16_projections and rows >= BF16_MIN_ROWS
+          and not _small_stripes(w_h.shape[1], inputs.shape[-1]))
+  return _native_layer(inputs, w_x, bias, h0, c0, w_h, remat, bf16)
 
 
 if __name__ == "__main__":  # the build command, documented as this module's

@@ -96,23 +96,47 @@ def _matmul(a, b, contract, batch=((), ())):
                              preferred_element_type=jnp.float32)
 
 
-def project_inputs(inputs, w_x, bias):
+def _window_product(a, b, a_transposed=False, b_transposed=False,
+                    bf16_product=None):
+  """op(a) op(b) into float32: matrices, or batches of them over a leading
+  stripe axis (op transposes a batch's last two axes).
+
+  bf16_product: None, XLA's float32 dot; else a 2-D product with bf16
+  operands and float32 sums (`native.bf16_product`, model.
+  cpu_bf16_projections), which a batch of one stripe takes too. A batch of
+  several stripes keeps XLA's batched float32 dot: one bf16 call per
+  stripe ran at 0.57x to 1.89x its speed by shape and product (2 to 16
+  stripes of 64 to 512 units, 2 Zen 4 cores), no steady gain, where a
+  dense layer's one product ran 1.5-1.9x faster (lab/results-log.md).
+  """
+  lead = a.ndim - 2
+  if bf16_product is not None and (not lead or a.shape[0] == 1):
+    if not lead:
+      return bf16_product(a, b, a_transposed, b_transposed)
+    return bf16_product(a[0], b[0], a_transposed, b_transposed)[None]
+  contract = ((lead + (0 if a_transposed else 1),),
+              (lead + (1 if b_transposed else 0),))
+  return _matmul(a, b, contract, ((0,), (0,)) if lead else ((), ()))
+
+
+def project_inputs(inputs, w_x, bias, bf16_product=None):
   """inputs W_x + b for the whole window -> [S, T, B, 4G] float32.
 
   dense [T, B, I] x [I, S, 4G] as one [T*B, I] x [I, S*4G] matmul; grouped
   [S, T, B, I/S] x [S, I/S, 4G], a batched matmul whose batch axis leads
-  both operands and the result.
+  both operands and the result. bf16_product: `_window_product`'s.
   """
   if inputs.ndim == 3:
     t, b, i = inputs.shape
     _, s, k = w_x.shape
-    x_proj = _matmul(inputs.reshape(t * b, i), w_x.reshape(i, s * k),
-                     ((1,), (0,)))
+    x_proj = _window_product(inputs.reshape(t * b, i), w_x.reshape(i, s * k),
+                             bf16_product=bf16_product)
     x_proj = jnp.moveaxis(x_proj.reshape(t, b, s, k), 2, 0)
   else:
     s, t, b, i = inputs.shape
-    x_proj = _matmul(inputs.reshape(s, t * b, i), w_x, ((2,), (1,)),
-                     ((0,), (0,))).reshape(s, t, b, w_x.shape[-1])
+    x_proj = _window_product(inputs.reshape(s, t * b, i), w_x,
+                             bf16_product=bf16_product
+                             ).reshape(s, t, b, w_x.shape[-1])
   return x_proj + bias[:, None, None, :]
 
 
@@ -280,12 +304,14 @@ def reverse_window(d_ys, gates, cs, c0, w_h, d_h, d_c, unroll=1):
   return dz, dh0, dc0
 
 
-def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0):
+def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0,
+                     bf16_product=None):
   """The backward pass's epilogue, shared with the Pallas kernel.
 
   From the gate pre-activation gradients of the whole window (dz, float32
   [S, T, B, 4G]) and h_{t-1} of every step: the gradients of zebra_layer's
   arguments, those of the inputs, W_x, b and W_h one matmul (or sum) each.
+  bf16_product: `_window_product`'s.
   """
   dt = w_h.dtype
   s, t, b, k = dz.shape
@@ -293,34 +319,43 @@ def window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0):
   # axis, and no operand is copied into another order first (which a
   # contraction over two axes made XLA do, at a cost on every layer's pass).
   dz_dt = dz.astype(dt).reshape(s, t * b, k)
-  d_w_h = _matmul(h_prev.astype(dt).reshape(s, t * b, w_h.shape[1]), dz_dt,
-                  ((1,), (1,)), ((0,), (0,)))
+  d_w_h = _window_product(h_prev.astype(dt).reshape(s, t * b, w_h.shape[1]),
+                          dz_dt, a_transposed=True, bf16_product=bf16_product)
   if inputs.ndim == 3:  # dense [T, B, I], w_x [I, S, 4G]
     i = inputs.shape[-1]
-    dz_rows = jnp.moveaxis(dz_dt, 0, 1).reshape(t * b, s * k)
-    d_w_x = _matmul(inputs.reshape(t * b, i), dz_rows,
-                    ((0,), (0,))).reshape(i, s, k)
+    d_w_x = _window_product(inputs.reshape(t * b, i), _stripes_side_by_side(
+        dz_dt), a_transposed=True, bf16_product=bf16_product).reshape(i, s, k)
   else:  # grouped [S, T, B, I/S], w_x [S, I/S, 4G]: batched over stripes
-    d_w_x = _matmul(inputs.reshape(s, t * b, w_x.shape[1]), dz_dt,
-                    ((1,), (1,)), ((0,), (0,)))
+    d_w_x = _window_product(inputs.reshape(s, t * b, w_x.shape[1]), dz_dt,
+                            a_transposed=True, bf16_product=bf16_product)
   d_bias = dz.sum(axis=(1, 2))
-  return (input_gradient(dz, inputs, w_x), d_w_x.astype(w_x.dtype),
-          d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
+  return (input_gradient(dz, inputs, w_x, bf16_product),
+          d_w_x.astype(w_x.dtype), d_bias.astype(bias.dtype), dh0, dc0,
+          d_w_h.astype(dt))
 
 
-def input_gradient(dz, inputs, w_x):
+def _stripes_side_by_side(window):
+  """[S, T*B, K] -> [T*B, S*K]: a dense layer's stripes as one matrix's
+  columns, the layout of its w_x [I, S*4G]."""
+  s, rows, k = window.shape
+  return jnp.moveaxis(window, 0, 1).reshape(rows, s * k)
+
+
+def input_gradient(dz, inputs, w_x, bf16_product=None):
   """The inputs' gradient, dz W_x^T over the whole window: dense [T, B, I]
-  (every stripe's share summed), grouped [S, T, B, I/S]."""
+  (every stripe's share summed), grouped [S, T, B, I/S]. bf16_product:
+  `_window_product`'s."""
   s, t, b, k = dz.shape
   dz_dt = dz.astype(w_x.dtype).reshape(s, t * b, k)
   if inputs.ndim == 3:
     i = inputs.shape[-1]
-    dz_rows = jnp.moveaxis(dz_dt, 0, 1).reshape(t * b, s * k)
-    d_inputs = _matmul(dz_rows, w_x.reshape(i, s * k),
-                       ((1,), (1,))).reshape(t, b, i)
+    d_inputs = _window_product(
+        _stripes_side_by_side(dz_dt), w_x.reshape(i, s * k),
+        b_transposed=True, bf16_product=bf16_product).reshape(t, b, i)
   else:
-    d_inputs = _matmul(dz_dt, w_x, ((2,), (2,)),
-                       ((0,), (0,))).reshape(inputs.shape)
+    d_inputs = _window_product(dz_dt, w_x, b_transposed=True,
+                               bf16_product=bf16_product
+                               ).reshape(inputs.shape)
   return d_inputs.astype(inputs.dtype)
 
 
@@ -328,7 +363,7 @@ zebra_layer.defvjp(_zebra_layer_fwd, _zebra_layer_bwd)
 
 
 def kernel_layer(forward, backward, projected_forward=None,
-                 backward_gradients=None):
+                 backward_gradients=None, bf16_product=None):
   """`zebra_layer` with its two time loops run by kernels (the Pallas and
   the native CPU ones); the rest, the input projection, the gates'
   recomputation under remat and the window gradients, is this module's,
@@ -345,27 +380,45 @@ def kernel_layer(forward, backward, projected_forward=None,
     (dz, dh0, dc0, (d_w_x, d_bias, d_w_h)): backward with the window's
     weight gradients (float32) its own, or None (None, or no function:
     backward, then this module's window matmuls).
-  Returns layer(inputs, w_x, bias, h0, c0, w_h, remat) -> (ys, h, c).
+  bf16_product(a, b, a_transposed, b_transposed): a 2-D product with bf16
+    operands and float32 sums, which the window products outside the time
+    loops take where the layer is called with bf16_products=True
+    (`_window_product`); the kernels' own products and loops are theirs.
+  Returns layer(inputs, w_x, bias, h0, c0, w_h, remat, bf16_products=False)
+  -> (ys, h, c).
   """
-  def run_forward(inputs, w_x, bias, h0, c0, w_h, keep):
+  def window_product(bf16_products):
+    """bf16_product where the call asks for it; None: XLA's float32."""
+    if not bf16_products:
+      return None
+    if bf16_product is None:
+      raise ValueError("bf16_products=True: this kernel has no bf16 product")
+    return bf16_product
+
+  def run_forward(inputs, w_x, bias, h0, c0, w_h, keep, bf16_products):
     out = projected_forward and projected_forward(inputs, w_x, bias, h0, c0,
                                                   w_h, keep)
     if out is None:
-      out = forward(project_inputs(inputs, w_x, bias), h0, c0, w_h, keep)
+      out = forward(project_inputs(inputs, w_x, bias,
+                                   window_product(bf16_products)),
+                    h0, c0, w_h, keep)
     return out
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-  def layer(inputs, w_x, bias, h0, c0, w_h, remat):
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+  def layer(inputs, w_x, bias, h0, c0, w_h, remat, bf16_products=False):
     del remat  # only changes what the backward pass keeps
-    ys, h, c, _ = run_forward(inputs, w_x, bias, h0, c0, w_h, None)
+    ys, h, c, _ = run_forward(inputs, w_x, bias, h0, c0, w_h, None,
+                              bf16_products)
     return ys, h, c
 
-  def layer_fwd(inputs, w_x, bias, h0, c0, w_h, remat):
+  def layer_fwd(inputs, w_x, bias, h0, c0, w_h, remat, bf16_products):
     ys, h, c, saved = run_forward(inputs, w_x, bias, h0, c0, w_h,
-                                  "states" if remat else "gates")
+                                  "states" if remat else "gates",
+                                  bf16_products)
     return (ys, h, c), (inputs, w_x, bias, h0, c0, w_h, ys, saved)
 
-  def layer_bwd(remat, residuals, cotangents):
+  def layer_bwd(remat, bf16_products, residuals, cotangents):
+    products = window_product(bf16_products)
     inputs, w_x, bias, h0, c0, w_h, ys, saved = residuals
     d_ys, d_h_last, d_c_last = cotangents
     dt = w_h.dtype
@@ -377,7 +430,7 @@ def kernel_layer(forward, backward, projected_forward=None,
       (cs,) = saved
       s, t, b, g = h_prev.shape
       gates = _activate(
-          project_inputs(inputs, w_x, bias)
+          project_inputs(inputs, w_x, bias, products)
           + _matmul(h_prev.reshape(s, t * b, g), w_h, ((2,), (1,)),
                     ((0,), (0,))).reshape(s, t, b, 4 * g))
     else:
@@ -388,9 +441,11 @@ def kernel_layer(forward, backward, projected_forward=None,
         d_ys, gates, cs, c0, w_h, d_h32, d_c32, inputs, ys, h0)
     if out is None:
       dz, dh0, dc0 = backward(d_ys, gates, cs, c0, w_h, d_h32, d_c32)
-      return window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0)
+      return window_gradients(dz, inputs, h_prev, w_x, bias, w_h, dh0, dc0,
+                              products)
     dz, dh0, dc0, (d_w_x, d_bias, d_w_h) = out
-    return (input_gradient(dz, inputs, w_x), d_w_x.astype(w_x.dtype),
+    return (input_gradient(dz, inputs, w_x, products),
+            d_w_x.astype(w_x.dtype),
             d_bias.astype(bias.dtype), dh0, dc0, d_w_h.astype(dt))
 
   layer.defvjp(layer_fwd, layer_bwd)
