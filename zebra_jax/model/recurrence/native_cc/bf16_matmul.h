@@ -2,8 +2,9 @@
 // CPU's bf16 dot-product units (AVX512_BF16: vdpbf16ps, two products a
 // lane per instruction, where the float32 FMA does one). For the tied
 // softmax head's three products (logits = h Eᵀ, d_h = d_logits E,
-// d_E = d_logitsᵀ h), which XLA's CPU dot runs in float32 whatever the
-// operands' dtype.
+// d_E = d_logitsᵀ h) and a layer's window products outside its time loop
+// (model.cpu_bf16_projections), which XLA's CPU dot runs in float32
+// whatever the operands' dtype.
 //
 // The operands are rounded to bf16 (nearest even) as they are packed: A
 // by rows, each row's K values in pairs (Kp = K rounded up to even, a zero
