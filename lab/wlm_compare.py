@@ -1,7 +1,9 @@
 """zebra_jax against PyTorch's word_language_model example, equal wall-clock.
 
   python -m lab.wlm_compare --seconds=180       # dense S=1, grouped S=8,
-                                                # torch on every core and on 1
+                                                # torch on every core and on 1,
+                                                # in float32 and in bf16
+  python -m lab.wlm_compare --notorch_bf16      # torch in float32 only
   python -m lab.wlm_compare --trace             # where one step's time goes
   python -m lab.wlm_compare --quick             # tiny: a smoke test
 
@@ -52,7 +54,7 @@ def main(argv: Sequence[str]) -> None:
                     "of at least 1")
   threads = [int(t) for t in f.threads]
   equal_time.run(2.0 if f.quick else f.seconds, variants, threads, f.quick,
-                 overrides, f.json)
+                 overrides, f.json, f.torch_bf16)
 
 
 def _value(text: str):
@@ -79,6 +81,10 @@ def _define_flags() -> None:
   flags.DEFINE_multi_string("jax_override", [], "SECTION.FIELD=VALUE set on "
                             "the JAX rows' config, e.g. "
                             "model.recurrence=scan.")
+  flags.DEFINE_bool("torch_bf16", True, "Also run the example under "
+                    "torch.autocast(bfloat16) at each thread count: the "
+                    "like-for-like reference of configs/wlm.py's bf16 "
+                    "products (its own ratio column).")
   flags.DEFINE_bool("trace", False, "Split one step of each JAX row into "
                     "head, recurrence, projections, optimizer, data, host.")
   flags.DEFINE_bool("quick", False, "A tiny corpus and model, 2 s a side: "

@@ -15,7 +15,11 @@ Then each scores valid once with its final weights, the example's way
 over training seconds. torch runs once per thread count asked for (the
 tool's default: every core, and 1): on a shared machine its threads can
 spin on each other, so a row's ratio is its tokens/s over the faster torch
-row's, as lab.train_bench keeps the faster of 1 and 2 threads.
+row's, as lab.train_bench keeps the faster of 1 and 2 threads. With
+--torch_bf16 the example runs again at each thread count under
+torch.autocast(bfloat16) (oneDNN's bf16 kernels where the CPU has them):
+the reference for JAX rows that multiply in bf16 (configs/wlm.py's head
+and window products), in its own ratio column beside float32's.
 """
 
 import contextlib
@@ -84,20 +88,25 @@ def jax_row(cfg: ml_collections.ConfigDict, name: str) -> dict:
           "load_before": load_before, "load_after": load_after}
 
 
-def torch_row(folder: str, seconds: float, threads: int, width: int) -> dict:
+def torch_row(folder: str, seconds: float, threads: int, width: int,
+              autocast_bf16: bool = False) -> dict:
   import torch  # pylint: disable=g-import-not-at-top
   corpus = word_lm.Corpus(folder, word_corpus.SPLIT_FILES)
   row = word_lm.train_for(torch, corpus, seconds, threads,
-                          p=dict(emsize=width, nhid=width))
-  row["name"] = f"torch_{threads}thread"
+                          p=dict(emsize=width, nhid=width),
+                          autocast_bf16=autocast_bf16)
+  row["name"] = f"torch{'_bf16' if autocast_bf16 else ''}_{threads}thread"
   row["torch"] = torch.__version__
   return row
 
 
 def run(seconds: float, variants, threads: Sequence[int], quick: bool = False,
-        overrides: dict | None = None, json_path: str | None = None) -> dict:
-  """Every JAX variant, then the torch example at each thread count;
-  prints the table. Ratios are to the faster torch row."""
+        overrides: dict | None = None, json_path: str | None = None,
+        torch_bf16: bool = False) -> dict:
+  """Every JAX variant, then the torch example at each thread count (and
+  with torch_bf16, again under torch.autocast(bfloat16)); prints the
+  table. Ratios are to the faster float32 torch row, and to the faster
+  bf16 one."""
   sizes = QUICK if quick else FULL
   folder, manifest = word_corpus.prepare(sizes["target_tokens"],
                                          sizes["vocab_size"])
@@ -105,12 +114,17 @@ def run(seconds: float, variants, threads: Sequence[int], quick: bool = False,
                   VARIANTS.get(v, f"jax_{v}")) for v in variants]
   references = [torch_row(folder, seconds, t, sizes["width"])
                 for t in threads]
+  bf16 = [torch_row(folder, seconds, t, sizes["width"], autocast_bf16=True)
+          for t in (threads if torch_bf16 else ())]
   fastest = max(references, key=lambda r: r["tokens_per_s"])
-  for r in rows + references:
+  fastest_bf16 = max(bf16, key=lambda r: r["tokens_per_s"], default=None)
+  for r in rows + references + bf16:
     r["ratio_to_torch"] = r["tokens_per_s"] / fastest["tokens_per_s"]
+    r["ratio_to_torch_bf16"] = fastest_bf16 and (
+        r["tokens_per_s"] / fastest_bf16["tokens_per_s"])
   result = {"seconds": seconds, "threads": list(threads),
             "cpus": os.cpu_count(), "corpus": {"folder": folder, **manifest},
-            "width": sizes["width"], "rows": rows + references}
+            "width": sizes["width"], "rows": rows + references + bf16}
   return print_and_save(result, print_table, json_path)
 
 
@@ -121,11 +135,15 @@ def print_table(result: dict) -> None:
         f"tokens, vocab {c['vocab_size']:,} | 2 x {result['width']} LSTM, "
         f"batch 20, bptt 35 | torch {'/'.join(map(str, result['threads']))}"
         f" threads, XLA {result['cpus']} cores; x torch: to the faster "
-        "torch row")
+        "float32 torch row; x torch bf16: to the faster row under "
+        "torch.autocast(bfloat16)")
+  bf16 = any(r.get("ratio_to_torch_bf16") for r in result["rows"])
   print_rows(result["rows"], [
-      ("row", 16, lambda r: r["name"]),
+      ("row", 21, lambda r: r["name"]),
       ("tok/s", 10, lambda r: f"{r['tokens_per_s']:,.0f}"),
       ("x torch", 9, lambda r: ratio_text(r["ratio_to_torch"])),
+      *([("x torch bf16", 14,
+          lambda r: ratio_text(r["ratio_to_torch_bf16"]))] if bf16 else []),
       ("valid ppl", 11, lambda r: f"{r['valid_ppl']:.2f}"),
       ("steps", 8, lambda r: f"{r['steps']:,}"),
       ("train s", 9, lambda r: f"{r['seconds']:.1f}"),
@@ -139,3 +157,8 @@ def print_table(result: dict) -> None:
           f" at the end (divided by 4 after epochs "
           f"{torch_side['anneal_epochs'] or 'none'})")
   print("note: jax: lr 20 throughout, compiling inside its budget")
+  if not any(r.get("autocast_bf16") for r in result["rows"]):
+    print("note: the JAX rows multiply in bf16 where the CPU has the units "
+          "(configs/wlm.py), the torch rows in float32: --torch_bf16 adds "
+          "the example under torch.autocast(bfloat16), their like-for-like "
+          "reference")

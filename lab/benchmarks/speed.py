@@ -17,6 +17,10 @@ best matmul measured in this run, XLA's planned bytes per step):
               a layer split in S blocks, stripes shuffled between layers
   *_native    the same with model.recurrence=native: the time loops as
               compiled C++ (model/recurrence/native.py; CPU shapes)
+  core_*_native_bf16  the core's native rows with
+              model.cpu_bf16_projections=auto: the window's products outside
+              the time loops in bf16 with float32 sums (only where the CPU's
+              AVX512_BF16 units run them)
   word_S{s}[_grouped][_adaptive][_native]  the LM train step at the
               word-level shape (hidden 256, 16,384 words, Zipf-distributed
               tokens), full or adaptive head: where the softmax, not the
@@ -33,6 +37,8 @@ best matmul measured in this run, XLA's planned bytes per step):
               model.cpu_fused_head=auto and cpu_bf16_head=auto: the head's
               loss and gradients in one native call, its products in bf16
               (model/cpu_fused_head.py; only where they run)
+  lm_*_all_bf16  the LM's native rows with every bf16 field configs/wlm.py
+              sets: *_fused_bf16 and model.cpu_bf16_projections=auto
   head_adaptive  the same for the word-level shape's adaptive head, beside
               nn.AdaptiveLogSoftmaxWithLoss
   torch_*_{n}t  nn.LSTM (+ nn.Embedding and a tied head, or
@@ -40,6 +46,11 @@ best matmul measured in this run, XLA's planned bytes per step):
               ratios are against the faster thread count; float32 weights
               and Adam state, under torch.autocast in bfloat16 (as JAX
               keeps float32 parameters and computes in bfloat16)
+  torch_*_bf16_{n}t  beside the JAX rows that multiply in bf16 on a float32
+              shape (*_bf16): the same torch step under
+              torch.autocast(bfloat16), oneDNN's bf16 kernels on where the
+              CPU has them; those rows' "x torch bf16" is against its
+              faster thread count, their "x torch" against float32 torch
 Every timed function runs once untimed, then all run interleaved, round after
 round, and each row reports its median: the machine's noise (other jobs) hits
 every row alike, so on shared CPUs compare ratios, not absolute times. On a
@@ -73,7 +84,7 @@ from lab.benchmarks.memory import memory_rows
 from lab.benchmarks.shapes import SHAPES, word_shape
 from lab.benchmarks.steps import (core_runner, eval_runner, gen_runner,
                                   head_runner, lm_runner, word_runner)
-from lab.benchmarks.table import print_rows, speed_columns
+from lab.benchmarks.table import print_rows, ratio_text, speed_columns
 from lab.benchmarks.timing import datasheet, matmul_peak, time_interleaved
 from lab.benchmarks.torch_reference import (TORCH_GROUPS, torch_matmuls,
                                             torch_runners)
@@ -120,7 +131,11 @@ def row_specs(shape) -> dict:
              for s in (first, last)},
           **{f"core_S{s}{suffix(g)}_native": (
               p(core_runner, shape, s, grouped=g, kernel="native"), b * t,
-              core_flops(s, g)) for s, g in native_rows}},
+              core_flops(s, g)) for s, g in native_rows},
+          **{f"core_S{s}{suffix(g)}_native_bf16": (
+              p(core_runner, shape, s, grouped=g, kernel="native",
+                bf16_projections=True), b * t,
+              core_flops(s, g)) for s, g in native_rows if bf16}},
       "lm": {**{f"lm_S{s}{suffix(g)}": (p(lm_runner, shape, s, grouped=g),
                                         b * t, lm_flops(s, g))
                 for s, g in lm_rows},
@@ -134,6 +149,11 @@ def row_specs(shape) -> dict:
              **{f"lm_S{s}{suffix(g)}_native_fused_bf16": (
                  p(lm_runner, shape, s, grouped=g, kernel="native",
                    cpu_bf16_head="auto", cpu_fused_head="auto"), b * t,
+                 lm_flops(s, g)) for s, g in native_rows if bf16},
+             **{f"lm_S{s}{suffix(g)}_native_all_bf16": (
+                 p(lm_runner, shape, s, grouped=g, kernel="native",
+                   cpu_bf16_head="auto", cpu_fused_head="auto",
+                   cpu_bf16_projections="auto"), b * t,
                  lm_flops(s, g)) for s, g in native_rows if bf16}},
       "head": {"head_tied": (p(head_runner, shape), b * t,
                              head_step_flops(shape, "full")),
@@ -181,13 +201,19 @@ def time_group(shape, group, specs, torch_fns, rounds, peak,
   runners = {name: build() for name, (build, _, _) in specs.items()}
   fns = dict(runners)
   torch_name = f"torch_{group}"
-  for threads, fn in torch_fns.get(group, {}).items():
-    fns[f"{torch_name}_{threads}t"] = fn
+  for tag, by_threads in (("", torch_fns.get(group, {})),
+                          ("_bf16", torch_fns.get(f"{group}_bf16", {}))):
+    for threads, fn in by_threads.items():
+      fns[f"{torch_name}{tag}_{threads}t"] = fn
   sec = time_interleaved(fns, rounds)
   torch_secs = {n: v for n, v in sec.items() if n.startswith(torch_name)}
-  base = min(torch_secs.values()) if torch_secs else None
+  bf16_secs = [v for n, v in torch_secs.items() if "_bf16_" in n]
+  base = min((v for n, v in torch_secs.items() if "_bf16_" not in n),
+             default=None)
+  bf16_base = min(bf16_secs) if bf16_secs else None
   rows = [_row(name, group, sec[name], tokens, flops, peak, base,
-               getattr(runners[name], "compiled", None))
+               getattr(runners[name], "compiled", None),
+               bf16_base if name.endswith("_bf16") else None)
           for name, (_, tokens, flops) in specs.items()]
   rows += [_row(name, group, torch_sec, b * t, torch_flops(shape)[group],
                 peak, base) for name, torch_sec in torch_secs.items()]
@@ -203,6 +229,16 @@ def speed_rows(shape, rounds, trace_dir=None, groups=None):
                     if groups is None or g in groups}
   torch_fns, torch_note = torch_runners(
       shape, tuple(g for g in TORCH_GROUPS if g in specs_by_group))
+  # torch under autocast(bfloat16) beside the groups whose JAX rows
+  # multiply in bf16 on this float32 shape
+  bf16_groups = tuple(g for g, specs in specs_by_group.items()
+                      if g in TORCH_GROUPS and shape["dtype"] == "float32"
+                      and any(n.endswith("_bf16") for n in specs))
+  if torch_fns and bf16_groups:
+    bf16_fns, bf16_note = torch_runners(shape, bf16_groups,
+                                        autocast_bf16=True)
+    torch_fns.update({f"{g}_bf16": fns for g, fns in bf16_fns.items()})
+    torch_note += f"; {bf16_note}"
   peak, peak_by_shape, torch_by_shape = matmul_peak(shape, rounds,
                                                     torch_matmuls(shape))
   rows, breakdown = [], {}
@@ -214,11 +250,14 @@ def speed_rows(shape, rounds, trace_dir=None, groups=None):
   return rows, peak, peak_by_shape, torch_by_shape, torch_note, breakdown
 
 
-def _row(name, group, sec, tokens, flops, peak, torch_sec, compiled=None):
+def _row(name, group, sec, tokens, flops, peak, torch_sec, compiled=None,
+         torch_bf16_sec=None):
   gflops = flops * tokens / sec / 1e9
   return {"name": name, "group": group, "tokens_per_s": tokens / sec,
           "ms_per_step": 1e3 * sec,
           "ratio_to_torch": None if torch_sec is None else torch_sec / sec,
+          "ratio_to_torch_bf16": (None if torch_bf16_sec is None
+                                  else torch_bf16_sec / sec),
           "gflops": gflops, "frac_of_peak": gflops * 1e9 / peak,
           "xla_bytes": profiling.compiled_bytes(compiled) if compiled else None}
 
@@ -248,6 +287,8 @@ def print_table(result, trace_dir=None) -> None:
       print(f"{who} matmul GFLOP/s by shape: " + ", ".join(
           f"{k} {v:,.0f}" for k, v in result[key].items()))
   print_rows(result["rows"], speed_columns(28, 11) + [
+      ("x torch bf16", 14,
+       lambda r: ratio_text(r.get("ratio_to_torch_bf16"))),
       ("model GFLOP/s", 14, lambda r: f"{r['gflops']:.1f}"),
       ("% peak", 8, lambda r: f"{100 * r['frac_of_peak']:.0f}%"),
       ("XLA plan", 11, lambda r: _mb(r["xla_bytes"]))])
@@ -287,11 +328,19 @@ def run(quick: bool = False, shape_name: str = "A", json_path=None,
   rows, peak, peak_by_shape, torch_by_shape, torch_note, breakdown = (
       speed_rows(shape, rounds, trace_dir, groups))
   notes = [torch_note] if torch_note else []
-  over = [r["name"] for r in rows if r["frac_of_peak"] > 1.0]
+  # bf16 rows on a float32 shape multiply at a rate the float32 peak does
+  # not bound; they are named once, apart from the rows that beat it
+  bf16 = [r["name"] for r in rows
+          if r["name"].endswith("_bf16") or "_bf16_" in r["name"]]
+  over = [r["name"] for r in rows
+          if r["frac_of_peak"] > 1.0 and r["name"] not in bf16]
   if over:  # nothing is clamped: the peak, not the row, is wrong
     notes.append(f"{', '.join(over)} above the best measured matmul: the "
                  "peak underestimates this machine (load changed while "
                  "timing, or a faster matmul shape exists)")
+  if bf16 and shape["dtype"] == "float32":
+    notes.append(f"{', '.join(bf16)} multiply in bf16: their % peak is of "
+                 "the float32 peak, which bf16 units can exceed")
   sheet, sheet_name = datasheet(jax.devices()[0].device_kind)
   result = {"device": f"{jax.devices()[0].device_kind} x1 "
                       f"({os.cpu_count()} CPU cores visible)",

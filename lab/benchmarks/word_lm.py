@@ -105,8 +105,13 @@ def evaluate(torch, model, source, p: dict) -> float:
 
 
 def train_for(torch, corpus: Corpus, seconds: float, threads: int,
-              seed: int = 0, p: dict | None = None) -> dict:
-  """The example's main loop until `seconds` of training have run."""
+              seed: int = 0, p: dict | None = None,
+              autocast_bf16: bool = False) -> dict:
+  """The example's main loop until `seconds` of training have run.
+  autocast_bf16: its forward and loss under torch.autocast(bfloat16)
+  (float32 weights and updates; evaluation in float32), torch's own way to
+  multiply in bf16 on a CPU."""
+  from lab.benchmarks.torch_reference import torch_autocast  # pylint: disable=g-import-not-at-top
   p = {**DEFAULTS, **(p or {})}
   torch.set_num_threads(threads)
   torch.manual_seed(seed)
@@ -126,8 +131,10 @@ def train_for(torch, corpus: Corpus, seconds: float, threads: int,
       data, targets = get_batch(train, i, p["bptt"])
       model.zero_grad()
       hidden = tuple(h.detach() for h in hidden)  # repackage_hidden
-      output, hidden = model(data, hidden)
-      loss = criterion(output, targets)
+      with torch_autocast(torch, "cpu",
+                          torch.bfloat16 if autocast_bf16 else None):
+        output, hidden = model(data, hidden)
+        loss = criterion(output.float(), targets)
       loss.backward()
       torch.nn.utils.clip_grad_norm_(model.parameters(), p["clip"])
       for param in model.parameters():
@@ -146,7 +153,8 @@ def train_for(torch, corpus: Corpus, seconds: float, threads: int,
         anneals.append(epochs)
   load_after = os.getloadavg()[0]
   valid_loss = evaluate(torch, model, valid, p)
-  return {"name": "torch_example", "side": "torch", "seconds": trained,
+  return {"name": "torch_example", "side": "torch",
+          "autocast_bf16": autocast_bf16, "seconds": trained,
           "steps": steps, "tokens": tokens, "tokens_per_s": tokens / trained,
           "valid_loss": valid_loss, "valid_ppl": float(np.exp(valid_loss)),
           "epochs": steps / -(-(train.size(0) - 1) // p["bptt"]),

@@ -67,6 +67,29 @@ def test_quick_bench_writes_every_row(tmp_path):
     if not name.startswith(("torch", "gen")):
       assert r["xla_bytes"] > 0, name
 
+  # Rows that multiply in bf16 on this float32 shape (where the CPU's bf16
+  # units run them) have torch under autocast(bfloat16) beside them; every
+  # "x torch" stays against float32 torch.
+  bf16 = {n for n in rows if n.endswith("_bf16") and not n.startswith("torch")}
+  if bf16 and "torch_core_1t" in rows:
+    assert {"core_S1_native_bf16", "lm_S1_native_fused_bf16",
+            "lm_S4_grouped_native_all_bf16",
+            "head_tied_fused_bf16"} <= bf16
+    for group in ("core", "lm", "head"):
+      f32 = min(r["ms_per_step"] for n, r in rows.items()
+                if n.startswith(f"torch_{group}_") and "_bf16_" not in n)
+      b16 = min(r["ms_per_step"] for n, r in rows.items()
+                if n.startswith(f"torch_{group}_bf16_"))
+      for n, r in rows.items():
+        if n.startswith(group) and n.endswith("_bf16"):
+          assert r["ratio_to_torch"] == pytest.approx(f32 / r["ms_per_step"])
+          assert r["ratio_to_torch_bf16"] == pytest.approx(
+              b16 / r["ms_per_step"])
+        elif n.startswith(group):
+          assert r["ratio_to_torch_bf16"] is None, n
+  else:
+    assert not any("_bf16_" in n for n in rows if n.startswith("torch"))
+
   # --trace_dir: one traced step per JAX row, its device time by kind of op.
   breakdown = result["trace_breakdown"]
   assert set(breakdown) == {n for n in rows if not n.startswith("torch")}

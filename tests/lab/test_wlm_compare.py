@@ -69,7 +69,7 @@ def test_quick_run_reports_every_row(tmp_path):
   path = tmp_path / "wlm.json"
   out = subprocess.run(
       [sys.executable, "-m", "lab.wlm_compare", "--quick", "--threads=2,1",
-       f"--json={path}"],
+       "--torch_bf16", f"--json={path}"],
       capture_output=True, text=True, timeout=600, cwd=REPO,
       env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
            "JAX_PLATFORMS": "cpu"})  # one CPU device: batch 20 is the recipe's
@@ -78,13 +78,22 @@ def test_quick_run_reports_every_row(tmp_path):
   result = json.loads(path.read_text())
   rows = {r["name"]: r for r in result["rows"]}
   assert set(rows) == {"jax_S1_dense", "jax_S8_grouped", "torch_2thread",
-                       "torch_1thread"}
+                       "torch_1thread", "torch_bf16_2thread",
+                       "torch_bf16_1thread"}
   for r in rows.values():
     assert r["tokens_per_s"] > 0 and math.isfinite(r["valid_ppl"])
     assert r["seconds"] >= result["seconds"]
-  # Ratios are to the faster torch row.
-  torch_ratios = [rows[f"torch_{t}thread"]["ratio_to_torch"] for t in (1, 2)]
-  assert max(torch_ratios) == 1.0 and min(torch_ratios) <= 1.0
+  assert [n for n, r in rows.items() if r.get("autocast_bf16")] == [
+      "torch_bf16_2thread", "torch_bf16_1thread"]
+  # Ratios are to the faster float32 torch row, and to the faster bf16 one.
+  for tag, key in (("", "ratio_to_torch"), ("_bf16", "ratio_to_torch_bf16")):
+    ratios = [rows[f"torch{tag}_{t}thread"][key] for t in (1, 2)]
+    assert max(ratios) == 1.0 and min(ratios) <= 1.0
+  fastest_bf16 = max(rows[f"torch_bf16_{t}thread"]["tokens_per_s"]
+                     for t in (1, 2))
+  for r in rows.values():
+    assert r["ratio_to_torch_bf16"] == pytest.approx(
+        r["tokens_per_s"] / fastest_bf16)
 
 
 def test_the_wlm_config_trains_a_few_steps(tmp_path):
