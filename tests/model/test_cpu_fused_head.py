@@ -158,6 +158,51 @@ def test_the_bounds_are_not_vacuous(this_cpus_build):
   assert np.any(np.abs(off - np.asarray(want_grads[0])) > bounds["d_h"])
 
 
+def _grads_of_mean(args, expected, extra=1.0, bf16=False):
+  """The gradients of extra x (the fused sum / N), the sum told to expect
+  the cotangent `expected`."""
+  n = args[0].shape[0]
+  f = lambda h, e, b: extra * cpu_fused_head.loss_sum(
+      h, e, b, args[3], bf16, expected) / n
+  return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(*args[:3])
+
+
+@needs_compiler
+@pytest.mark.parametrize("bf16", [False, True])
+def test_an_expected_cotangent_is_folded_into_the_call(this_cpus_build,
+                                                       bf16):
+  """A mean's 1/N, told to the call, scales d_logits inside it: the same
+  gradients as the sum's scaled after the call, within float32's rounding
+  of that one product, and the program has no pass over d_embed that
+  scales it. Another cotangent (3/N) is still applied, exactly as told."""
+  if bf16 and cpu_bf16_head.unavailable():
+    pytest.skip(cpu_bf16_head.unavailable())
+  args = _inputs(130, 40, 300)
+  n = args[0].shape[0]
+  mean = float(np.float32(1.0) / np.float32(n))
+  plain = _grads_of_mean(args, 1.0, bf16=bf16)
+  folded = _grads_of_mean(args, mean, bf16=bf16)
+  tripled = _grads_of_mean(args, mean, extra=3.0, bf16=bf16)
+  # Each side within the sum's bound (of XLA's gradients) over N.
+  bounds = _bounds(*args, rounding=BF16_ROUNDING if bf16 else 0.0)
+  for name, a, b, c in zip(("d_h", "d_e", "d_b"), plain, folded, tripled):
+    a, b, c = (np.asarray(x, np.float64) for x in (a, b, c))
+    assert np.all(np.abs(a - b) <= 2 * bounds[name] / n), name
+    assert np.abs(3 * b - c).max() <= 4 * EPS * np.abs(c).max(), name
+  v, h = args[1].shape
+
+  def scaling_passes(expected):
+    f = lambda e: cpu_fused_head.loss_sum(args[0], e, args[2], args[3],
+                                          bf16, expected) / n
+    text = jax.jit(jax.grad(f)).lower(args[1]).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    return [l for l in entry.splitlines()
+            if f"f32[{v},{h}]" in l.split("=", 1)[-1][:30]
+            and ("multiply" in l or "fusion(" in l)]
+  assert scaling_passes(1.0), "the unfolded program scales d_embed"
+  assert not scaling_passes(mean), scaling_passes(mean)
+
+
 @needs_compiler
 def test_one_thread_count_gives_the_same_bits(this_cpus_build, monkeypatch):
   """Rows split over the threads: the loss and d_h the same bits for any

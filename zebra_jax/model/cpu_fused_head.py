@@ -74,9 +74,11 @@ def _say_unavailable(why: str) -> None:
   logging.warning("model.cpu_fused_head=on: XLA's head runs instead: %s", why)
 
 
-def _call(hidden, embed, bias, targets, with_grads: bool, bf16=False):
+def _call(hidden, embed, bias, targets, with_grads: bool, bf16=False,
+          grad_scale=1.0):
   """The library's call: (losses [N], and d_h, d_embed, d_bias of their sum
-  with_grads, else three empty arrays); bf16: the products in bf16."""
+  times grad_scale with_grads, else three empty arrays); bf16: the products
+  in bf16."""
   n, h = hidden.shape
   v = embed.shape[0]
   f32 = jnp.float32
@@ -94,28 +96,39 @@ def _call(hidden, embed, bias, targets, with_grads: bool, bf16=False):
           targets.astype(jnp.int32), with_grads=np.bool_(with_grads),
           bf16=np.bool_(bf16),
           chunk_rows=np.int64(CHUNK_ROWS_BF16 if bf16 else CHUNK_ROWS),
-          threads=np.int64(native.threads(2 * n * v * h * products)))
+          threads=np.int64(native.threads(2 * n * v * h * products)),
+          grad_scale=np.float32(grad_scale))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def loss_sum(hidden, embed, bias, targets, bf16=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def loss_sum(hidden, embed, bias, targets, bf16=False, expected_cotangent=1.0):
   """Σ over rows of -log softmax(hidden embedᵀ + bias)[target]: hidden
   [N, H], embed [V, H], bias [V], targets [N] int -> a float32 scalar (a
   target outside [0, V) gives NaN). bf16: the products on the bf16 units
-  (`cpu_bf16_head.chosen` first)."""
+  (`cpu_bf16_head.chosen` first).
+
+  expected_cotangent: the sum's cotangent the caller expects (a mean's
+  1/N): the call computes the gradients times it, and the backward pass
+  multiplies them by cotangent / expected_cotangent, which XLA folds to 1
+  and drops when the two are the same constant: no pass over the [V, H]
+  embedding gradient to scale it. Any other cotangent stays exact."""
+  del expected_cotangent
   return _call(hidden, embed, bias, targets, False, bf16)[0].sum()
 
 
-def _forward(hidden, embed, bias, targets, bf16):
-  losses, d_h, d_e, d_b = _call(hidden, embed, bias, targets, True, bf16)
+def _forward(hidden, embed, bias, targets, bf16, expected_cotangent):
+  losses, d_h, d_e, d_b = _call(hidden, embed, bias, targets, True, bf16,
+                                expected_cotangent)
   return losses.sum(), (d_h, d_e, d_b)
 
 
-def _backward(bf16, grads, g):
+def _backward(bf16, expected_cotangent, grads, g):
+  """The forward call's gradients (times expected_cotangent) times the
+  sum's cotangent over it (float32: the call's inputs, as `chosen`
+  requires)."""
   del bf16
-  """The forward call's gradients times the sum's cotangent (float32: the
-  call's inputs, as `chosen` requires)."""
-  return tuple(g * d for d in grads) + (None,)
+  ratio = g / np.float32(expected_cotangent)
+  return tuple(ratio * d for d in grads) + (None,)
 
 
 loss_sum.defvjp(_forward, _backward)

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from zebra_jax.model import adaptive_softmax as asm, metrics
@@ -222,9 +223,13 @@ class ZebraLM(nnx.Module):
       bf16 = self.bf16_head and cpu_bf16_head.runs_for(b * t)
       if cpu_fused_head.chosen(self.fused_head, self.dtype, bf16):
         with jax.named_scope("head"):
+          # The training loss is this sum over the window's tokens: its
+          # cotangent 1/(b t), when they are all the tokens (one device, no
+          # micro-batches), is folded into the call's gradients.
+          mean = float(np.float32(1.0) / np.float32(b * t))
           loss_sum = cpu_fused_head.loss_sum(
               hidden.reshape(b * t, h), self.embed[...], self.head_b[...],
-              targets.reshape(b * t), bf16)
+              targets.reshape(b * t), bf16, mean)
         return {"loss_sum": loss_sum,
                 "count": jnp.asarray(targets.size, jnp.float32)}
     if self.head == "full":

@@ -65,8 +65,11 @@ inline Vec Exp(Vec x) {
 
 // The buffers of one call: h [N, H], e [V, H], b [V], targets [N];
 // results loss [N] and, when d_h is not null, d_h [N, H], d_e [V, H],
-// d_b [V].
+// d_b [V]: the gradients of the losses' sum times grad_scale, folded into
+// d_logits (softmax x grad_scale - onehot x grad_scale) so that no pass
+// over d_E scales it afterwards. 1 gives the sum's own bits.
 struct XentBuffers {
+  float grad_scale = 1.0f;
   int64_t n, v, h;
   const float* hidden;
   const float* e;
@@ -175,7 +178,7 @@ void Softmax(const XentBuffers& io, int chunk, int64_t r0, int m,
     Vec scale = Vec{};
     for (int i = 0; i < kLanes && g + i < m; ++i) {
       io.loss[r0 + g + i] = std::log(total[i]) + top[i] - picked[i];
-      scale[i] = 1.0f / total[i];  // lanes past m: 0, no gradient
+      scale[i] = 1.0f / total[i] * io.grad_scale;  // past m: 0, no gradient
     }
     if (!grads) continue;
     if (scales != nullptr) {  // the caller scales as it packs (bf16)
@@ -188,7 +191,7 @@ void Softmax(const XentBuffers& io, int chunk, int64_t r0, int m,
     }
     for (int i = 0; i < kLanes && g + i < m; ++i) {
       const int64_t t = io.targets[r0 + g + i];
-      if (t >= 0 && t < v_size) logits[t * chunk + g + i] -= 1.0f;
+      if (t >= 0 && t < v_size) logits[t * chunk + g + i] -= io.grad_scale;
     }
   }
 }
@@ -295,7 +298,7 @@ void PackLogitsGradBf16(const XentBuffers& io, const XentPacked& packed,
   const int64_t stride = packed.d_logits_stride;
   uint16_t* rows = packed.d_logits + r0;
   uint32_t* panels = s.right.data();
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 one = _mm512_set1_ps(io.grad_scale);  // the onehot, scaled
   for (int64_t q = 0; q < v_pairs; ++q) {
     __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int p = 0; p < groups; ++p) {

@@ -379,8 +379,8 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
 
 // The tied head's softmax cross-entropy by row chunks (fused_xent.h):
 // h [N, H], e [V, H], b [V], targets [N] -> loss [N]; with_grads: d_h,
-// d_e, d_b of the losses' sum, else those three empty; bf16: the products
-// on the AVX512_BF16 units.
+// d_e, d_b of the losses' sum times grad_scale, else those three empty;
+// bf16: the products on the AVX512_BF16 units.
 ffi::Error FusedXentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                          ffi::Buffer<ffi::F32> e, ffi::Buffer<ffi::F32> b,
                          ffi::Buffer<ffi::S32> targets,
@@ -388,7 +388,8 @@ ffi::Error FusedXentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                          ffi::ResultBuffer<ffi::F32> d_h,
                          ffi::ResultBuffer<ffi::F32> d_e,
                          ffi::ResultBuffer<ffi::F32> d_b, bool with_grads,
-                         bool bf16, int64_t chunk_rows, int64_t threads) {
+                         bool bf16, int64_t chunk_rows, int64_t threads,
+                         float grad_scale) {
   const std::string name = "zebra_fused_xent: ";
   if (bf16 && !kBf16Matmul)
     return Failed(name + "this library was built without AVX512_BF16");
@@ -420,6 +421,7 @@ ffi::Error FusedXentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
   io.b = b.typed_data();
   io.targets = targets.typed_data();
   io.loss = loss->typed_data();
+  io.grad_scale = grad_scale;
   if (with_grads) {
     io.d_h = d_h->typed_data();
     io.d_e = d_e->typed_data();
@@ -648,4 +650,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraFusedXent, FusedXentImpl,
                                   .Attr<bool>("with_grads")
                                   .Attr<bool>("bf16")
                                   .Attr<int64_t>("chunk_rows")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<float>("grad_scale"));
