@@ -37,6 +37,12 @@ def main(argv: Sequence[str]) -> None:
   overrides = dict(o.split("=", 1) for o in f.jax_override)
   overrides = {k: _value(v) for k, v in overrides.items()}
   if f.trace:
+    unused = [n for n in ("seconds", "threads", "torch_bf16", "json")
+              if f[n].present]
+    if unused:
+      raise UserError(f"--trace times one JAX step alone: drop "
+                      f"{', '.join('--' + n for n in unused)}, which set "
+                      "the comparison's runs")
     sizes = equal_time.QUICK if f.quick else equal_time.FULL
     folder, _ = equal_time.word_corpus.prepare(sizes["target_tokens"],
                                                sizes["vocab_size"])

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import ml_collections
 
-from lab.benchmarks import word_corpus, word_lm
+from lab.benchmarks import torch_reference, word_corpus, word_lm
 from lab.benchmarks.table import (load_column, print_and_save, print_rows,
                                  ratio_text)
 
@@ -96,7 +96,8 @@ def torch_row(folder: str, seconds: float, threads: int, width: int,
                           p=dict(emsize=width, nhid=width),
                           autocast_bf16=autocast_bf16)
   row["name"] = f"torch{'_bf16' if autocast_bf16 else ''}_{threads}thread"
-  row["torch"] = torch.__version__
+  row["torch"] = torch.__version__ + (
+      f", {torch_reference.autocast_note()}" if autocast_bf16 else "")
   return row
 
 

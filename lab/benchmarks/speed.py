@@ -286,9 +286,10 @@ def print_table(result, trace_dir=None) -> None:
     if result.get(key):
       print(f"{who} matmul GFLOP/s by shape: " + ", ".join(
           f"{k} {v:,.0f}" for k, v in result[key].items()))
+  bf16 = any(r.get("ratio_to_torch_bf16") for r in result["rows"])
   print_rows(result["rows"], speed_columns(28, 11) + [
-      ("x torch bf16", 14,
-       lambda r: ratio_text(r.get("ratio_to_torch_bf16"))),
+      *([("x torch bf16", 14,
+          lambda r: ratio_text(r["ratio_to_torch_bf16"]))] if bf16 else []),
       ("model GFLOP/s", 14, lambda r: f"{r['gflops']:.1f}"),
       ("% peak", 8, lambda r: f"{100 * r['frac_of_peak']:.0f}%"),
       ("XLA plan", 11, lambda r: _mb(r["xla_bytes"]))])

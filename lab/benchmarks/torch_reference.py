@@ -12,6 +12,8 @@ import numpy as np
 from lab.benchmarks.shapes import word_shape
 from lab.benchmarks.steps import random_tokens
 from lab.benchmarks.timing import peak_shapes, shape_reps
+from zebra_jax.model import cpu_bf16_head
+from zebra_jax.model.recurrence import native_check
 
 TORCH_GROUPS = ("core", "lm", "head", "eval", "word", "word_adaptive",
                 "head_adaptive")
@@ -19,8 +21,13 @@ TORCH_GROUPS = ("core", "lm", "head", "eval", "word", "word_adaptive",
 
 def _cpu_has_bf16() -> bool:
   """Whether this CPU multiplies bf16 in hardware (AVX512-BF16)."""
-  from zebra_jax.model.recurrence import native_check  # pylint: disable=g-import-not-at-top
-  return "avx512_bf16" in native_check.cpu_flags()
+  return cpu_bf16_head.FEATURE in native_check.cpu_flags()
+
+
+def autocast_note() -> str:
+  """How torch.autocast(bfloat16) runs on this CPU (see torch_autocast)."""
+  return ("float32 weights under torch.autocast(bfloat16), oneDNN's bf16 "
+          "kernels " + ("on" if _cpu_has_bf16() else "off (no AVX512-BF16)"))
 
 
 def torch_autocast(torch, device: str, dtype):
@@ -227,9 +234,7 @@ def torch_runners(shape, groups=TORCH_GROUPS,
            else f"CPU, 1 and {threads} threads, the faster kept")
   note = f"torch {torch.__version__} ({where})"
   if autocast_bf16:
-    note = (f"torch {torch.__version__} bf16 rows: float32 weights and Adam "
-            "state under torch.autocast(bfloat16), oneDNN's bf16 kernels "
-            + ("on" if _cpu_has_bf16() else "off (no AVX512-BF16)"))
+    note = f"torch {torch.__version__} bf16 rows: {autocast_note()}"
   elif shape["dtype"] == "bfloat16":
     note += ("; float32 weights and Adam state under torch.autocast(bfloat16)"
              " as JAX keeps float32 parameters and computes in bfloat16"

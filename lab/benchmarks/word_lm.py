@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from lab.benchmarks.torch_reference import torch_autocast
+
 EOS = "<eos>"
 DEFAULTS = dict(emsize=200, nhid=200, nlayers=2, lr=20.0, clip=0.25,
                 batch_size=20, bptt=35, dropout=0.2, eval_batch_size=10)
@@ -111,7 +113,6 @@ def train_for(torch, corpus: Corpus, seconds: float, threads: int,
   autocast_bf16: its forward and loss under torch.autocast(bfloat16)
   (float32 weights and updates; evaluation in float32), torch's own way to
   multiply in bf16 on a CPU."""
-  from lab.benchmarks.torch_reference import torch_autocast  # pylint: disable=g-import-not-at-top
   p = {**DEFAULTS, **(p or {})}
   torch.set_num_threads(threads)
   torch.manual_seed(seed)

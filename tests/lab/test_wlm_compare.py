@@ -110,3 +110,17 @@ def test_the_wlm_config_trains_a_few_steps(tmp_path):
   summary = loop.run(cfg, str(tmp_path / "run"))
   assert summary["steps"] == cfg.train.num_steps
   assert math.isfinite(summary["best_valid_ppl"])
+
+
+def test_trace_refuses_the_comparisons_flags():
+  """--trace runs one JAX step alone: a flag that only sets the comparison's
+  runs is refused with one line, not dropped."""
+  out = subprocess.run(
+      [sys.executable, "-m", "lab.wlm_compare", "--trace", "--quick",
+       "--seconds=5", "--notorch_bf16"],
+      capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert out.returncode == 2, out.stderr[-2000:]
+  errors = [l for l in out.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1 and "--seconds, --torch_bf16" in errors[0], (
+      out.stderr[-2000:])
+  assert "Traceback" not in out.stderr
