@@ -21,6 +21,8 @@ best matmul measured in this run, XLA's planned bytes per step):
               model.cpu_bf16_projections=auto: the window's products outside
               the time loops in bf16 with float32 sums (only where the CPU's
               AVX512_BF16 units run them)
+  core_*_native_all_bf16  the same with model.cpu_bf16_recurrence=auto
+              too: the time loops' recurrent products in bf16 as well
   word_S{s}[_grouped][_adaptive][_native]  the LM train step at the
               word-level shape (hidden 256, 16,384 words, Zipf-distributed
               tokens), full or adaptive head: where the softmax, not the
@@ -135,6 +137,10 @@ def row_specs(shape) -> dict:
           **{f"core_S{s}{suffix(g)}_native_bf16": (
               p(core_runner, shape, s, grouped=g, kernel="native",
                 bf16_projections=True), b * t,
+              core_flops(s, g)) for s, g in native_rows if bf16},
+          **{f"core_S{s}{suffix(g)}_native_all_bf16": (
+              p(core_runner, shape, s, grouped=g, kernel="native",
+                bf16_projections=True, bf16_recurrence=True), b * t,
               core_flops(s, g)) for s, g in native_rows if bf16}},
       "lm": {**{f"lm_S{s}{suffix(g)}": (p(lm_runner, shape, s, grouped=g),
                                         b * t, lm_flops(s, g))
@@ -153,7 +159,8 @@ def row_specs(shape) -> dict:
              **{f"lm_S{s}{suffix(g)}_native_all_bf16": (
                  p(lm_runner, shape, s, grouped=g, kernel="native",
                    cpu_bf16_head="auto", cpu_fused_head="auto",
-                   cpu_bf16_projections="auto"), b * t,
+                   cpu_bf16_projections="auto", cpu_bf16_recurrence="auto"),
+                 b * t,
                  lm_flops(s, g)) for s, g in native_rows if bf16}},
       "head": {"head_tied": (p(head_runner, shape), b * t,
                              head_step_flops(shape, "full")),

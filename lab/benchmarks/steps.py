@@ -83,20 +83,23 @@ class Runner:
 
 
 def core_runner(shape, stripes, *, seq_len=None, remat=False, custom_vjp=True,
-                grouped=False, kernel="scan", bf16_projections=False):
+                grouped=False, kernel="scan", bf16_projections=False,
+                bf16_recurrence=False):
   """Stacked ZebraLSTMLayers (no embedding/softmax) + Adam on random inputs.
 
   custom_vjp=False differentiates the scan with plain autodiff: the row that
   shows what the hand-written backward pass (recurrence.py) buys. grouped:
   block-diagonal input projections, the stripes shuffled between layers as
   the LM does. kernel: the layers' recurrence (model.recurrence);
-  bf16_projections: model.cpu_bf16_projections resolved on (native only)."""
+  bf16_projections, bf16_recurrence: model.cpu_bf16_projections and
+  model.cpu_bf16_recurrence resolved on (native only)."""
   b, t, h = shape["batch"], seq_len or shape["seq_len"], shape["hidden"]
   dt = lm.compute_dtype(shape["dtype"])
   graphdef, params = _random_split(lambda: nnx.List([
       lm.ZebraLSTMLayer(h, h, stripes, rngs=nnx.Rngs(i), dtype=dt,
                         remat=remat, custom_vjp=custom_vjp, grouped=grouped,
-                        kernel=kernel, bf16_projections=bf16_projections)
+                        kernel=kernel, bf16_projections=bf16_projections,
+                        bf16_recurrence=bf16_recurrence)
       for i in range(shape["layers"])]))
   x = jax.random.normal(jax.random.key(0), (b, t, h), dt)
   zeros = jnp.zeros((b, h), jnp.float32)
@@ -204,14 +207,16 @@ def head_runner(shape, head="full", cpu_bf16_head="off",
 
 def lm_runner(shape, stripes, *, seq_len=None, remat=False, grouped=False,
               kernel="scan", cpu_bf16_head="off", cpu_fused_head="off",
-              cpu_bf16_projections="off"):
+              cpu_bf16_projections="off", cpu_bf16_recurrence="off"):
   """The product's train step: embedding, layers, tied head, mean CE, Adam.
   kernel: the layers' recurrence (model.recurrence); cpu_bf16_head,
-  cpu_fused_head, cpu_bf16_projections: those model fields."""
+  cpu_fused_head, cpu_bf16_projections, cpu_bf16_recurrence: those model
+  fields."""
   cfg = model_config(shape, stripes, grouped, remat=remat, recurrence=kernel,
                      cpu_bf16_head=cpu_bf16_head,
                      cpu_fused_head=cpu_fused_head,
-                     cpu_bf16_projections=cpu_bf16_projections)
+                     cpu_bf16_projections=cpu_bf16_projections,
+                     cpu_bf16_recurrence=cpu_bf16_recurrence)
   return _train_runner(cfg, shape, random_tokens(shape, seq_len))
 
 

@@ -31,7 +31,7 @@ TRAINED = {"model.vocab_size", "model.embed_size", "model.hidden_size",
            "data.bpe_vocab_size", "data.min_freq", "data.max_vocab_size"}
 RUNS = {"model.dtype", "model.adaptive_chunk_rows", "model.recurrence",
         "model.cpu_bf16_head", "model.cpu_bf16_projections",
-        "model.cpu_fused_head", "model.unroll",
+        "model.cpu_bf16_recurrence", "model.cpu_fused_head", "model.unroll",
         "model.head_logits_dtype",
         "model.head_fused_xent", "model.adaptive_tile", "parallel"}
 CORPUS = {"data.source", "data.path", "data.hf_name", "data.hf_config",

@@ -311,7 +311,7 @@ def _call(name, args, results, fill=0.0):
                           [jax.ShapeDtypeStruct(r, F32) for r in results])
   attrs = {"threads": np.int64(2)}
   if name in (FORWARD, BACKWARD, BACKWARD_GRADS):
-    attrs["unit_parts"] = np.int64(1)
+    attrs.update(unit_parts=np.int64(1), bf16=np.bool_(False))
   return jax.block_until_ready(call(
       *[jnp.full(a, fill, F32) for a in args], **attrs))
 

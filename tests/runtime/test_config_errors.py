@@ -107,6 +107,7 @@ CASES = (
        ("model.head_logits_dtype", "bfloat16", "is not one of"),
        ("model.cpu_bf16_head", "on", "is not one of"),
        ("model.cpu_bf16_projections", "bf16", "is not one of"),
+       ("model.cpu_bf16_recurrence", "on", "is not one of"),
        ("model.cpu_fused_head", "always", "is not one of"),
        ("optim.name", "adagrad", "is not one of"),
        ("model.num_stripes", 3, "not divisible by model.num_stripes=3"),

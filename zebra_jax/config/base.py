@@ -148,6 +148,15 @@ FIELDS = dict(
             "for its in-loop products, on windows of 64 rows or more; "
             "float32 elsewhere (other recurrences, small stripes, "
             "sampling steps, no bf16 units)"),
+        cpu_bf16_recurrence=F("off", one_of(
+            model_config.CPU_BF16_RECURRENCE), "a layer's recurrent "
+            "matmuls inside its time loops (h W_h forward, dz W_hᵀ "
+            "backward) on a CPU: off (float32) | auto: h (or dz) and W_h "
+            "rounded to bf16 each step, float32 sums and cell, where "
+            "cpu_bf16_head's would run and the layer runs the native "
+            "recurrence with stripes too large for its in-loop products; "
+            "float32 elsewhere (other recurrences, small stripes, sampling "
+            "steps, no bf16 units)"),
         cpu_fused_head=F("off", one_of(model_config.CPU_FUSED_HEADS),
                          "the tied full head's training loss on a CPU: off "
                          "(XLA: the [rows, vocab] logits written) | on: "

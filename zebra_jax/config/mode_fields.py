@@ -35,7 +35,7 @@ FIXED = ("model.vocab_size", "model.embed_size", "model.hidden_size",
 # devices' layout; the same parameters give the same numbers up to rounding.
 COMPUTE = ("model.dtype", "model.adaptive_chunk_rows", "model.recurrence",
            "model.cpu_bf16_head", "model.cpu_bf16_projections",
-           "model.cpu_fused_head", "model.unroll",
+           "model.cpu_bf16_recurrence", "model.cpu_fused_head", "model.unroll",
            "model.head_logits_dtype",
            "model.head_fused_xent", "model.adaptive_tile", "parallel")
 # Which text --mode=eval scores (read with the trained tokenizer).

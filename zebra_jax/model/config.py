@@ -17,6 +17,7 @@ RECURRENCES = ("auto", "scan", "pallas", "pallas_stream",
 HEAD_LOGITS_DTYPES = ("float32", "compute")   # the adaptive loss's logits
 CPU_BF16_HEADS = ("off", "auto")              # the full head's matmuls on a CPU
 CPU_BF16_PROJECTIONS = ("off", "auto")        # a layer's window matmuls on a CPU
+CPU_BF16_RECURRENCE = ("off", "auto")         # its time loops' matmuls on a CPU
 CPU_FUSED_HEADS = ("off", "auto", "on")       # the tied head's loss on a CPU
 
 
@@ -47,6 +48,7 @@ class ModelConfig:
   recurrence: str
   cpu_bf16_head: str
   cpu_bf16_projections: str
+  cpu_bf16_recurrence: str
   cpu_fused_head: str
 
   @classmethod

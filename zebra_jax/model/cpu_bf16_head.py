@@ -14,8 +14,9 @@ same program as before the option; "auto" runs them in bf16 where the
 native library is built with AVX512_BF16 and this CPU has it, and in float32
 elsewhere (another CPU, another -march build, no library, a GPU).
 `model.cpu_bf16_projections` asks the same of a layer's window products
-(`recurrence/scan.py`) and is decided here too: the same units, the same
-library.
+(`recurrence/scan.py`), `model.cpu_bf16_recurrence` of its time loops'
+recurrent products (`recurrence/native_cc/lstm.h`); both are decided here
+too: the same units, the same library.
 """
 
 import functools
@@ -45,8 +46,8 @@ def unavailable() -> str:
 
 
 def chosen(setting: str, field: str = "cpu_bf16_head") -> bool:
-  """Whether model.<field>=setting (cpu_bf16_head, or
-  cpu_bf16_projections) runs the bf16 products here."""
+  """Whether model.<field>=setting (cpu_bf16_head, cpu_bf16_projections or
+  cpu_bf16_recurrence) runs the bf16 products here."""
   if setting not in SETTINGS:
     raise ValueError(f"{field}: {setting!r} is not one of {SETTINGS}")
   return setting == "auto" and not unavailable()

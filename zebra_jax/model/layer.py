@@ -37,7 +37,8 @@ class ZebraLSTMLayer(nnx.Module):
                rngs: nnx.Rngs, dtype=jnp.float32, unroll: int = 1,
                remat: bool = False, custom_vjp: bool = True,
                grouped: bool = False, kernel: str = "scan",
-               bf16_projections: bool = False):
+               bf16_projections: bool = False,
+               bf16_recurrence: bool = False):
     s, width = num_stripes, hidden_size // num_stripes
     if grouped and in_features % s:
       raise ValueError(f"a grouped layer needs in_features={in_features} "
@@ -57,6 +58,9 @@ class ZebraLSTMLayer(nnx.Module):
     # sums, where the native kernel runs them (model.cpu_bf16_projections,
     # resolved by the caller); float32 under every other kernel.
     self.bf16_projections = bf16_projections
+    # The time loops' recurrent products in bf16 with float32 sums, likewise
+    # (model.cpu_bf16_recurrence).
+    self.bf16_recurrence = bf16_recurrence
     # PyTorch nn.LSTM's uniform init range, 1/sqrt(H). A grouped unit reads
     # S times fewer inputs and recurrent units, so 1/sqrt(H/S) keeps its
     # pre-activation's variance (and S = 1 grouped draws the dense weights).
@@ -107,7 +111,8 @@ class ZebraLSTMLayer(nnx.Module):
         kernel = native.chosen(dt, inputs.shape)
       if kernel == "native":
         ys, h, c = native.zebra_layer(*args, self.unroll, self.remat,
-                                      self.bf16_projections)
+                                      self.bf16_projections,
+                                      self.bf16_recurrence)
       else:
         layer_fn = {"pallas": pallas.zebra_layer,
                     "pallas_stream": pallas_stream.zebra_layer,

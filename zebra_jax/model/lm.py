@@ -72,6 +72,8 @@ class ZebraLM(nnx.Module):
     s = cfg.num_stripes
     bf16_projections = cpu_bf16_head.chosen(cfg.cpu_bf16_projections,
                                             "cpu_bf16_projections")
+    bf16_recurrence = cpu_bf16_head.chosen(cfg.cpu_bf16_recurrence,
+                                           "cpu_bf16_recurrence")
     # grouped: every layer reads its input in stripes, the first one too when
     # embed_size divides by S (else it reads the embedding densely); the
     # layers after the first read the previous one's outputs shuffled.
@@ -82,7 +84,8 @@ class ZebraLM(nnx.Module):
                        dtype=dt, unroll=cfg.unroll, remat=cfg.remat,
                        grouped=grouped and sizes[i] % s == 0,
                        kernel=cfg.recurrence,
-                       bf16_projections=bf16_projections)
+                       bf16_projections=bf16_projections,
+                       bf16_recurrence=bf16_recurrence)
         for i in range(cfg.num_layers)])
     if self.head == "adaptive":
       self.tied = hasattr(self, "adaptive_input")

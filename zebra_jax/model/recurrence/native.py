@@ -236,10 +236,11 @@ def _split(s: int, t: int, b: int, g4: int, width: int = 0) -> dict:
 SINGLE_STEPS_NATIVE = False
 
 
-def _forward(x_proj, h0, c0, w_h, keep):
+def _forward(x_proj, h0, c0, w_h, keep, bf16=False):
   """x_proj [S, T, B, 4G] -> ys [S, T, B, G], h, c [S, B, G], and () /
   (cs,) / (cs, gates) for keep None / "states" / "gates". The gates are
-  written over x_proj's buffer."""
+  written over x_proj's buffer. bf16: the recurrent products with bf16
+  operands and float32 sums (model.cpu_bf16_recurrence)."""
   s, t, b, g4 = x_proj.shape
   if keep is None and t == 1 and not SINGLE_STEPS_NATIVE:
     # pylint: disable-next=protected-access
@@ -249,7 +250,7 @@ def _forward(x_proj, h0, c0, w_h, keep):
       _FORWARD + _loaded()[1], _forward_results(s, t, b, g4 // 4, keep),
       input_output_aliases={0: 4}, vmap_method="sequential")(
           x_proj, h0.astype(f32), c0.astype(f32), w_h,
-          **_split(s, t, b, g4))
+          bf16=np.bool_(bf16), **_split(s, t, b, g4))
   return ys, h, c, _saved(keep, cs, gates)
 
 
@@ -268,11 +269,12 @@ def _saved(keep, cs, gates):
   return {None: (), "states": (cs,), "gates": (cs, gates)}[keep]
 
 
-def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c, grads=()):
+def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c, grads=(), bf16=False):
   """-> dz [S, T, B, 4G] (written over the gates' buffer), dh0, dc0; with
   grads = (inputs, ys, h0), the window's d_w_h, d_w_x and d_bias after
   them. W_h goes in transposed ([S, 4G, G]): XLA's transpose, once per
-  call."""
+  call. bf16: dh_{t-1} = dz_t W_hᵀ with bf16 operands and float32 sums,
+  as `_forward`'s."""
   s, t, b, g4 = gates.shape
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((s, b, g4 // 4), f32)
@@ -290,7 +292,7 @@ def _backward(d_ys, gates, cs, c0, w_h, d_h, d_c, grads=()):
       target + _loaded()[1], tuple(results), input_output_aliases={1: 0},
       vmap_method="sequential")(
           d_ys.astype(f32), gates, cs, c0.astype(f32),
-          jnp.swapaxes(w_h, 1, 2), d_h, d_c, *grads,
+          jnp.swapaxes(w_h, 1, 2), d_h, d_c, *grads, bf16=np.bool_(bf16),
           **_split(s, t, b, g4, width))
 
 
@@ -354,8 +356,24 @@ _native_layer = scan.kernel_layer(_forward, _backward, _projected_forward,
                                   _backward_gradients, bf16_product)
 
 
+def _bf16_recurrent_product(h_rows, w_h):
+  """h_rows [S, N, G] W_h per stripe with bf16 operands and float32 sums:
+  what the bf16 loops compute, for remat's recomputed gates."""
+  return jnp.stack([bf16_product(h_rows[i], w_h[i], False, False)
+                    for i in range(w_h.shape[0])])
+
+
+# The loops' recurrent products in bf16 (model.cpu_bf16_recurrence): large
+# stripes only, where neither the in-loop projection nor the in-loop
+# weight gradients run.
+_native_layer_bf16_loops = scan.kernel_layer(
+    functools.partial(_forward, bf16=True),
+    functools.partial(_backward, bf16=True), None, None, bf16_product,
+    _bf16_recurrent_product)
+
+
 def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False,
-                bf16_projections=False):
+                bf16_projections=False, bf16_recurrence=False):
   """`scan.zebra_layer` with its time loops in C++: same arguments and
   results. Where the kernels cannot run, the scan runs, with one warning.
 
@@ -366,6 +384,12 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False,
   stripes only (small ones keep float32 products, their weight gradients
   and a grouped layer's projection run inside the loops) and windows of at
   least BF16_MIN_ROWS rows.
+
+  bf16_recurrence: the time loops' recurrent products (h W_h forward, dz
+  W_hᵀ backward) with bf16 operands, h or dz rounded each step, and
+  float32 sums (model.cpu_bf16_recurrence, decided as bf16_projections),
+  for large stripes only; a single step with nothing kept (sampling) runs
+  the scan's float32 step, as ever.
   """
   why = unavailable(w_h.dtype, inputs.shape)
   if why:
@@ -374,9 +398,11 @@ def zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll=1, remat=False,
     return scan.zebra_layer(inputs, w_x, bias, h0, c0, w_h, unroll,
                                   remat)
   rows = inputs.shape[-3] * inputs.shape[-2]  # T x B, dense or grouped
-  bf16 = (bf16_projections and rows >= BF16_MIN_ROWS
-          and not _small_stripes(w_h.shape[1], inputs.shape[-1]))
-  return _native_layer(inputs, w_x, bias, h0, c0, w_h, remat, bf16)
+  large = not _small_stripes(w_h.shape[1], inputs.shape[-1])
+  bf16 = bf16_projections and rows >= BF16_MIN_ROWS and large
+  layer = (_native_layer_bf16_loops if bf16_recurrence and large
+           else _native_layer)
+  return layer(inputs, w_x, bias, h0, c0, w_h, remat, bf16)
 
 
 if __name__ == "__main__":  # the build command, documented as this module's

@@ -363,7 +363,8 @@ zebra_layer.defvjp(_zebra_layer_fwd, _zebra_layer_bwd)
 
 
 def kernel_layer(forward, backward, projected_forward=None,
-                 backward_gradients=None, bf16_product=None):
+                 backward_gradients=None, bf16_product=None,
+                 recurrent_product=None):
   """`zebra_layer` with its two time loops run by kernels (the Pallas and
   the native CPU ones); the rest, the input projection, the gates'
   recomputation under remat and the window gradients, is this module's,
@@ -384,6 +385,9 @@ def kernel_layer(forward, backward, projected_forward=None,
     operands and float32 sums, which the window products outside the time
     loops take where the layer is called with bf16_products=True
     (`_window_product`); the kernels' own products and loops are theirs.
+  recurrent_product(h_prev [S, N, G], w_h [S, G, 4G]) -> [S, N, 4G]: the
+    product the kernels' loops compute, for remat's recomputed gates to
+    match them (None: float32, XLA's).
   Returns layer(inputs, w_x, bias, h0, c0, w_h, remat, bf16_products=False)
   -> (ys, h, c).
   """
@@ -429,10 +433,11 @@ def kernel_layer(forward, backward, projected_forward=None,
     if remat:  # recompute the gates with two large matmuls, as the scan does
       (cs,) = saved
       s, t, b, g = h_prev.shape
-      gates = _activate(
-          project_inputs(inputs, w_x, bias, products)
-          + _matmul(h_prev.reshape(s, t * b, g), w_h, ((2,), (1,)),
-                    ((0,), (0,))).reshape(s, t, b, 4 * g))
+      h_rows = h_prev.reshape(s, t * b, g)
+      recurrent = (recurrent_product(h_rows, w_h) if recurrent_product
+                   else _matmul(h_rows, w_h, ((2,), (1,)), ((0,), (0,))))
+      gates = _activate(project_inputs(inputs, w_x, bias, products)
+                        + recurrent.reshape(s, t, b, 4 * g))
     else:
       cs, gates = saved
     d_h32 = d_h_last.astype(jnp.float32)

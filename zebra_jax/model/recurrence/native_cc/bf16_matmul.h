@@ -258,6 +258,23 @@ inline void Bf16Rows(int64_t rows, const uint32_t* a, int64_t lda,
   }
 }
 
+// C[rows, n] = A B (first) or C + A B, pairs [q0, q1) of K: A's rows
+// packed (PackRows, lda pairs apart), B's panels packed (PackPanels,
+// `pairs` pairs each), C's columns past n untouched.
+inline void Bf16Panels(int64_t rows, const uint32_t* a, int64_t lda,
+                       const uint32_t* b, int64_t pairs, int64_t n,
+                       int64_t q0, int64_t q1, bool first, float* c,
+                       int64_t ldc) {
+  const int64_t panels = (n + 15) / 16;
+  int64_t p = 0;
+  for (; p + kBf16Vectors <= panels; p += kBf16Vectors)
+    Bf16Rows<kBf16Vectors>(rows, a, lda, pairs, b + p * pairs * 16, q0, q1,
+                           first, c + p * 16, ldc, p * 16, n);
+  for (; p < panels; ++p)
+    Bf16Rows<1>(rows, a, lda, pairs, b + p * pairs * 16, q0, q1, first,
+                c + p * 16, ldc, p * 16, n);
+}
+
 // C[m, n] = op(A)[m, k] op(B)[k, n]: A's rows split over the threads, B
 // packed once (by all threads, a share of panels each).
 void Bf16Matmul(int64_t m, int64_t n, int64_t k, const Operand& a,
@@ -288,15 +305,9 @@ void Bf16Matmul(int64_t m, int64_t n, int64_t k, const Operand& a,
       const int64_t q1 = std::min(pairs, q0 + kBf16PairsBlock);
       for (int64_t i0 = r.first; i0 < r.last; i0 += kBf16RowChunk) {
         const int64_t rows = std::min<int64_t>(kBf16RowChunk, r.last - i0);
-        const uint32_t* ai = packed_a.data() + i0 * pairs;
-        int64_t p = 0;
-        for (; p + kBf16Vectors <= panels; p += kBf16Vectors)
-          Bf16Rows<kBf16Vectors>(rows, ai, pairs, pairs,
-                                 packed_b.data() + p * pairs * 16, q0, q1,
-                                 q0 == 0, c + i0 * n + p * 16, n, p * 16, n);
-        for (; p < panels; ++p)
-          Bf16Rows<1>(rows, ai, pairs, pairs, packed_b.data() + p * pairs * 16, q0,
-                      q1, q0 == 0, c + i0 * n + p * 16, n, p * 16, n);
+        Bf16Panels(rows, packed_a.data() + i0 * pairs, pairs,
+                   packed_b.data(), pairs, n, q0, q1, q0 == 0, c + i0 * n,
+                   n);
       }
     }
   });

@@ -13,7 +13,8 @@
 //   x                 [S, T, B, I/S] (grouped) or [T, B, I] (dense): the
 //                                  layer's inputs, for W_x's gradient
 // The matmuls and the cell are exact float32 arithmetic but for tanh
-// (simd.h). NaN and infinities go through every step as they do through
+// (simd.h); with a call's `bf16` (Bf16Recurrent) the recurrent matmuls
+// take bf16 operands instead, their sums float32. NaN and infinities go through every step as they do through
 // the scan's: tanh keeps a NaN (only finite values are clamped), and the
 // backward pass multiplies the same factors.
 //
@@ -29,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_matmul.h"
 #include "matmul.h"
 #include "simd.h"
 #include "threads.h"
@@ -88,6 +90,77 @@ inline void CellBack(const float* gr, const float* cr, const float* cp,
   });
 }
 
+// The time loops' recurrent products with bf16 operands and float32 sums
+// (a call's `bf16`; model.cpu_bf16_recurrence): W's column ranges rounded
+// and packed once a call (PackPanels), a step's rows of h (forward) or dz
+// (backward) rounded and packed as the step reads them (PackRows), the
+// sums on the bf16 units (bf16_matmul.h) started from the step's projected
+// inputs. Every element sums its pairs in K's order whatever the split, so
+// any thread count gives the same bits, as the float32 loops do. Empty
+// (false) in a build without AVX512_BF16, whose calls refuse `bf16`.
+class Bf16Recurrent {
+ public:
+  Bf16Recurrent() = default;
+  // Column ranges [first, last) of every stripe's W[k_size, ldw].
+  Bf16Recurrent(const Shape& d, int k_size, int ldw, const float* w,
+                const std::vector<std::pair<int, int>>& ranges) {
+#ifdef ZEBRA_BF16_MATMUL
+    k_ = k_size;
+    pairs_ = (k_size + 1) / 2;
+    for (const auto& [first, last] : ranges) {
+      offsets_.push_back(per_stripe_);
+      widths_.push_back(last - first);
+      per_stripe_ += (last - first + 15) / 16 * 16 * pairs_;
+    }
+    panels_.resize(size_t(per_stripe_ * d.s));
+    for (int64_t s = 0; s < d.s; ++s)
+      for (size_t i = 0; i < ranges.size(); ++i)
+        PackPanels(Operand{w + s * k_size * ldw + ranges[i].first, ldw, true},
+                   0, (widths_[i] + 15) / 16, k_size, widths_[i],
+                   panels_.data() + s * per_stripe_ + offsets_[i]);
+#else
+    (void)d, (void)k_size, (void)ldw, (void)w, (void)ranges;
+#endif
+  }
+  explicit operator bool() const { return !panels_.empty(); }
+
+  // A[rows, k_size] (row stride lda) rounded to bf16 pairs in `packed`.
+  void PackA(int rows, const float* a, Index lda,
+             std::vector<uint32_t>& packed) const {
+#ifdef ZEBRA_BF16_MATMUL
+    packed.resize(size_t(rows * pairs_));
+    PackRows(Operand{a, lda, false}, 0, rows, k_, packed.data());
+#else
+    (void)rows, (void)a, (void)lda, (void)packed;
+#endif
+  }
+
+  // C[rows, the range's width] = X + A W (X null: A W; X may be C).
+  void Product(int64_t stripe, size_t range, int rows,
+               const std::vector<uint32_t>& packed_a, const float* x,
+               Index ldx, float* c, Index ldc) const {
+#ifdef ZEBRA_BF16_MATMUL
+    const int64_t n = widths_[range];
+    if (x && x != c)
+      for (int r = 0; r < rows; ++r)
+        std::copy(x + r * ldx, x + r * ldx + n, c + r * ldc);
+    Bf16Panels(rows, packed_a.data(), pairs_,
+               panels_.data() + stripe * per_stripe_ + offsets_[range],
+               pairs_, n, 0, pairs_, x == nullptr, c, ldc);
+#else
+    (void)stripe, (void)range, (void)rows, (void)packed_a, (void)x,
+        (void)ldx, (void)c, (void)ldc;
+#endif
+  }
+
+ private:
+  int k_ = 0;
+  int64_t pairs_ = 0;
+  std::vector<uint32_t> panels_;
+  std::vector<int64_t> offsets_, widths_;
+  int64_t per_stripe_ = 0;
+};
+
 // A forward call's buffers, by name (layouts above).
 struct ForwardBuffers {
   const float* x_proj;  // the projected inputs; null with a Projection
@@ -99,6 +172,7 @@ struct ForwardBuffers {
   float* c_out;  // the final c
   float* cs;     // every c_t, for the backward pass; null: none kept
   float* gates;  // the activated gates; may be x_proj's buffer
+  bool bf16 = false;  // the recurrent products in bf16 (Bf16Recurrent)
 };
 
 // Forward split by hidden units (below).
@@ -125,7 +199,11 @@ void Forward(const Shape& d, int threads, int unit_parts,
   const int g = int(d.g), k4 = 4 * g;
   if (!proj && d.b > 0 && UnitParts(g, unit_parts) > 1)
     return ForwardUnits(d, UnitParts(g, unit_parts), pool, io);
-  const Packed packed(d, g, k4, io.w_h, {{0, k4}});
+  const Bf16Recurrent bf16 =
+      io.bf16 && !proj ? Bf16Recurrent(d, g, k4, io.w_h, {{0, k4}})
+                       : Bf16Recurrent();
+  const Packed packed(bf16 ? Shape{0, 0, 0, 0} : d, g, k4, io.w_h,
+                      {{0, k4}});
   const int xw = proj ? proj->width : 0;
   const Packed packed_x(proj ? d : Shape{0, 0, 0, 0}, xw, k4,
                         proj ? proj->w_x : nullptr, {{0, k4}});
@@ -138,6 +216,7 @@ void Forward(const Shape& d, int threads, int unit_parts,
     std::copy(io.h0 + state0, io.h0 + state0 + int64_t(n) * g, h);
     std::copy(io.c0 + state0, io.c0 + state0 + int64_t(n) * g, c);
     const float* w = io.w_h + int64_t(s) * g * k4;
+    std::vector<uint32_t> h_bf16;
     for (int64_t t = 0; t < d.t; ++t) {
       const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
       float* z = io.gates + row * k4;
@@ -154,6 +233,9 @@ void Forward(const Shape& d, int threads, int unit_parts,
                      {{g, h, g, w, k4}, packed.Panels(s, 0)}}},
                  bias, 0, z, k4);
         }
+      } else if (bf16) {
+        bf16.PackA(n, h, g, h_bf16);
+        bf16.Product(s, 0, n, h_bf16, io.x_proj + row * k4, k4, z, k4);
       } else if (d.b == 1) {  // whatever the threads: every row sums alike
         RowTimesMatrix(k4, g, h, w, k4, io.x_proj + row * k4, z);
       } else {
@@ -186,7 +268,10 @@ void ForwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
       const auto [u0, u1] = Units(g, parts, p);
       ranges.push_back({q * g + u0, q * g + u1});
     }
-  const Packed packed(d, g, k4, io.w_h, ranges);
+  const Bf16Recurrent bf16 =
+      io.bf16 ? Bf16Recurrent(d, g, k4, io.w_h, ranges) : Bf16Recurrent();
+  const Packed packed(bf16 ? Shape{0, 0, 0, 0} : d, g, k4, io.w_h, ranges);
+  std::vector<std::vector<uint32_t>> h_bf16(size_t(d.s * parts));
   std::copy(io.c0, io.c0 + d.s * d.b * g, io.c_out);
   RunLockstep(int(d.s) * parts, d.t, pool, [&](int part, int64_t t) {
     const int s = part / parts, p = part % parts;
@@ -194,10 +279,15 @@ void ForwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
     const int64_t row = (int64_t(s) * d.t + t) * d.b;
     const float* h =
         t ? io.ys + (row - d.b) * g : io.h0 + int64_t(s) * d.b * g;
+    if (bf16) bf16.PackA(b, h, g, h_bf16[size_t(part)]);
     for (int q = 0; q < 4; ++q) {
       const int64_t j = q * g + u0;
       const float* w = io.w_h + int64_t(s) * g * k4 + j;
-      if (b == 1)
+      if (bf16)
+        bf16.Product(s, size_t(p) * 4 + q, b, h_bf16[size_t(part)],
+                     io.x_proj + row * k4 + j, k4, io.gates + row * k4 + j,
+                     k4);
+      else if (b == 1)
         RowTimesMatrix(u1 - u0, g, h, w, k4, io.x_proj + row * k4 + j,
                        io.gates + row * k4 + j);
       else
@@ -231,6 +321,7 @@ struct BackwardBuffers {
   float* dz;
   float* dh0;
   float* dc0;
+  bool bf16 = false;  // the recurrent products in bf16 (Bf16Recurrent)
 };
 
 // Backward split by hidden units (below).
@@ -262,7 +353,11 @@ void Backward(const Shape& d, int threads, int unit_parts,
   if (d.b > 0 && UnitParts(g, unit_parts) > 1) {
     BackwardUnits(d, UnitParts(g, unit_parts), pool, io);
   } else {
-    const Packed packed(d, k4, g, io.w_t, {{0, g}});
+    const Bf16Recurrent bf16 = io.bf16
+                                   ? Bf16Recurrent(d, k4, g, io.w_t, {{0, g}})
+                                   : Bf16Recurrent();
+    const Packed packed(bf16 ? Shape{0, 0, 0, 0} : d, k4, g, io.w_t,
+                        {{0, g}});
     const bool in_loop = grads && whole_stripes;
     Run(plan, pool, [&](const Task& task) {
       const int s = task.stripe, n = task.rows;
@@ -279,6 +374,7 @@ void Backward(const Shape& d, int threads, int unit_parts,
       std::copy(io.dc_last + state0, io.dc_last + state0 + int64_t(n) * g,
                 dc);
       const float* wt = io.w_t + int64_t(s) * k4 * g;
+      std::vector<uint32_t> dz_bf16;
       for (int64_t t = d.t - 1; t >= 0; --t) {
         const int64_t row = (int64_t(s) * d.t + t) * d.b + task.row0;
         for (int r = 0; r < n; ++r) {
@@ -288,7 +384,10 @@ void Backward(const Shape& d, int threads, int unit_parts,
                    io.d_ys + (row + r) * g, dh + int64_t(r) * g,
                    dc + int64_t(r) * g, io.dz + (row + r) * k4, g, 0, g);
         }
-        if (d.b == 1)
+        if (bf16) {
+          bf16.PackA(n, io.dz + row * k4, k4, dz_bf16);
+          bf16.Product(s, 0, n, dz_bf16, nullptr, 0, dh, g);
+        } else if (d.b == 1)
           RowTimesMatrix(g, k4, io.dz + row * k4, wt, g, nullptr, dh);
         else
           Matmul(n, g, k4, io.dz + row * k4, k4, wt, g, packed.Panels(s, 0),
@@ -310,7 +409,10 @@ void BackwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
   const int g = int(d.g), k4 = 4 * g, b = int(d.b);
   std::vector<std::pair<int, int>> ranges;
   for (int p = 0; p < parts; ++p) ranges.push_back(Units(g, parts, p));
-  const Packed packed(d, k4, g, io.w_t, ranges);
+  const Bf16Recurrent bf16 =
+      io.bf16 ? Bf16Recurrent(d, k4, g, io.w_t, ranges) : Bf16Recurrent();
+  const Packed packed(bf16 ? Shape{0, 0, 0, 0} : d, k4, g, io.w_t, ranges);
+  std::vector<std::vector<uint32_t>> dz_bf16(size_t(d.s * parts));
   std::copy(io.dc_last, io.dc_last + d.s * d.b * g, io.dc0);
   RunLockstep(int(d.s) * parts, d.t + 1, pool, [&](int part, int64_t i) {
     const int s = part / parts, p = part % parts;
@@ -325,7 +427,11 @@ void BackwardUnits(const Shape& d, int parts, ffi::ThreadPool* pool,
     } else {
       const int64_t next = (int64_t(s) * d.t + t + 1) * d.b;
       const float* w = io.w_t + int64_t(s) * k4 * g + u0;
-      if (b == 1)
+      if (bf16) {
+        bf16.PackA(b, io.dz + next * k4, k4, dz_bf16[size_t(part)]);
+        bf16.Product(s, size_t(p), b, dz_bf16[size_t(part)], nullptr, 0,
+                     dh + u0, g);
+      } else if (b == 1)
         RowTimesMatrix(u1 - u0, k4, io.dz + next * k4, w, g, nullptr,
                        dh + u0);
       else

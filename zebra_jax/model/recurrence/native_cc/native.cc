@@ -81,6 +81,10 @@ std::string WindowShape(const char* name,
   return "";
 }
 
+// What a time loop's call with `bf16` says in a build without the units.
+constexpr const char* kNoBf16 =
+    "bf16 is set, and this library was built without AVX512_BF16";
+
 ffi::Error Failed(const std::string& why) {
   return ffi::Error::InvalidArgument(why);
 }
@@ -162,15 +166,17 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_proj,
                        ffi::ResultBuffer<ffi::F32> c,
                        ffi::ResultBuffer<ffi::F32> cs,
                        ffi::ResultBuffer<ffi::F32> gates, int64_t threads,
-                       int64_t unit_parts) {
+                       int64_t unit_parts, bool bf16) {
   Shape d;
   std::string why = WindowShape("x_proj", x_proj.dimensions(), &d);
+  if (why.empty() && bf16 && !kBf16Matmul) why = kNoBf16;
   const bool keep = cs->element_count() > 0;
   const std::string m = FirstMismatch(
       why, ForwardMismatches(d, keep, h0, c0, w_h, ys, h, c, cs, gates));
   if (!m.empty()) return Failed("zebra_native_forward: " + m);
-  const ForwardBuffers io = ForwardBuffersOf(x_proj.typed_data(), h0, c0, w_h,
-                                             ys, h, c, cs, gates);
+  ForwardBuffers io = ForwardBuffersOf(x_proj.typed_data(), h0, c0, w_h, ys,
+                                       h, c, cs, gates);
+  io.bf16 = bf16;
   return Guarded("zebra_native_forward", [&] {
     Forward(d, Clipped(threads), Clipped(unit_parts), &pool, io);
   });
@@ -286,17 +292,18 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> d_ys,
                         ffi::ResultBuffer<ffi::F32> dz,
                         ffi::ResultBuffer<ffi::F32> dh0,
                         ffi::ResultBuffer<ffi::F32> dc0, int64_t threads,
-                        int64_t unit_parts) {
+                        int64_t unit_parts, bool bf16) {
   Shape d;
-  const std::string why = WindowShape("gates", gates.dimensions(), &d);
+  std::string why = WindowShape("gates", gates.dimensions(), &d);
+  if (why.empty() && bf16 && !kBf16Matmul) why = kNoBf16;
   const std::string m = FirstMismatch(
       why, why.empty() ? BackwardMismatches(d, d_ys, cs, c0, w_t, dh_last,
                                             dc_last, dz, dh0, dc0)
                        : std::vector<std::string>{});
   if (!m.empty()) return Failed("zebra_native_backward: " + m);
-  const BackwardBuffers io = BackwardBuffersOf(d_ys, gates, cs, c0, w_t,
-                                                dh_last, dc_last, dz, dh0,
-                                                dc0);
+  BackwardBuffers io = BackwardBuffersOf(d_ys, gates, cs, c0, w_t, dh_last,
+                                         dc_last, dz, dh0, dc0);
+  io.bf16 = bf16;
   return Guarded("zebra_native_backward", [&] {
     Backward(d, Clipped(threads), Clipped(unit_parts), &pool, io);
   });
@@ -313,9 +320,10 @@ ffi::Error BackwardGradsImpl(
     ffi::ResultBuffer<ffi::F32> dh0, ffi::ResultBuffer<ffi::F32> dc0,
     ffi::ResultBuffer<ffi::F32> d_w_h, ffi::ResultBuffer<ffi::F32> d_w_x,
     ffi::ResultBuffer<ffi::F32> d_bias, int64_t threads,
-    int64_t unit_parts) {
+    int64_t unit_parts, bool bf16) {
   Shape d;
-  const std::string why = WindowShape("gates", gates.dimensions(), &d);
+  std::string why = WindowShape("gates", gates.dimensions(), &d);
+  if (why.empty() && bf16 && !kBf16Matmul) why = kNoBf16;
   int64_t width = 0;
   bool dense = false;
   std::vector<std::string> checks;
@@ -328,9 +336,9 @@ ffi::Error BackwardGradsImpl(
   }
   const std::string m = FirstMismatch(why, checks);
   if (!m.empty()) return Failed("zebra_native_backward_grads: " + m);
-  const BackwardBuffers io = BackwardBuffersOf(d_ys, gates, cs, c0, w_t,
-                                                dh_last, dc_last, dz, dh0,
-                                                dc0);
+  BackwardBuffers io = BackwardBuffersOf(d_ys, gates, cs, c0, w_t, dh_last,
+                                         dc_last, dz, dh0, dc0);
+  io.bf16 = bf16;
   WeightGradBuffers grads;
   grads.ys = ys.typed_data();
   grads.h0 = h0.typed_data();
@@ -570,7 +578,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraForward, ForwardImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // cs
                                   .Ret<ffi::Buffer<ffi::F32>>()  // gates
                                   .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("unit_parts"));
+                                  .Attr<int64_t>("unit_parts")
+                                  .Attr<bool>("bf16"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackward, BackwardImpl,
                               ffi::Ffi::Bind()
@@ -586,7 +595,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackward, BackwardImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dh0
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dc0
                                   .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("unit_parts"));
+                                  .Attr<int64_t>("unit_parts")
+                                  .Attr<bool>("bf16"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraForwardProjected, ForwardProjectedImpl,
                               ffi::Ffi::Bind()
@@ -624,7 +634,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBackwardGrads, BackwardGradsImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d_w_x
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d_bias
                                   .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("unit_parts"));
+                                  .Attr<int64_t>("unit_parts")
+                                  .Attr<bool>("bf16"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZebraBf16Matmul, Bf16MatmulImpl,
                               ffi::Ffi::Bind()
