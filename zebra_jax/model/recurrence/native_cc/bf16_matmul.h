@@ -4,7 +4,9 @@
 // softmax head's three products (logits = h Eᵀ, d_h = d_logits E,
 // d_E = d_logitsᵀ h) and a layer's window products outside its time loop
 // (model.cpu_bf16_projections), which XLA's CPU dot runs in float32
-// whatever the operands' dtype.
+// whatever the operands' dtype; and, a step's rows at a time
+// (Bf16Panels), the time loops' recurrent products (lstm.h's
+// Bf16Recurrent, model.cpu_bf16_recurrence).
 //
 // The operands are rounded to bf16 (nearest even) as they are packed: A
 // by rows, each row's K values in pairs (Kp = K rounded up to even, a zero
