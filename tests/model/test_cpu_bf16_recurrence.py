@@ -90,6 +90,29 @@ def _loops(window, bf16):
   return [np.asarray(a) for a in jax.jit(run)(*window)]
 
 
+def _check_steps(x_proj, h0, w_h, d_ys, d_h, got, float32):
+  """Forward: every step's gates = act(x_proj + bf16(h_{t-1}) bf16(W_h)),
+  h_{t-1} the loop's own output. Backward: every step's output-gate
+  gradient = (bf16(dz_{t+1}) bf16(W_h)ᵀ + dy_t) tanh(c_t) o (1 - o), and
+  dh0 = bf16(dz_0) bf16(W_h)ᵀ. The float32 loops lie far outside the
+  bound."""
+  ys, cs, gates, dz, dh0 = got
+  g = w_h.shape[1]
+  h_prev = np.concatenate([h0[:, None], ys[:, :-1]], 1)
+  want_gates = _activate(x_proj + np.einsum(
+      "stbg,sgk->stbk", _rounded(h_prev), _rounded(w_h)))
+  assert _scaled_error(gates, want_gates) <= SCALED_ATOL
+  assert _scaled_error(float32[2], gates) > 100 * SCALED_ATOL
+  dh = np.concatenate([np.einsum("stbk,sgk->stbg", _rounded(dz[:, 1:]),
+                                 _rounded(w_h)), d_h[:, None]], 1)
+  o = gates[..., 3 * g:]
+  want_dz_o = (dh + d_ys) * np.tanh(cs) * o * (1 - o)
+  assert _scaled_error(dz[..., 3 * g:], want_dz_o) <= SCALED_ATOL
+  want_dh0 = np.einsum("sbk,sgk->sbg", _rounded(dz[:, 0]), _rounded(w_h))
+  assert _scaled_error(dh0, want_dh0) <= SCALED_ATOL
+  assert _scaled_error(float32[4], dh0) > 100 * SCALED_ATOL
+
+
 # (stripes, steps, batch, units): dense S=1 at the wlm shape (hidden units
 # split over 2 threads), a few rows (rows a thread), one row, two stripes,
 # odd sizes (a partial panel, an odd K).
@@ -102,29 +125,12 @@ SHAPES = [(1, 5, 20, 200), (1, 4, 3, 64), (1, 3, 1, 200), (2, 3, 8, 96),
 @pytest.mark.parametrize("s,t,b,g", SHAPES)
 def test_each_step_is_float32_sums_of_bf16_operands(this_cpus_build, s, t, b,
                                                     g):
-  """Forward: every step's gates = act(x_proj + bf16(h_{t-1}) bf16(W_h)),
-  h_{t-1} the loop's own output. Backward: every step's output-gate
-  gradient = (bf16(dz_{t+1}) bf16(W_h)ᵀ + dy_t) tanh(c_t) o (1 - o), and dh0
-  = bf16(dz_0) bf16(W_h)ᵀ. The float32 loops lie far outside the bound."""
+  """`_check_steps` on the loops of large stripes."""
   assert not cpu_bf16_head.unavailable(), cpu_bf16_head.unavailable()
   window = _window(s, t, b, g)
   x_proj, h0, _, w_h, d_ys, d_h, _ = window
-  ys, cs, gates, dz, dh0 = _loops(window, True)
-  float32 = _loops(window, False)
-  h_prev = np.concatenate([h0[:, None], ys[:, :-1]], 1)
-  want_gates = _activate(x_proj + np.einsum(
-      "stbg,sgk->stbk", _rounded(h_prev), _rounded(w_h)))
-  assert _scaled_error(gates, want_gates) <= SCALED_ATOL
-  assert _scaled_error(float32[2], gates) > 100 * SCALED_ATOL
-
-  dh = np.concatenate([np.einsum("stbk,sgk->stbg", _rounded(dz[:, 1:]),
-                                 _rounded(w_h)), d_h[:, None]], 1)
-  o = gates[..., 3 * g:]
-  want_dz_o = (dh + d_ys) * np.tanh(cs) * o * (1 - o)
-  assert _scaled_error(dz[..., 3 * g:], want_dz_o) <= SCALED_ATOL
-  want_dh0 = np.einsum("sbk,sgk->sbg", _rounded(dz[:, 0]), _rounded(w_h))
-  assert _scaled_error(dh0, want_dh0) <= SCALED_ATOL
-  assert _scaled_error(float32[4], dh0) > 100 * SCALED_ATOL
+  _check_steps(x_proj, h0, w_h, d_ys, d_h, _loops(window, True),
+               _loops(window, False))
 
 
 @needs_compiler
