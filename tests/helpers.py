@@ -29,9 +29,10 @@ import pytest
 from zebra_jax import engine
 from zebra_jax.configs import demo, wt103
 from zebra_jax.inference import triton_local
+from zebra_jax.model import cpu_bf16_head
 from zebra_jax.serving import serve
 from zebra_jax.model.recurrence import native as native_recurrence
-from zebra_jax.model.recurrence import native_build
+from zebra_jax.model.recurrence import native_build, native_check
 from zebra_jax.model.recurrence import scan as scan_recurrence
 from zebra_jax.runtime import parallel
 from zebra_jax.training import loop, train_state
@@ -350,6 +351,17 @@ needs_compiler = pytest.mark.skipif(
     native_build.compiler() is None
     or shutil.which(native_build.compiler().split()[0]) is None,
     reason="no C++ compiler on this machine")
+
+
+# Whether this CPU has the bf16 units the native bf16 products run on; the
+# tests of those products run where it has (a failed build fails them).
+HAS_BF16_UNITS = cpu_bf16_head.FEATURE in native_check.cpu_flags()
+needs_bf16_units = pytest.mark.skipif(
+    not HAS_BF16_UNITS, reason=f"this CPU has no {cpu_bf16_head.FEATURE}")
+# The GPU report's precision stage: bf16 training's loss within 0.001 of
+# float32's (max |difference| after warm-up), which the CPU's bf16 products
+# are held to as well.
+BF16_LOSS_TOLERANCE = 1e-3
 
 
 def fallback_lines(caplog):

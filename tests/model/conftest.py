@@ -1,4 +1,5 @@
-"""Fixtures of the model tests: a clean slate for the native time loops."""
+"""Fixtures of the model tests: a clean slate for the native time loops,
+and this CPU's own build of them."""
 
 import pytest
 
@@ -15,3 +16,11 @@ def clean_env(monkeypatch, tmp_path):
   monkeypatch.delenv(native_build.LIB_ENV, raising=False)
   monkeypatch.setattr(recurrence, "_warned", set())
   return tmp_path
+
+
+@pytest.fixture
+def this_cpus_build(monkeypatch):
+  """The native library built for this CPU (-march=native), not a prebuilt
+  one: the build that has the CPU's bf16 units where it has them."""
+  monkeypatch.setenv(native_build.MARCH_ENV, "native")
+  monkeypatch.delenv(native_build.LIB_ENV, raising=False)

@@ -20,22 +20,12 @@ from flax import nnx
 from zebra_jax.model import cpu_bf16_head, lm
 from zebra_jax.model.recurrence import native as native_recurrence
 from zebra_jax.model.recurrence import native_build, native_check
-from tests.helpers import needs_compiler
+from tests.helpers import (BF16_LOSS_TOLERANCE, HAS_BF16_UNITS,
+                           needs_bf16_units, needs_compiler)
 
-HAS_UNITS = cpu_bf16_head.FEATURE in native_check.cpu_flags()
-needs_units = pytest.mark.skipif(
-    not HAS_UNITS, reason=f"this CPU has no {cpu_bf16_head.FEATURE}")
 on_x86 = pytest.mark.skipif(platform.machine() != "x86_64",
                             reason="x86-64-v3 is an x86-64 target")
-# The GPU report's precision stage: bf16 training's loss within 0.001 of
-# float32's (max |difference| after warm-up).
-LOSS_TOLERANCE = 1e-3
 
-
-@pytest.fixture
-def this_cpus_build(monkeypatch):
-  monkeypatch.setenv(native_build.MARCH_ENV, "native")
-  monkeypatch.delenv(native_build.LIB_ENV, raising=False)
 
 
 def _bf16(a):
@@ -52,7 +42,7 @@ def _bound(a, b, k):
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("n,h,v", [(37, 33, 51), (64, 128, 300), (3, 1, 17)])
 def test_products_are_float32_within_the_bf16_rounding(this_cpus_build, tied,
@@ -82,7 +72,7 @@ def test_products_are_float32_within_the_bf16_rounding(this_cpus_build, tied,
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 def test_any_thread_count_gives_the_same_bits(this_cpus_build, monkeypatch):
   """Threads split the rows; each element sums its pairs in one order."""
   rng = np.random.default_rng(1)
@@ -125,16 +115,17 @@ def _loss_and_grads(setting, tied=True):
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 @pytest.mark.parametrize("tied", [True, False])
 def test_lm_loss_is_within_the_gpu_reports_bf16_precision(this_cpus_build,
                                                           tied):
-  """auto on this CPU runs the kernel; the loss is within LOSS_TOLERANCE of
-  float32's and every gradient within 1% of float32's largest."""
+  """auto on this CPU runs the kernel; the loss is within
+  BF16_LOSS_TOLERANCE of float32's and every gradient within 1% of
+  float32's largest."""
   (got, got_g), calls = _loss_and_grads("auto", tied)
   (want, want_g), no_calls = _loss_and_grads("off", tied)
   assert calls and not no_calls
-  assert abs(float(got) - float(want)) <= LOSS_TOLERANCE
+  assert abs(float(got) - float(want)) <= BF16_LOSS_TOLERANCE
   assert float(got) != float(want)  # the products did change
   for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
     np.testing.assert_allclose(g, w, rtol=0,
@@ -160,7 +151,7 @@ def test_an_avx2_build_has_no_kernel_and_runs_float32(monkeypatch):
   monkeypatch.delenv(native_build.LIB_ENV, raising=False)
   assert not native_recurrence.unavailable(jnp.float32)
   assert not native_recurrence.built_with(cpu_bf16_head.FEATURE)
-  if HAS_UNITS:
+  if HAS_BF16_UNITS:
     assert "without avx512_bf16" in cpu_bf16_head.unavailable()
   assert not cpu_bf16_head.chosen("auto")
   _assert_float32_program("auto")
@@ -182,7 +173,7 @@ def test_a_cpu_without_the_units_runs_float32(monkeypatch):
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 def test_a_few_rows_run_float32(this_cpus_build):
   """A sampling step's rows (fewer than MIN_ROWS) keep the float32
   products: the bits of the off setting."""

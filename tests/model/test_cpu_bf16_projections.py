@@ -18,15 +18,13 @@ from flax import nnx
 
 from zebra_jax.model import cpu_bf16_head, lm
 from zebra_jax.model.layer import ZebraLSTMLayer
-from zebra_jax.model.recurrence import native, native_build, native_check
+from zebra_jax.model.recurrence import native
 from zebra_jax.model.recurrence import scan
-from tests.helpers import (layer_cotangents, needs_compiler, normal_array,
+from tests.helpers import (BF16_LOSS_TOLERANCE, layer_cotangents,
+                           needs_bf16_units, needs_compiler, normal_array,
                            run_train_steps, tiny_sgd_config,
                            value_and_grads)
 
-needs_units = pytest.mark.skipif(
-    cpu_bf16_head.FEATURE not in native_check.cpu_flags(),
-    reason=f"this CPU has no {cpu_bf16_head.FEATURE}")
 
 # A dense layer of one stripe too large for the loops' own products
 # (native._small_stripes): its window products are the ones that change.
@@ -37,15 +35,7 @@ T, B, WIDTH = 8, 8, 128
 # order. 5x that; the bf16 rounding moves every array by 1.5e-3 to 5e-3
 # of float32's.
 SCALED_ATOL = 2.5e-6
-# The GPU report's precision stage: bf16 training's loss within 0.001 of
-# float32's (test_cpu_bf16_head.py's bound).
-LOSS_TOLERANCE = 1e-3
 
-
-@pytest.fixture
-def this_cpus_build(monkeypatch):
-  monkeypatch.setenv(native_build.MARCH_ENV, "native")
-  monkeypatch.delenv(native_build.LIB_ENV, raising=False)
 
 
 def _rounded_product(a, b, a_transposed, b_transposed):
@@ -103,7 +93,7 @@ def _bf16_calls(fn, args) -> int:
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 @pytest.mark.parametrize("remat", [False, True])
 def test_dense_layer_is_float32_sums_of_bf16_operands(this_cpus_build,
                                                       remat):
@@ -133,7 +123,7 @@ def test_dense_layer_is_float32_sums_of_bf16_operands(this_cpus_build,
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 @pytest.mark.parametrize("stripes,width,n_in,grouped,calls", [
     (1, WIDTH, WIDTH, False, 4),
     (2, WIDTH, WIDTH, False, 3),  # h_prevᵀ dz batched over stripes: float32
@@ -148,7 +138,7 @@ def test_products_in_bf16_are_large_stripes_unbatched(
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 def test_a_sampling_steps_few_rows_run_float32(this_cpus_build):
   """One step of B rows (under native.BF16_MIN_ROWS): float32 products."""
   inputs, *rest = _layer_args()
@@ -189,15 +179,15 @@ def _assert_same_bits(a, b):
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 def test_lm_loss_is_within_the_gpu_reports_bf16_precision(this_cpus_build):
   """auto on this CPU calls the products (the head's stay float32: its own
-  setting is off); the loss is within LOSS_TOLERANCE of float32's and every
-  gradient within 1% of float32's largest."""
+  setting is off); the loss is within BF16_LOSS_TOLERANCE of float32's and
+  every gradient within 1% of float32's largest."""
   (got, got_g), calls = _loss_and_grads("auto")
   (want, want_g), no_calls = _loss_and_grads("off")
   assert (calls, no_calls) == (4, 0)
-  assert abs(float(got) - float(want)) <= LOSS_TOLERANCE
+  assert abs(float(got) - float(want)) <= BF16_LOSS_TOLERANCE
   assert float(got) != float(want)  # the products did change
   for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
     np.testing.assert_allclose(g, w, rtol=0,
@@ -255,7 +245,7 @@ def test_setting_is_checked():
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 def test_training_with_auto_lowers_the_loss(this_cpus_build):
   """wt103:tiny widened to a dense layer of large stripes, auto: its layers
   take the products, and the loss on a repeated batch of counting

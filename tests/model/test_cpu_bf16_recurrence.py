@@ -24,28 +24,18 @@ import pytest
 from flax import nnx
 
 from zebra_jax.model import cpu_bf16_head, lm
-from zebra_jax.model.recurrence import native, native_build, native_check
+from zebra_jax.model.recurrence import native, native_build
 from zebra_jax.model.recurrence import scan
-from tests.helpers import (layer_cotangents, needs_compiler, normal_array,
+from tests.helpers import (BF16_LOSS_TOLERANCE, layer_cotangents,
+                           needs_bf16_units, needs_compiler, normal_array,
                            value_and_grads)
 
-needs_units = pytest.mark.skipif(
-    cpu_bf16_head.FEATURE not in native_check.cpu_flags(),
-    reason=f"this CPU has no {cpu_bf16_head.FEATURE}")
 
 # max |kernel - NumPy's step| / max(1, max |NumPy's step|) over the cases
 # below: <= 6.4e-7 (float32 sums, float32 cell and tanh). 4x that; the
 # float32 loops differ from the bf16 ones by 2e-3 to 6e-3.
 SCALED_ATOL = 2.5e-6
-# The GPU report's precision stage: bf16 training's loss within 0.001 of
-# float32's (test_cpu_bf16_head.py's bound).
-LOSS_TOLERANCE = 1e-3
 
-
-@pytest.fixture
-def this_cpus_build(monkeypatch):
-  monkeypatch.setenv(native_build.MARCH_ENV, "native")
-  monkeypatch.delenv(native_build.LIB_ENV, raising=False)
 
 
 def _rounded(x):
@@ -121,7 +111,7 @@ SHAPES = [(1, 5, 20, 200), (1, 4, 3, 64), (1, 3, 1, 200), (2, 3, 8, 96),
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 @pytest.mark.parametrize("s,t,b,g", SHAPES)
 def test_each_step_is_float32_sums_of_bf16_operands(this_cpus_build, s, t, b,
                                                     g):
@@ -134,7 +124,7 @@ def test_each_step_is_float32_sums_of_bf16_operands(this_cpus_build, s, t, b,
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_split_by_hidden_units_gives_one_threads_bits(this_cpus_build,
                                                         monkeypatch, threads):
@@ -188,7 +178,7 @@ def _mean_error(got, want):
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 def test_remat_recomputes_the_loops_products(this_cpus_build):
   """Remat's recomputed h_{t-1} W_h is the loops' product (NumPy's bf16
   operands, float32 sums), and the gradients stay within REMAT_MEAN_ERROR
@@ -196,7 +186,8 @@ def test_remat_recomputes_the_loops_products(this_cpus_build):
   same layer with recurrent_product=None) lies beyond twice that."""
   args = _layer_args()
   h_rows, w_h = args[3], args[5]
-  got = native._bf16_recurrent_product(h_rows, w_h)  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  got = native._bf16_recurrent_product(h_rows, w_h)
   want = np.einsum("sng,sgk->snk", _rounded(h_rows), _rounded(w_h))
   assert _scaled_error(got, want) <= SCALED_ATOL
   cotangents = layer_cotangents(args)
@@ -218,7 +209,7 @@ def test_remat_recomputes_the_loops_products(this_cpus_build):
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 @pytest.mark.parametrize("stripes,width,n_in,bf16_calls", [
     (1, 128, 128, 2),  # dense, large: forward and backward in bf16
     (2, 128, 128, 2),  # two large stripes
@@ -263,15 +254,15 @@ def _assert_same_bits(a, b):
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 def test_lm_loss_is_within_the_gpu_reports_bf16_precision(this_cpus_build):
-  """auto on this CPU: the loss within LOSS_TOLERANCE of float32's, every
+  """auto on this CPU: the loss within BF16_LOSS_TOLERANCE of float32's, every
   gradient within 1% of float32's largest, and not float32's bits (the
   untrained model's loss is log(64) to float32's precision either way:
   its gradients show the loops' rounding)."""
   got, got_g = _loss_and_grads("auto")
   want, want_g = _loss_and_grads("off")
-  assert abs(float(got) - float(want)) <= LOSS_TOLERANCE
+  assert abs(float(got) - float(want)) <= BF16_LOSS_TOLERANCE
   assert any(np.any(np.asarray(g) != np.asarray(w)) for g, w in
              zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)))
   for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):

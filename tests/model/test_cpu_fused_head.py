@@ -23,25 +23,15 @@ from flax import nnx
 
 from zebra_jax.model import cpu_bf16_head, cpu_fused_head, lm, softmax_xent
 from zebra_jax.model.recurrence import native as native_recurrence
-from zebra_jax.model.recurrence import native_build, native_check
-from tests.helpers import needs_compiler
+from zebra_jax.model.recurrence import native_build
+from tests.helpers import (BF16_LOSS_TOLERANCE, needs_bf16_units,
+                           needs_compiler)
 
 EPS = 2.0 ** -24  # float32's unit roundoff
 # Both operands of a product rounded to bf16 (8 significant bits): each off
 # by at most 2^-8 of itself, their product by 2^-7 + 2^-16 of |a||b|.
 BF16_ROUNDING = 2.0 ** -7 + 2.0 ** -16
-# The GPU report's precision stage: bf16 training's loss within 0.001 of
-# float32's (test_cpu_bf16_head.py's bound).
-LOSS_TOLERANCE = 1e-3
-needs_units = pytest.mark.skipif(
-    cpu_bf16_head.FEATURE not in native_check.cpu_flags(),
-    reason=f"this CPU has no {cpu_bf16_head.FEATURE}")
 
-
-@pytest.fixture
-def this_cpus_build(monkeypatch):
-  monkeypatch.setenv(native_build.MARCH_ENV, "native")
-  monkeypatch.delenv(native_build.LIB_ENV, raising=False)
 
 
 def _inputs(n, h, v, seed=0):
@@ -114,7 +104,7 @@ def test_loss_and_gradients_are_xlas_within_float32_sums(this_cpus_build, n,
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 @pytest.mark.parametrize("n,h,v", [(37, 33, 51), (130, 40, 300)])
 def test_bf16_products_are_xlas_within_their_rounding(this_cpus_build, n, h,
                                                       v):
@@ -225,7 +215,7 @@ def test_one_thread_count_gives_the_same_bits(this_cpus_build, monkeypatch):
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 @pytest.mark.parametrize("n", [151, 3])
 def test_bf16_d_embed_is_the_same_bits_for_any_thread_count(
     this_cpus_build, monkeypatch, n):
@@ -298,12 +288,13 @@ def test_the_lm_loss_runs_the_call_and_is_xlas_within_float32(
 
 
 @needs_compiler
-@needs_units
+@needs_bf16_units
 def test_with_the_bf16_head_the_lm_loss_is_within_its_precision(
     this_cpus_build):
   """Both auto: the fused call with bf16 products (no bf16 matmul call
-  beside it); the mean loss within LOSS_TOLERANCE of float32's and every
-  gradient within 1% of float32's largest, as the bf16 head's test."""
+  beside it); the mean loss within BF16_LOSS_TOLERANCE of float32's and
+  every gradient within 1% of float32's largest, as the bf16 head's
+  test."""
   cfg = _model_cfg("auto", bf16="auto")
   graphdef, params = nnx.split(lm.ZebraLM(cfg, rngs=nnx.Rngs(0)))
   tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 300)
@@ -315,7 +306,7 @@ def test_with_the_bf16_head_the_lm_loss_is_within_its_precision(
   (got, got_g), _ = _token_sums("auto", bf16="auto")
   (_, f32_g), _ = _token_sums("on")
   (want, want_g), _ = _token_sums("off")
-  assert abs(float(got) - float(want)) / 64 <= LOSS_TOLERANCE
+  assert abs(float(got) - float(want)) / 64 <= BF16_LOSS_TOLERANCE
   assert not all(np.array_equal(g, f) for g, f in zip(  # bf16 products ran
       jax.tree.leaves(got_g), jax.tree.leaves(f32_g)))
   for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
