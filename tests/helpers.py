@@ -364,6 +364,30 @@ needs_bf16_units = pytest.mark.skipif(
 BF16_LOSS_TOLERANCE = 1e-3
 
 
+def lm_loss_step(model_cfg, batch: int, steps: int):
+  """(the jitted mean cross-entropy and its gradients, the parameters) of
+  a fresh ZebraLM on fixed random tokens, [batch, steps + 1] of its
+  vocabulary."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from zebra_jax.model import lm  # pylint: disable=g-import-not-at-top
+  graphdef, params = nnx.split(lm.ZebraLM(model_cfg, rngs=nnx.Rngs(0)))
+  tokens = jax.random.randint(jax.random.key(0), (batch, steps + 1), 0,
+                              model_cfg.vocab_size)
+  carry = lm.init_carry(model_cfg, batch)
+
+  def loss(p):
+    logits, _ = lm.apply(graphdef, p, tokens[:, :-1], carry)
+    logp = jax.nn.log_softmax(logits, -1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+  return jax.jit(jax.value_and_grad(loss)), params
+
+
+def assert_same_bits(a, b):
+  """Every leaf of two trees equal, bit for bit."""
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
 def fallback_lines(caplog):
   return [r.getMessage() for r in caplog.records
           if "running the scan instead" in r.getMessage()]

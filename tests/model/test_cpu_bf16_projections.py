@@ -20,7 +20,8 @@ from zebra_jax.model import cpu_bf16_head, lm
 from zebra_jax.model.layer import ZebraLSTMLayer
 from zebra_jax.model.recurrence import native
 from zebra_jax.model.recurrence import scan
-from tests.helpers import (BF16_LOSS_TOLERANCE, layer_cotangents,
+from tests.helpers import (BF16_LOSS_TOLERANCE, assert_same_bits,
+                           layer_cotangents, lm_loss_step,
                            needs_bf16_units, needs_compiler, normal_array,
                            run_train_steps, tiny_sgd_config,
                            value_and_grads)
@@ -159,23 +160,9 @@ def _model_cfg(setting, recurrence="native"):
 def _loss_and_grads(setting, recurrence="native"):
   """A ZebraLM's mean cross-entropy and its gradients, and how many native
   bf16 matmuls the compiled program calls."""
-  cfg = _model_cfg(setting, recurrence)
-  graphdef, params = nnx.split(lm.ZebraLM(cfg, rngs=nnx.Rngs(0)))
-  tokens = jax.random.randint(jax.random.key(0), (B, T + 1), 0, 64)
-  carry = lm.init_carry(cfg, B)
-
-  def loss(p):
-    logits, _ = lm.apply(graphdef, p, tokens[:, :-1], carry)
-    logp = jax.nn.log_softmax(logits, -1)
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
-  step = jax.jit(jax.value_and_grad(loss))
+  step, params = lm_loss_step(_model_cfg(setting, recurrence), B, T)
   calls = step.lower(params).as_text().count(native.BF16_MATMUL)
   return step(params), calls
-
-
-def _assert_same_bits(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(x, y)
 
 
 @needs_compiler
@@ -205,7 +192,7 @@ def test_off_is_the_layers_float32_call(this_cpus_build):
   off = lambda *a: native.zebra_layer(*a, 1, False, False)
   without = lambda *a: native.zebra_layer(*a, 1, False)
   assert _bf16_calls(off, args) == 0
-  _assert_same_bits(value_and_grads(off, args, cotangents),
+  assert_same_bits(value_and_grads(off, args, cotangents),
                     value_and_grads(without, args, cotangents))
 
 
@@ -219,7 +206,7 @@ def test_without_the_units_auto_is_off(this_cpus_build, monkeypatch):
   (got, got_g), calls = _loss_and_grads("auto")
   assert calls == 0
   assert float(got) == float(want)
-  _assert_same_bits(got_g, want_g)
+  assert_same_bits(got_g, want_g)
 
 
 def test_other_recurrences_run_float32():
@@ -229,7 +216,7 @@ def test_other_recurrences_run_float32():
   (want, want_g), _ = _loss_and_grads("off", "scan")
   assert calls == 0
   assert float(got) == float(want)
-  _assert_same_bits(got_g, want_g)
+  assert_same_bits(got_g, want_g)
 
 
 def test_setting_is_checked():

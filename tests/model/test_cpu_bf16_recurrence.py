@@ -26,9 +26,9 @@ from flax import nnx
 from zebra_jax.model import cpu_bf16_head, lm
 from zebra_jax.model.recurrence import native, native_build
 from zebra_jax.model.recurrence import scan
-from tests.helpers import (BF16_LOSS_TOLERANCE, layer_cotangents,
-                           needs_bf16_units, needs_compiler, normal_array,
-                           value_and_grads)
+from tests.helpers import (BF16_LOSS_TOLERANCE, assert_same_bits,
+                           layer_cotangents, lm_loss_step, needs_bf16_units,
+                           needs_compiler, normal_array, value_and_grads)
 
 
 # max |kernel - NumPy's step| / max(1, max |NumPy's step|) over the cases
@@ -236,21 +236,8 @@ def _model_cfg(setting, recurrence="native", width=128, stripes=1,
 
 
 def _loss_and_grads(setting, **kw):
-  cfg = _model_cfg(setting, **kw)
-  graphdef, params = nnx.split(lm.ZebraLM(cfg, rngs=nnx.Rngs(0)))
-  tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 64)
-  carry = lm.init_carry(cfg, 8)
-
-  def loss(p):
-    logits, _ = lm.apply(graphdef, p, tokens[:, :-1], carry)
-    logp = jax.nn.log_softmax(logits, -1)
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
-  return jax.jit(jax.value_and_grad(loss))(params)
-
-
-def _assert_same_bits(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(x, y)
+  step, params = lm_loss_step(_model_cfg(setting, **kw), 8, 8)
+  return step(params)
 
 
 @needs_compiler
@@ -276,12 +263,12 @@ def test_float32_where_it_does_not_apply(this_cpus_build, monkeypatch):
   where cpu_bf16_head.unavailable() names a reason: off's bits."""
   for kw in (dict(width=128, stripes=8, stripe_input="grouped"),
              dict(recurrence="scan")):
-    _assert_same_bits(_loss_and_grads("auto", **kw),
+    assert_same_bits(_loss_and_grads("auto", **kw),
                       _loss_and_grads("off", **kw))
   want = _loss_and_grads("off")
   monkeypatch.setattr(cpu_bf16_head, "unavailable",
                       lambda: "this CPU has no avx512_bf16")
-  _assert_same_bits(_loss_and_grads("auto"), want)
+  assert_same_bits(_loss_and_grads("auto"), want)
 
 
 def test_setting_is_checked():
