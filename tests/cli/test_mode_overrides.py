@@ -30,24 +30,26 @@ TRAINED = {"model.vocab_size", "model.embed_size", "model.hidden_size",
            "model.adaptive_div_val", "model.adaptive_tie", "data.tokenizer",
            "data.bpe_vocab_size", "data.min_freq", "data.max_vocab_size"}
 RUNS = {"model.dtype", "model.adaptive_chunk_rows", "model.recurrence",
-        "model.cpu_bf16_head", "model.cpu_bf16_projections",
-        "model.cpu_bf16_recurrence", "model.cpu_fused_head", "model.unroll",
-        "model.head_logits_dtype",
+        "model.cpu_bf16_head", "model.head_logits_dtype",
         "model.head_fused_xent", "model.adaptive_tile", "parallel"}
+# Read where a window of tokens runs the layers at once: not by sampling,
+# whose prompts and tokens go one step at a time.
+WINDOWS = {"model.cpu_bf16_projections", "model.cpu_bf16_recurrence",
+           "model.unroll"}
 CORPUS = {"data.source", "data.path", "data.hf_name", "data.hf_config",
           "data.hf_cache_dir", "data.hf_text_column", "data.tfds_name",
           "data.tfds_data_dir", "data.tfds_train_split",
           "data.tfds_valid_split", "data.tfds_test_split", "data.tfds_text_key",
           "data.valid_fraction", "data.test_fraction"}
 APPLIED = {
-    "eval": RUNS | CORPUS | {"eval"},
+    "eval": RUNS | WINDOWS | CORPUS | {"eval", "model.cpu_fused_head"},
     "sample": RUNS | {"sample", "serve.slots", "serve.queue",
                       "serve.prefill_chunk", "serve.prefill_rows",
                       "serve.small_batch_blocks", "serve.small_batch_rows",
                       "serve.prefix_cache_bytes"},
-    "score": RUNS | {"eval.seq_len"},
-    "serve": RUNS | {"serve", "sample", "eval.seq_len"},
-    "export": RUNS | {"export", "sample", "serve", "eval"},
+    "score": RUNS | WINDOWS | {"eval.seq_len"},
+    "serve": RUNS | WINDOWS | {"serve", "sample", "eval.seq_len"},
+    "export": RUNS | WINDOWS | {"export", "sample", "serve", "eval"},
     "plot": set(),
 }
 

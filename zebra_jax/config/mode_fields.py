@@ -34,10 +34,16 @@ FIXED = ("model.vocab_size", "model.embed_size", "model.hidden_size",
 # How a trained model runs: the compute dtype, the recurrence's code and the
 # devices' layout; the same parameters give the same numbers up to rounding.
 COMPUTE = ("model.dtype", "model.adaptive_chunk_rows", "model.recurrence",
-           "model.cpu_bf16_head", "model.cpu_bf16_projections",
-           "model.cpu_bf16_recurrence", "model.cpu_fused_head", "model.unroll",
-           "model.head_logits_dtype",
+           "model.cpu_bf16_head", "model.head_logits_dtype",
            "model.head_fused_xent", "model.adaptive_tile", "parallel")
+# How a window of tokens runs through the layers at once (scoring, eval,
+# export's prompt function); sampling's prompts and tokens go one step at a
+# time, which neither the native loops' bf16 products nor unrolling touch.
+WINDOWS = ("model.cpu_bf16_projections", "model.cpu_bf16_recurrence",
+           "model.unroll")
+# The tied head's fused loss, which only a loss over a window runs (eval;
+# scoring sums log-probabilities instead).
+LOSS = ("model.cpu_fused_head",)
 # Which text --mode=eval scores (read with the trained tokenizer).
 CORPUS = ("data.source", "data.path", "data.hf_name", "data.hf_config",
           "data.hf_cache_dir", "data.hf_text_column", "data.tfds_name",
@@ -51,17 +57,18 @@ _ENGINE = ("serve.slots", "serve.queue", "serve.prefill_chunk",
 
 READS = {
     "train": ("",),  # every field
-    "eval": (*COMPUTE, "eval", *CORPUS),
+    "eval": (*COMPUTE, *WINDOWS, *LOSS, "eval", *CORPUS),
     "sample": (*COMPUTE, "sample", *_ENGINE),
-    "score": (*COMPUTE, "eval.seq_len"),
-    "serve": (*COMPUTE, "serve", "sample", "eval.seq_len"),
+    "score": (*COMPUTE, *WINDOWS, "eval.seq_len"),
+    "serve": (*COMPUTE, *WINDOWS, "serve", "sample", "eval.seq_len"),  # /score
     # The artifact's config.json and manifest carry these for its servers.
-    "export": (*COMPUTE, "export", "sample", "serve", "eval"),
+    "export": (*COMPUTE, *WINDOWS, "export", "sample", "serve", "eval"),
     "plot": (),  # curves come from metrics.jsonl: no config at all
 }
 # What inference takes from the given config rather than the workdir's
 # config.json (eval's corpus is chosen by evaluate.run itself).
-APPLIED_AT_INFERENCE = (*COMPUTE, "eval", "sample", "serve", "export")
+APPLIED_AT_INFERENCE = (*COMPUTE, *WINDOWS, *LOSS, "eval", "sample", "serve",
+                        "export")
 _RULES = dict(base.fields())
 _CONDITION = re.compile(r"(\w+)=([\w.-]+): ")
 

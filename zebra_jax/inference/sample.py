@@ -52,11 +52,6 @@ def check_params(params: engines.SamplingParams) -> None:
                     ) from None
 
 
-def _consume_prompt(params, tokens, carry, *, graphdef, mesh=None):
-  """Runs prompts [B, T] through the model: (last logits [B, V], carry)."""
-  return lm.last_logits(graphdef, params, tokens, carry, mesh=mesh)
-
-
 ENGINE_FIELDS = ("slots", "queue", "prefill_chunk", "prefill_rows",
                  "decode_block", "small_batch_blocks", "small_batch_rows",
                  "prefix_cache_bytes")
@@ -87,8 +82,6 @@ class Generator:
     # One device, or the run's stripe devices (loading.placement).
     place = loading.placement(loaded)
     self.params = place.params
-    self._consume = jax.jit(functools.partial(
-        _consume_prompt, graphdef=loaded.graphdef, mesh=place.mesh))
     self.step_fn = functools.partial(lm.decode_step, graphdef=loaded.graphdef,
                                      mesh=place.mesh)
     self._engine_options = engine_options(loaded.cfg, **engine_overrides)
