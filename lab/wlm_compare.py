@@ -3,6 +3,8 @@
   python -m lab.wlm_compare --seconds=180       # dense S=1, grouped S=8,
                                                 # torch on every core and on 1,
                                                 # in float32 and in bf16
+  python -m lab.wlm_compare --rounds=2          # twice, the second in reverse
+                                                # order: drift cancels
   python -m lab.wlm_compare --notorch_bf16      # torch in float32 only
   python -m lab.wlm_compare --trace             # where one step's time goes
   python -m lab.wlm_compare --quick             # tiny: a smoke test
@@ -37,7 +39,8 @@ def main(argv: Sequence[str]) -> None:
   overrides = dict(o.split("=", 1) for o in f.jax_override)
   overrides = {k: _value(v) for k, v in overrides.items()}
   if f.trace:
-    unused = [n for n in ("seconds", "threads", "torch_bf16", "json")
+    unused = [n for n in ("seconds", "threads", "torch_bf16", "json",
+                          "rounds")
               if f[n].present]
     if unused:
       raise UserError(f"--trace times one JAX step alone: drop "
@@ -58,9 +61,12 @@ def main(argv: Sequence[str]) -> None:
                               for t in f.threads):
     raise UserError(f"--threads={','.join(f.threads)}: give thread counts "
                     "of at least 1")
+  if f.rounds < 1:
+    raise UserError(f"--rounds={f.rounds}: give 1, or 2 or more to run "
+                    "the rows again in reverse order")
   threads = [int(t) for t in f.threads]
   equal_time.run(2.0 if f.quick else f.seconds, variants, threads, f.quick,
-                 overrides, f.json, f.torch_bf16)
+                 overrides, f.json, f.torch_bf16, f.rounds)
 
 
 def _value(text: str):
@@ -84,6 +90,12 @@ def _define_flags() -> None:
   flags.DEFINE_list("threads", [str(t) for t in sorted({cores, 1})[::-1]],
                     "torch rows' thread counts, one row each; ratios are "
                     "to the faster (XLA uses every core it sees).")
+  flags.DEFINE_integer("rounds", 1, "Run every row this many times, "
+                       "every other round in reverse order: with an even "
+                       "count each row's runs sit symmetrically about the "
+                       "middle of the whole run, so a machine whose pace "
+                       "drifts steadily slows every row alike. Rows report "
+                       "tok/s over all their rounds.")
   flags.DEFINE_multi_string("jax_override", [], "SECTION.FIELD=VALUE set on "
                             "the JAX rows' config, e.g. "
                             "model.recurrence=scan.")

@@ -23,11 +23,14 @@ and window products), in its own ratio column beside float32's.
 """
 
 import contextlib
+import functools
 import json
+import math
 import os
 import statistics
 import sys
 import tempfile
+import time
 from typing import Sequence
 
 import ml_collections
@@ -101,37 +104,86 @@ def torch_row(folder: str, seconds: float, threads: int, width: int,
   return row
 
 
+def round_orders(count: int, rounds: int) -> list[list[int]]:
+  """The rows' order in each round: as given, then reversed, and so on.
+
+  Over an even number of rounds every row's runs sit symmetrically about
+  the middle of the whole run (ABBA), so a machine whose pace drifts
+  steadily through it slows every row alike, and the ratios hold."""
+  forward = list(range(count))
+  return [forward if r % 2 == 0 else forward[::-1] for r in range(rounds)]
+
+
+def combined(runs: Sequence[dict]) -> dict:
+  """One row from its rounds: tokens over training seconds, all rounds
+  together; valid perplexity from the rounds' mean valid loss (each round
+  trains afresh for the same seconds); each round's own figures kept."""
+  if len(runs) == 1:
+    return runs[0]
+  row = dict(runs[0])
+  tokens = sum(r["tokens"] for r in runs)
+  seconds = sum(r["seconds"] for r in runs)
+  loss = statistics.fmean(r["valid_loss"] for r in runs)
+  steady = [r["steady_tokens_per_s"] for r in runs
+            if r.get("steady_tokens_per_s")]
+  row.update(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
+             steps=sum(r["steps"] for r in runs), valid_loss=loss,
+             valid_ppl=math.exp(loss),
+             steady_tokens_per_s=statistics.median(steady) if steady else None,
+             load_before=runs[0]["load_before"],
+             load_after=runs[-1]["load_after"],
+             rounds=[{k: r[k] for k in ("tokens_per_s", "valid_ppl",
+                                        "started_s")} for r in runs])
+  return row
+
+
 def run(seconds: float, variants, threads: Sequence[int], quick: bool = False,
         overrides: dict | None = None, json_path: str | None = None,
-        torch_bf16: bool = False) -> dict:
+        torch_bf16: bool = False, rounds: int = 1) -> dict:
   """Every JAX variant, then the torch example at each thread count (and
-  with torch_bf16, again under torch.autocast(bfloat16)); prints the
-  table. Ratios are to the faster float32 torch row, and to the faster
-  bf16 one."""
+  with torch_bf16, again under torch.autocast(bfloat16)), `rounds` times
+  (round_orders); prints the table. Ratios are to the faster float32 torch
+  row, and to the faster bf16 one."""
   sizes = QUICK if quick else FULL
   folder, manifest = word_corpus.prepare(sizes["target_tokens"],
                                          sizes["vocab_size"])
-  rows = [jax_row(jax_config(v, folder, seconds, sizes["width"], overrides),
-                  VARIANTS.get(v, f"jax_{v}")) for v in variants]
-  references = [torch_row(folder, seconds, t, sizes["width"])
-                for t in threads]
-  bf16 = [torch_row(folder, seconds, t, sizes["width"], autocast_bf16=True)
-          for t in (threads if torch_bf16 else ())]
+  width = sizes["width"]
+  runners = [functools.partial(
+      jax_row, jax_config(v, folder, seconds, width, overrides),
+      VARIANTS.get(v, f"jax_{v}")) for v in variants]
+  runners += [functools.partial(torch_row, folder, seconds, t, width)
+              for t in threads]
+  runners += [functools.partial(torch_row, folder, seconds, t, width,
+                                autocast_bf16=True)
+              for t in (threads if torch_bf16 else ())]
+  runs = [[] for _ in runners]
+  start = time.perf_counter()
+  for order in round_orders(len(runners), rounds):
+    for i in order:
+      started = time.perf_counter() - start
+      runs[i].append({**runners[i](), "started_s": started})
+  rows = [combined(r) for r in runs]
+  references = [r for r in rows
+                if r["side"] == "torch" and not r["autocast_bf16"]]
+  bf16 = [r for r in rows if r.get("autocast_bf16")]
   fastest = max(references, key=lambda r: r["tokens_per_s"])
   fastest_bf16 = max(bf16, key=lambda r: r["tokens_per_s"], default=None)
-  for r in rows + references + bf16:
+  for r in rows:
     r["ratio_to_torch"] = r["tokens_per_s"] / fastest["tokens_per_s"]
     r["ratio_to_torch_bf16"] = fastest_bf16 and (
         r["tokens_per_s"] / fastest_bf16["tokens_per_s"])
-  result = {"seconds": seconds, "threads": list(threads),
+  result = {"seconds": seconds, "rounds": rounds, "threads": list(threads),
             "cpus": os.cpu_count(), "corpus": {"folder": folder, **manifest},
-            "width": sizes["width"], "rows": rows + references + bf16}
+            "width": width, "rows": rows}
   return print_and_save(result, print_table, json_path)
 
 
 def print_table(result: dict) -> None:
   c = result["corpus"]
-  print(f"\nequal wall-clock, {result['seconds']:g} s of training a side | "
+  rounds = result.get("rounds", 1)
+  print(f"\nequal wall-clock, {result['seconds']:g} s of training a side"
+        + (f" in each of {rounds} rounds (every other one in reverse order)"
+           if rounds > 1 else "") + " | "
         f"{c['tokens']['train']:,} train / {c['tokens']['valid']:,} valid "
         f"tokens, vocab {c['vocab_size']:,} | 2 x {result['width']} LSTM, "
         f"batch 20, bptt 35 | torch {'/'.join(map(str, result['threads']))}"
@@ -151,6 +203,9 @@ def print_table(result: dict) -> None:
       ("steady tok/s", 14, lambda r: (f"{r['steady_tokens_per_s']:,.0f}"
                                       if r.get("steady_tokens_per_s")
                                       else "-")),
+      *([("rounds' tok/s", 18, lambda r: " / ".join(
+          f"{x['tokens_per_s']:,.0f}" for x in r["rounds"]))]
+        if rounds > 1 else []),
       load_column()])
   for torch_side in (r for r in result["rows"] if r["side"] == "torch"):
     print(f"note: {torch_side['name']} ({torch_side['torch']}): "
@@ -158,6 +213,9 @@ def print_table(result: dict) -> None:
           f" at the end (divided by 4 after epochs "
           f"{torch_side['anneal_epochs'] or 'none'})")
   print("note: jax: lr 20 throughout, compiling inside its budget")
+  if rounds > 1:
+    print("note: tok/s over all rounds' training seconds; valid ppl from "
+          "the rounds' mean valid loss, each round trained afresh")
   if not any(r.get("autocast_bf16") for r in result["rows"]):
     print("note: the JAX rows multiply in bf16 where the CPU has the units "
           "(configs/wlm.py), the torch rows in float32: --torch_bf16 adds "

@@ -96,6 +96,66 @@ def test_quick_run_reports_every_row(tmp_path):
         r["tokens_per_s"] / fastest_bf16)
 
 
+def _drifting_rounds(speeds, rounds):
+  """Each row's runs on a machine whose pace falls steadily, 1% a run's
+  length: tokens = speed x the pace integrated over the run."""
+  pace = lambda t: 1.0 - 0.01 * t  # t in runs' lengths
+  runs = [[] for _ in speeds]
+  t = 0.0
+  for order in equal_time.round_orders(len(speeds), rounds):
+    for i in order:
+      tokens = speeds[i] * (pace(t) + pace(t + 1)) / 2
+      runs[i].append({"tokens": tokens, "seconds": 1.0,
+                      "tokens_per_s": tokens, "steps": 1,
+                      "valid_loss": 4.0 + i, "valid_ppl": math.exp(4.0 + i),
+                      "load_before": t, "load_after": t + 1,
+                      "started_s": t})
+      t += 1
+  return [equal_time.combined(r) for r in runs]
+
+
+def test_reversed_rounds_cancel_a_steady_drift():
+  """Rows of true speeds 3 : 2 : 1 on a machine that slows as it runs:
+  one round favours the first row, two rounds (ABBA) give 3 : 2 : 1."""
+  assert equal_time.round_orders(3, 3) == [[0, 1, 2], [2, 1, 0], [0, 1, 2]]
+  one = _drifting_rounds([3.0, 2.0, 1.0], 1)
+  assert one[0]["tokens_per_s"] / one[2]["tokens_per_s"] > 3.05
+  two = _drifting_rounds([3.0, 2.0, 1.0], 2)
+  ratios = [r["tokens_per_s"] / two[2]["tokens_per_s"] for r in two]
+  assert ratios == pytest.approx([3.0, 2.0, 1.0], rel=1e-12)
+  first = two[0]
+  assert first["seconds"] == 2.0 and first["steps"] == 2
+  assert [r["started_s"] for r in first["rounds"]] == [0.0, 5.0]
+  assert first["valid_ppl"] == pytest.approx(math.exp(4.0))
+  assert (first["load_before"], first["load_after"]) == (0.0, 6.0)
+
+
+@pytest.mark.slow
+def test_two_rounds_run_every_row_again_in_reverse(tmp_path):
+  pytest.importorskip(
+      "torch", reason="the example's recipe runs in PyTorch: pip install torch")
+  path = tmp_path / "wlm.json"
+  out = subprocess.run(
+      [sys.executable, "-m", "lab.wlm_compare", "--quick", "--rounds=2",
+       "--variants=dense1", "--threads=1", "--notorch_bf16",
+       f"--json={path}"],
+      capture_output=True, text=True, timeout=600, cwd=REPO,
+      env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+           "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "in each of 2 rounds" in out.stdout
+  rows = {r["name"]: r for r in json.loads(path.read_text())["rows"]}
+  jax_row, torch_row = rows["jax_S1_dense"], rows["torch_1thread"]
+  starts = lambda r: [x["started_s"] for x in r["rounds"]]
+  # jax, torch | torch, jax
+  assert starts(jax_row)[0] < starts(torch_row)[0] < starts(torch_row)[1] < (
+      starts(jax_row)[1])
+  for r in (jax_row, torch_row):
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+    assert r["seconds"] >= 2 * 2.0
+  assert torch_row["ratio_to_torch"] == 1.0
+
+
 def test_the_wlm_config_trains_a_few_steps(tmp_path):
   """configs/wlm.py's tiny variant through the real loop: SGD at lr 20 with
   clipping keeps the loss finite."""
@@ -117,10 +177,10 @@ def test_trace_refuses_the_comparisons_flags():
   runs is refused with one line, not dropped."""
   out = subprocess.run(
       [sys.executable, "-m", "lab.wlm_compare", "--trace", "--quick",
-       "--seconds=5", "--notorch_bf16"],
+       "--seconds=5", "--notorch_bf16", "--rounds=2"],
       capture_output=True, text=True, timeout=300, cwd=REPO)
   assert out.returncode == 2, out.stderr[-2000:]
   errors = [l for l in out.stderr.splitlines() if l.startswith("error:")]
-  assert len(errors) == 1 and "--seconds, --torch_bf16" in errors[0], (
+  assert len(errors) == 1 and "--seconds, --torch_bf16, --rounds" in errors[0], (
       out.stderr[-2000:])
   assert "Traceback" not in out.stderr
