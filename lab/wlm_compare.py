@@ -36,8 +36,7 @@ def main(argv: Sequence[str]) -> None:
     raise UserError(f"--variants: {', '.join(sorted(unknown))} unknown: use "
                     "dense1 and/or grouped8")
   variants = [_variant(v) for v in f.variants]
-  overrides = dict(o.split("=", 1) for o in f.jax_override)
-  overrides = {k: _value(v) for k, v in overrides.items()}
+  overrides = _overrides(f.jax_override)
   if f.trace:
     unused = [n for n in ("seconds", "threads", "torch_bf16", "json",
                           "rounds")
@@ -69,14 +68,17 @@ def main(argv: Sequence[str]) -> None:
                  overrides, f.json, f.torch_bf16, f.rounds)
 
 
-def _value(text: str):
-  """An override's value: a number where it reads as one, else the text."""
-  for kind in (int, float):
-    try:
-      return kind(text)
-    except ValueError:
-      pass
-  return text
+def _overrides(texts: Sequence[str]) -> list[tuple[str, str]]:
+  """--jax_override's SECTION.FIELD=VALUE texts as (field, value) pairs,
+  which the JAX rows' config takes as --config.* overrides."""
+  pairs = []
+  for text in texts:
+    field, sep, value = text.partition("=")
+    if not sep:
+      raise UserError(f"--jax_override={text}: give SECTION.FIELD=VALUE, "
+                      "e.g. model.recurrence=scan")
+    pairs.append((field, value))
+  return pairs
 
 
 def _define_flags() -> None:
@@ -98,7 +100,9 @@ def _define_flags() -> None:
                        "tok/s over all their rounds.")
   flags.DEFINE_multi_string("jax_override", [], "SECTION.FIELD=VALUE set on "
                             "the JAX rows' config, e.g. "
-                            "model.recurrence=scan.")
+                            "model.recurrence=scan, read as --config.* is "
+                            "(an unknown field or a wrong type: one error "
+                            "line).")
   flags.DEFINE_bool("torch_bf16", True, "Also run the example under "
                     "torch.autocast(bfloat16) at each thread count: the "
                     "like-for-like reference of configs/wlm.py's bf16 "

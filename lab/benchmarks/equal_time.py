@@ -38,6 +38,8 @@ import ml_collections
 from lab.benchmarks import torch_reference, word_corpus, word_lm
 from lab.benchmarks.table import (load_column, print_and_save, print_rows,
                                  ratio_text)
+from zebra_jax.cli import overrides as config_overrides
+from zebra_jax.errors import UserError
 
 FULL = dict(target_tokens=1_100_000, vocab_size=10_000, width=200)
 QUICK = dict(target_tokens=60_000, vocab_size=2_000, width=32)
@@ -46,8 +48,10 @@ _NEVER = 10 ** 9  # a step count no budget reaches
 
 
 def jax_config(variant: str, folder: str, seconds: float, width: int,
-               overrides: dict | None = None) -> ml_collections.ConfigDict:
-  """configs/wlm.py's variant on `folder`, stopped by the time budget alone."""
+               overrides: Sequence[tuple[str, str]] = ()
+               ) -> ml_collections.ConfigDict:
+  """configs/wlm.py's variant on `folder`, stopped by the time budget alone,
+  with `overrides` ((field, text) pairs) read as --config.* reads them."""
   from zebra_jax.configs import wlm  # pylint: disable=g-import-not-at-top
   cfg = wlm.get_config(variant)
   cfg.data.path = folder
@@ -57,9 +61,10 @@ def jax_config(variant: str, folder: str, seconds: float, width: int,
                    sample_at_eval=False)
   cfg.eval.accuracy = False  # the example counts no accuracy
   cfg.checkpoint.every_steps = _NEVER
-  for name, value in (overrides or {}).items():
-    section, field = name.split(".")
-    cfg[section][field] = value
+  try:
+    config_overrides.apply(cfg, list(overrides))
+  except UserError as e:
+    raise UserError(f"--jax_override: {e}") from None
   return cfg
 
 
@@ -138,8 +143,9 @@ def combined(runs: Sequence[dict]) -> dict:
 
 
 def run(seconds: float, variants, threads: Sequence[int], quick: bool = False,
-        overrides: dict | None = None, json_path: str | None = None,
-        torch_bf16: bool = False, rounds: int = 1) -> dict:
+        overrides: Sequence[tuple[str, str]] = (),
+        json_path: str | None = None, torch_bf16: bool = False,
+        rounds: int = 1) -> dict:
   """Every JAX variant, then the torch example at each thread count (and
   with torch_bf16, again under torch.autocast(bfloat16)), `rounds` times
   (round_orders); prints the table. Ratios are to the faster float32 torch
@@ -173,6 +179,7 @@ def run(seconds: float, variants, threads: Sequence[int], quick: bool = False,
     r["ratio_to_torch_bf16"] = fastest_bf16 and (
         r["tokens_per_s"] / fastest_bf16["tokens_per_s"])
   result = {"seconds": seconds, "rounds": rounds, "threads": list(threads),
+            "jax_overrides": [f"{k}={v}" for k, v in overrides],
             "cpus": os.cpu_count(), "corpus": {"folder": folder, **manifest},
             "width": width, "rows": rows}
   return print_and_save(result, print_table, json_path)
@@ -213,6 +220,9 @@ def print_table(result: dict) -> None:
           f" at the end (divided by 4 after epochs "
           f"{torch_side['anneal_epochs'] or 'none'})")
   print("note: jax: lr 20 throughout, compiling inside its budget")
+  if result.get("jax_overrides"):
+    print(f"note: jax rows: configs/wlm.py with "
+          f"{', '.join(result['jax_overrides'])}")
   if rounds > 1:
     print("note: tok/s over all rounds' training seconds; valid ppl from "
           "the rounds' mean valid loss, each round trained afresh")

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from lab.benchmarks import equal_time, step_split, traces, word_corpus, word_lm
+from zebra_jax.errors import UserError
 from tests.helpers import REPO
 
 
@@ -156,6 +157,19 @@ def test_two_rounds_run_every_row_again_in_reverse(tmp_path):
   assert torch_row["ratio_to_torch"] == 1.0
 
 
+def test_jax_overrides_are_read_as_config_overrides(tmp_path):
+  """--jax_override goes through --config.*'s reader: typed values, and an
+  unknown field is an error rather than a field the run never reads."""
+  cfg = equal_time.jax_config("", str(tmp_path), 60.0, 32,
+                              [("model.cpu_bf16_recurrence", "off"),
+                               ("model.unroll", "2")])
+  assert cfg.model.cpu_bf16_recurrence == "off" and cfg.model.unroll == 2
+  with pytest.raises(UserError, match=r"^--jax_override: --config.model."
+                     r"cpu_bf16_recurence: model has no field"):
+    equal_time.jax_config("", str(tmp_path), 60.0, 32,
+                          [("model.cpu_bf16_recurence", "off")])
+
+
 def test_the_wlm_config_trains_a_few_steps(tmp_path):
   """configs/wlm.py's tiny variant through the real loop: SGD at lr 20 with
   clipping keeps the loss finite."""
@@ -184,3 +198,10 @@ def test_trace_refuses_the_comparisons_flags():
   assert len(errors) == 1 and "--seconds, --torch_bf16, --rounds" in errors[0], (
       out.stderr[-2000:])
   assert "Traceback" not in out.stderr
+  out = subprocess.run(
+      [sys.executable, "-m", "lab.wlm_compare", "--trace", "--quick",
+       "--jax_override=model.recurrence"],
+      capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert out.returncode == 2 and "Traceback" not in out.stderr
+  assert "error: --jax_override=model.recurrence: give SECTION.FIELD=VALUE" in (
+      out.stderr), out.stderr[-2000:]
