@@ -487,17 +487,17 @@ void FusedXent(const XentBuffers& io, int chunk, bool bf16, int threads,
     const uintptr_t at = reinterpret_cast<uintptr_t>(buffer);
     packed.d_logits = buffer + ((64 - at % 64) % 64) / sizeof(uint16_t);
   }
+  // The parts split the rows evenly; with the shared d_logits, whole
+  // lines of them (a part's rows start a line), split evenly by lines.
+  const int64_t unit = shared_d_e ? kXentLine : 1;
   std::vector<XentPart> parts;
-  for (const auto& share : ranges(io.n, count))
+  for (const auto& share : ranges((io.n + unit - 1) / unit, count))
     for (const Range& r : share) {
       float* base = work.data() + parts.size() * per_part;
-      const auto line_start = [&](int64_t row) {
-        return shared_d_e && row < io.n ? row / kXentLine * kXentLine : row;
-      };
       float* d_e = grads && !shared_d_e ? base : nullptr;
       float* d_b = shared_d_e ? base : nullptr;
-      parts.push_back({line_start(r.first), line_start(r.last), d_e, d_b,
-                       base + grads_size});
+      parts.push_back({r.first * unit, std::min(r.last * unit, io.n), d_e,
+                       d_b, base + grads_size});
     }
   Run(Spread(parts, int(count)), pool, [&](const XentPart& part) {
     // Kept by each thread between calls, as XentScratch: fresh buffers
