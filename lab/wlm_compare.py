@@ -64,8 +64,9 @@ def main(argv: Sequence[str]) -> None:
     raise UserError(f"--rounds={f.rounds}: give 1, or 2 or more to run "
                     "the rows again in reverse order")
   threads = [int(t) for t in f.threads]
-  equal_time.run(2.0 if f.quick else f.seconds, variants, threads, f.quick,
-                 overrides, f.json, f.torch_bf16, f.rounds)
+  seconds = 2.0 if f.quick and not f["seconds"].present else f.seconds
+  equal_time.run(seconds, variants, threads, f.quick, overrides, f.json,
+                 f.torch_bf16, f.rounds)
 
 
 def _overrides(texts: Sequence[str]) -> list[tuple[str, str]]:
@@ -109,8 +110,8 @@ def _define_flags() -> None:
                     "products (its own ratio column).")
   flags.DEFINE_bool("trace", False, "Split one step of each JAX row into "
                     "head, recurrence, projections, optimizer, data, host.")
-  flags.DEFINE_bool("quick", False, "A tiny corpus and model, 2 s a side: "
-                    "a smoke test.")
+  flags.DEFINE_bool("quick", False, "A tiny corpus and model, 2 s a side "
+                    "(unless --seconds says otherwise): a smoke test.")
   flags.DEFINE_string("json", None, "Also write the results here.")
 
 

@@ -138,7 +138,7 @@ def test_two_rounds_run_every_row_again_in_reverse(tmp_path):
   path = tmp_path / "wlm.json"
   out = subprocess.run(
       [sys.executable, "-m", "lab.wlm_compare", "--quick", "--rounds=2",
-       "--variants=dense1", "--threads=1", "--notorch_bf16",
+       "--seconds=3", "--variants=dense1", "--threads=1", "--notorch_bf16",
        f"--json={path}"],
       capture_output=True, text=True, timeout=600, cwd=REPO,
       env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
@@ -153,7 +153,7 @@ def test_two_rounds_run_every_row_again_in_reverse(tmp_path):
       starts(jax_row)[1])
   for r in (jax_row, torch_row):
     assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
-    assert r["seconds"] >= 2 * 2.0
+    assert r["seconds"] >= 2 * 3.0  # --seconds kept beside --quick
   assert torch_row["ratio_to_torch"] == 1.0
 
 
