@@ -158,7 +158,8 @@ FIELDS = dict(
             "float32 elsewhere (other recurrences, small stripes, sampling "
             "steps, no bf16 units)"),
         cpu_fused_head=F("off", one_of(model_config.CPU_FUSED_HEADS),
-                         "the tied full head's training loss on a CPU: off "
+                         "the tied full head's loss on a CPU, in training "
+                         "and in eval without accuracy: off "
                          "(XLA: the [rows, vocab] logits written) | on: "
                          "logits, softmax cross-entropy and gradients by "
                          "chunks of rows in one native call (bf16 products "
