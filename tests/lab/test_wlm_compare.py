@@ -63,20 +63,26 @@ def test_ops_are_given_to_the_parts_by_scope_and_kind():
                             calls) == "recurrence"
 
 
-@pytest.mark.slow
-def test_quick_run_reports_every_row(tmp_path):
+def _quick_run(path, *flags):
+  """`lab.wlm_compare --quick` with `flags`, its JSON at `path`: (stdout,
+  the result). Needs torch, for the example's side."""
   pytest.importorskip(
       "torch", reason="the example's recipe runs in PyTorch: pip install torch")
-  path = tmp_path / "wlm.json"
   out = subprocess.run(
-      [sys.executable, "-m", "lab.wlm_compare", "--quick", "--threads=2,1",
-       "--torch_bf16", f"--json={path}"],
+      [sys.executable, "-m", "lab.wlm_compare", "--quick", *flags,
+       f"--json={path}"],
       capture_output=True, text=True, timeout=600, cwd=REPO,
       env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
            "JAX_PLATFORMS": "cpu"})  # one CPU device: batch 20 is the recipe's
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "x torch" in out.stdout
-  result = json.loads(path.read_text())
+  return out.stdout, json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_row(tmp_path):
+  stdout, result = _quick_run(tmp_path / "wlm.json", "--threads=2,1",
+                              "--torch_bf16")
+  assert "x torch" in stdout
   rows = {r["name"]: r for r in result["rows"]}
   assert set(rows) == {"jax_S1_dense", "jax_S8_grouped", "torch_2thread",
                        "torch_1thread", "torch_bf16_2thread",
@@ -133,19 +139,11 @@ def test_reversed_rounds_cancel_a_steady_drift():
 
 @pytest.mark.slow
 def test_two_rounds_run_every_row_again_in_reverse(tmp_path):
-  pytest.importorskip(
-      "torch", reason="the example's recipe runs in PyTorch: pip install torch")
-  path = tmp_path / "wlm.json"
-  out = subprocess.run(
-      [sys.executable, "-m", "lab.wlm_compare", "--quick", "--rounds=2",
-       "--seconds=3", "--variants=dense1", "--threads=1", "--notorch_bf16",
-       f"--json={path}"],
-      capture_output=True, text=True, timeout=600, cwd=REPO,
-      env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-           "JAX_PLATFORMS": "cpu"})
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "in each of 2 rounds" in out.stdout
-  rows = {r["name"]: r for r in json.loads(path.read_text())["rows"]}
+  stdout, result = _quick_run(tmp_path / "wlm.json", "--rounds=2",
+                              "--seconds=3", "--variants=dense1",
+                              "--threads=1", "--notorch_bf16")
+  assert "in each of 2 rounds" in stdout
+  rows = {r["name"]: r for r in result["rows"]}
   jax_row, torch_row = rows["jax_S1_dense"], rows["torch_1thread"]
   starts = lambda r: [x["started_s"] for x in r["rounds"]]
   # jax, torch | torch, jax
