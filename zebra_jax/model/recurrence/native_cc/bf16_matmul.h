@@ -78,6 +78,31 @@ inline __m512i Bf16Lanes(const float* x, int64_t left) {
       __m256i(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x))));
 }
 
+// A 16 x 16 tile of uint32 transposed in registers: r[j]'s lane l moves to
+// r[l]'s lane j (pairs of 32-bit, then 64-bit, then 128-bit lanes swapped).
+inline void Transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0x88);
+      t[i + k + 4] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
+  }
+}
+
 // A's rows [m0, m1) packed: row i's pairs of K, one uint32 each (first
 // element in the low half). Stored as it is read, a row's pairs are its
 // bf16 values in order; a transposed operand is read in tiles, so neither
@@ -99,46 +124,32 @@ void PackRows(const Operand& a, int64_t m0, int64_t m1, int64_t k,
     }
     return;
   }
-  // Whole tiles of 16 rows x 16 pairs: each pair's two rows of x (16 of
-  // the tile's rows a vector) converted together, the tile then written
-  // row by row; the edges one value at a time.
-  const int64_t whole_rows = m0 + (m1 - m0) / 16 * 16;
+  // Tiles of 16 rows x 16 pairs: each pair's two rows of x (16 of the
+  // tile's rows a vector, none read past m1) converted together, the tile
+  // transposed in registers and written a row at a time; the pairs past
+  // the last whole tile (an odd K's last among them) one value at a time.
   const int64_t whole_pairs = k / 2 / 16 * 16;  // pairs with both halves
-  alignas(64) uint32_t tile[16][16];
-  for (int64_t i0 = m0; i0 < whole_rows; i0 += 16) {
+  __m512i tile[16];
+  for (int64_t i0 = m0; i0 < m1; i0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, m1 - i0);
     for (int64_t q0 = 0; q0 < whole_pairs; q0 += 16) {
       for (int j = 0; j < 16; ++j) {
         const float* lo = a.x + 2 * (q0 + j) * a.ld + i0;
-        const __m512i pair = _mm512_or_si512(
-            _mm512_cvtepu16_epi32(
-                __m256i(_mm512_cvtneps_pbh(_mm512_loadu_ps(lo)))),
-            _mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(__m256i(
-                    _mm512_cvtneps_pbh(_mm512_loadu_ps(lo + a.ld)))),
-                16));
-        _mm512_store_si512(tile[j], pair);
+        tile[j] = _mm512_or_si512(
+            Bf16Lanes(lo, rows),
+            _mm512_slli_epi32(Bf16Lanes(lo + a.ld, rows), 16));
       }
-      for (int l = 0; l < 16; ++l)
-        for (int j = 0; j < 16; ++j)
-          out[(i0 + l) * pairs + q0 + j] = tile[j][l];
+      Transpose16(tile);
+      for (int l = 0; l < rows; ++l)
+        _mm512_storeu_si512(out + (i0 + l) * pairs + q0, tile[l]);
     }
-    for (int64_t i = i0; i < i0 + 16; ++i)
+    for (int64_t i = i0; i < i0 + rows; ++i)
       for (int64_t q = whole_pairs; q < pairs; ++q) {
         const uint32_t lo = Bf16(a.At(i, 2 * q));
         const uint32_t hi = 2 * q + 1 < k ? Bf16(a.At(i, 2 * q + 1)) : 0;
         out[i * pairs + q] = lo | (hi << 16);
       }
   }
-  m0 = whole_rows;
-  constexpr int64_t kTile = 32;
-  for (int64_t i0 = m0; i0 < m1; i0 += kTile)
-    for (int64_t q0 = 0; q0 < pairs; q0 += kTile)
-      for (int64_t i = i0; i < std::min(i0 + kTile, m1); ++i)
-        for (int64_t q = q0; q < std::min(q0 + kTile, pairs); ++q) {
-          const uint32_t lo = Bf16(a.At(i, 2 * q));
-          const uint32_t hi = 2 * q + 1 < k ? Bf16(a.At(i, 2 * q + 1)) : 0;
-          out[i * pairs + q] = lo | (hi << 16);
-        }
 }
 
 // B's 16-column panels [p0, p1) packed: panel p, pair q is 16 uint32 (the

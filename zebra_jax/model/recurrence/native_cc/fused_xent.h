@@ -281,7 +281,12 @@ void LogitsBf16(const XentBuffers& io, const XentPacked& packed, int chunk,
 // pairs, as PackPanels lays them out) and the chunk's rows at their place
 // among all N (packed.d_logits, [V, N]) for d_E's product once every chunk
 // is done; and the part's d_b += their float32 sums, as XLA's bias
-// gradient beside cpu_bf16_head's products.
+// gradient beside cpu_bf16_head's products (each word's 16 lanes added in
+// order, 16 words at a time: their vectors transposed). A whole chunk of
+// whole cache lines of [V, N] (chunk a multiple of kXentLine rows from a
+// line, as the parts start) is written a line at a time past the caches:
+// d_E's product reads it only after every chunk, and a line stored in
+// halves would first be read from memory.
 void PackLogitsGradBf16(const XentBuffers& io, const XentPacked& packed,
                         int chunk, int64_t r0, int m, const float* exps,
                         const float* scales, XentRows& s, bool first,
@@ -297,10 +302,16 @@ void PackLogitsGradBf16(const XentBuffers& io, const XentPacked& packed,
   }
   const int64_t stride = packed.d_logits_stride;
   uint16_t* rows = packed.d_logits + r0;
+  const bool lines = m == chunk && chunk % kXentLine == 0 &&
+                     stride % kXentLine == 0 &&
+                     reinterpret_cast<uintptr_t>(rows) % 64 == 0;
   uint32_t* panels = s.right.data();
   const __m512 one = _mm512_set1_ps(io.grad_scale);  // the onehot, scaled
+  __m512 sums[16];  // 16 words' lanes: d_b's terms
+  __m256i low[2];   // a line's first half, each word of the pair
   for (int64_t q = 0; q < v_pairs; ++q) {
-    __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512* pair_sums = sums + 2 * (q % 8);
+    pair_sums[0] = pair_sums[1] = _mm512_setzero_ps();
     for (int p = 0; p < groups; ++p) {
       const __m512 scale = _mm512_loadu_ps(scales + p * 16);
       __m512i halves[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
@@ -313,28 +324,50 @@ void PackLogitsGradBf16(const XentBuffers& io, const XentPacked& packed,
             _mm512_loadu_si512(targets.data() + p * 16),
             _mm512_set1_epi32(int32_t(v)));
         x = _mm512_mask_sub_ps(x, hit, x, one);
-        sums[half] = _mm512_add_ps(sums[half], x);
+        pair_sums[half] = _mm512_add_ps(pair_sums[half], x);
         const __m256i rounded = __m256i(_mm512_cvtneps_pbh(x));
         halves[half] = _mm512_cvtepu16_epi32(rounded);
-        if (masks[p])
-          _mm256_mask_storeu_epi16(rows + v * stride + p * 16, masks[p],
-                                   rounded);
+        uint16_t* at = rows + v * stride + p * 16;
+        if (!lines) {
+          if (masks[p]) _mm256_mask_storeu_epi16(at, masks[p], rounded);
+        } else if (p % 2 == 0) {
+          low[half] = rounded;
+        } else {
+          _mm512_stream_si512(
+              reinterpret_cast<__m512i*>(at - 16),
+              _mm512_inserti64x4(_mm512_castsi256_si512(low[half]), rounded,
+                                 1));
+        }
       }
       _mm512_storeu_si512(
           panels + (p * v_pairs + q) * 16,
           _mm512_or_si512(halves[0], _mm512_slli_epi32(halves[1], 16)));
     }
-    for (int half = 0; half < 2; ++half) {
-      const int64_t v = 2 * q + half;
-      if (v >= v_size) break;
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, sums[half]);
-      float sum = first ? 0.0f : d_b[v];
-      for (int i = 0; i < 16; ++i) sum += lanes[i];
-      d_b[v] = sum;
-      if (m % 2) rows[v * stride + m] = 0;  // N odd: its pair's other half
+    if (m % 2)  // N odd: the last row's pair's other half
+      for (int64_t v = 2 * q; v < std::min(2 * q + 2, v_size); ++v)
+        rows[v * stride + m] = 0;
+    if (q % 8 == 7 || q == v_pairs - 1) {  // d_b, the 16 words from v0
+      const int64_t v0 = q / 8 * 16, words = std::min<int64_t>(16, v_size - v0);
+      if (words == 16) {
+        __m512i lanes[16];
+        for (int w = 0; w < 16; ++w) lanes[w] = _mm512_castps_si512(sums[w]);
+        Transpose16(lanes);  // lanes[i]: lane i of each word
+        __m512 sum = first ? _mm512_setzero_ps() : _mm512_loadu_ps(d_b + v0);
+        for (int i = 0; i < 16; ++i)
+          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(lanes[i]));
+        _mm512_storeu_ps(d_b + v0, sum);
+      } else {
+        for (int w = 0; w < words; ++w) {
+          alignas(64) float lanes[16];
+          _mm512_store_ps(lanes, sums[w]);
+          float sum = first ? 0.0f : d_b[v0 + w];
+          for (int i = 0; i < 16; ++i) sum += lanes[i];
+          d_b[v0 + w] = sum;
+        }
+      }
     }
   }
+  if (lines) _mm_sfence();  // the streamed lines before any other reader
 }
 
 // d_hᵀ [H, chunk] = Eᵀ d_logitsᵀ from PackLogitsGradBf16's panels, then
@@ -448,15 +481,19 @@ void FusedXent(const XentBuffers& io, int chunk, bool bf16, int threads,
     auto& e_rows = XentScratch<uint32_t>(1, size_t(v_size * pairs_h));
     auto& e_cols = XentScratch<uint32_t>(2, grads ? size_t(h_size * pairs_v)
                                                   : 0);
-    Run(ranges(v_size, count), pool, [&](const Range& r) {
-      PackRows(Operand{io.e, h_size, false}, r.first, r.last, h_size,
-               e_rows.data());
+    // Both packings in one pass of the threads, a share of each a part.
+    struct Shares { Range rows, cols; };
+    std::vector<Shares> shares;
+    for (int64_t i = 0; i < count; ++i)
+      shares.push_back({{v_size * i / count, v_size * (i + 1) / count},
+                        {grads ? h_size * i / count : 0,
+                         grads ? h_size * (i + 1) / count : 0}});
+    Run(Spread(shares, int(count)), pool, [&](const Shares& share) {
+      PackRows(Operand{io.e, h_size, false}, share.rows.first,
+               share.rows.last, h_size, e_rows.data());
+      PackRows(Operand{io.e, h_size, true}, share.cols.first,
+               share.cols.last, v_size, e_cols.data());
     });
-    if (grads)
-      Run(ranges(h_size, count), pool, [&](const Range& r) {
-        PackRows(Operand{io.e, h_size, true}, r.first, r.last, v_size,
-                 e_cols.data());
-      });
     packed.e_rows = e_rows.data();
     packed.e_cols = e_cols.data();
   }
