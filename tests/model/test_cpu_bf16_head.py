@@ -44,13 +44,16 @@ def _bound(a, b, k):
 @needs_compiler
 @needs_bf16_units
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("n,h,v", [(37, 33, 51), (64, 128, 300), (3, 1, 17)])
+@pytest.mark.parametrize("n,h,v", [(37, 33, 51), (64, 128, 300), (3, 1, 17),
+                                   (40, 36, 1100)])
 def test_products_are_float32_within_the_bf16_rounding(this_cpus_build, tied,
                                                        n, h, v):
   """logits and both gradients: within the bound of the operands' rounding
   of the float32 products, and within float32 sums' error of the exact
   products of the bf16-rounded operands (odd K and N: a zero-padded pair,
-  a partial 16-column panel, fewer rows than a register block)."""
+  a partial 16-column panel, fewer rows than a register block; d_x's K of
+  1,100 words: two passes over K, the second adding to the first, in a
+  last panel of 4 columns, which runs in 256-bit registers)."""
   assert not cpu_bf16_head.unavailable(), cpu_bf16_head.unavailable()
   rng = np.random.default_rng(0)
   x = rng.standard_normal((n, h)).astype(np.float32)
