@@ -13,8 +13,9 @@
 // float32 sums; the softmax and d_b in float32). d_logits is finished
 // (scaled, the onehot taken off) as it is rounded and packed, one pass
 // over the chunk, into d_h's panels and into one [V, N] buffer for all
-// rows; d_E's product waits for every chunk and runs once, the threads
-// splitting the vocabulary, each element summed over all N rows in order.
+// rows (a whole line at a time past the caches); d_E's product waits for
+// every chunk and runs once, the threads splitting the vocabulary, each
+// element summed over all N rows in order.
 //
 // Threads split the rows: each runs whole chunks of its own rows, in order
 // (with bf16, from a row starting a cache line of d_logits). float32: each
