@@ -308,7 +308,7 @@ void PackLogitsGradBf16(const XentBuffers& io, const XentPacked& packed,
                      reinterpret_cast<uintptr_t>(rows) % 64 == 0;
   uint32_t* panels = s.right.data();
   const __m512 one = _mm512_set1_ps(io.grad_scale);  // the onehot, scaled
-  __m512 sums[16];  // 16 words' lanes: d_b's terms
+  __m512 sums[16] = {};  // 16 words' lanes: d_b's terms (past V: unused)
   __m256i low[2];   // a line's first half, each word of the pair
   for (int64_t q = 0; q < v_pairs; ++q) {
     __m512* pair_sums = sums + 2 * (q % 8);
@@ -348,24 +348,16 @@ void PackLogitsGradBf16(const XentBuffers& io, const XentPacked& packed,
       for (int64_t v = 2 * q; v < std::min(2 * q + 2, v_size); ++v)
         rows[v * stride + m] = 0;
     if (q % 8 == 7 || q == v_pairs - 1) {  // d_b, the 16 words from v0
-      const int64_t v0 = q / 8 * 16, words = std::min<int64_t>(16, v_size - v0);
-      if (words == 16) {
-        __m512i lanes[16];
-        for (int w = 0; w < 16; ++w) lanes[w] = _mm512_castps_si512(sums[w]);
-        Transpose16(lanes);  // lanes[i]: lane i of each word
-        __m512 sum = first ? _mm512_setzero_ps() : _mm512_loadu_ps(d_b + v0);
-        for (int i = 0; i < 16; ++i)
-          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(lanes[i]));
-        _mm512_storeu_ps(d_b + v0, sum);
-      } else {
-        for (int w = 0; w < words; ++w) {
-          alignas(64) float lanes[16];
-          _mm512_store_ps(lanes, sums[w]);
-          float sum = first ? 0.0f : d_b[v0 + w];
-          for (int i = 0; i < 16; ++i) sum += lanes[i];
-          d_b[v0 + w] = sum;
-        }
-      }
+      const int64_t v0 = q / 8 * 16;
+      const int64_t words = std::min<int64_t>(16, v_size - v0);
+      const __mmask16 here = __mmask16((1u << words) - 1);
+      __m512i lanes[16];
+      for (int w = 0; w < 16; ++w) lanes[w] = _mm512_castps_si512(sums[w]);
+      Transpose16(lanes);  // lanes[i]: lane i of each word
+      __m512 sum = _mm512_maskz_loadu_ps(first ? 0 : here, d_b + v0);
+      for (int i = 0; i < 16; ++i)
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(lanes[i]));
+      _mm512_mask_storeu_ps(d_b + v0, here, sum);
     }
   }
   if (lines) _mm_sfence();  // the streamed lines before any other reader
